@@ -1,0 +1,1 @@
+"""Build half: export to ONNX / AOTInductor / TensorRT(-LLM) and engine-set writing."""

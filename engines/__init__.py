@@ -1,0 +1,1 @@
+"""Engine adapters: one per backend behind one small interface."""

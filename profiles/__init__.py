@@ -1,0 +1,1 @@
+"""Bucket profiles shipped with cosytrt."""

@@ -1,0 +1,1 @@
+"""Command-line tools: trtbuild and benchmarks."""
