@@ -1,0 +1,334 @@
+"""CosyVoice3 speech-token LM: a compact Qwen2 decoder with a static, slot-indexed KV cache (gpt-fast style).
+
+Module names reproduce the released `llm.pt` layout (`llm.model.model.layers.N...`, `llm_decoder`,
+`speech_embedding`), so `state_dict()` keys are the checkpoint keys. The tied `llm.model.lm_head.weight` is
+accepted and ignored on load.
+
+Cached inference works on "slots": `setup_cache(slots, max_len)` preallocates per-layer K/V buffers
+[slots, kv_heads, max_len, head_dim] once; `prefill` writes rows of different lengths into their slots and
+`decode` appends one token per row. Both build their masks with tensor ops and never read tensor values on the
+host, so a runner can capture them in CUDA graphs (one per batch bucket).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .checkpoint import read_state_dict, validate_state_dict
+from .config import LLMConfig, QwenConfig
+from .errors import InputError
+
+TIED_LM_HEAD_KEY = "llm.model.lm_head.weight"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """HF-style rotary tables for integer `positions` [..., T] -> cos, sin [..., T, head_dim] (computed in fp32)."""
+    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponent)
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache(nn.Module):
+    """Preallocated K/V buffers [slots, kv_heads, max_len, head_dim] (non-persistent: not in state_dict)."""
+
+    def __init__(self, slots: int, kv_heads: int, max_len: int, head_dim: int, device=None, dtype=None):
+        super().__init__()
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def write_prefix(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [B, kv_heads, T, hd] at positions 0..T-1 of each row's slot."""
+        t = k.shape[2]
+        self.k[slots, :, :t] = k
+        self.v[slots, :, :t] = v
+
+    def write_one(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v [B, kv_heads, 1, hd] at `positions` [B] of each row's slot."""
+        self.k[slots, :, positions] = k[:, :, 0]
+        self.v[slots, :, positions] = v[:, :, 0]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: QwenConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def _expand_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, kv_heads, S, hd] -> [B, heads, S, hd] (query head h reads kv head h // group)."""
+        b, kvh, s, hd = x.shape
+        group = self.num_heads // kvh
+        return x[:, :, None].expand(b, kvh, group, s, hd).reshape(b, kvh * group, s, hd)
+
+    def forward(self, x, cos, sin, mask=None, slots=None, positions=None, kv_len=None):
+        """x [B, T, H]. No `slots`: plain causal attention. `slots` only: prefill (write 0..T-1, attend to the
+        fresh K/V under `mask`). `slots` + `positions`: decode one token (T == 1), attend to the slot cache."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if slots is not None:
+            if positions is None:
+                self.kv_cache.write_prefix(slots, k, v)
+            else:
+                self.kv_cache.write_one(slots, positions, k, v)
+                n = self.kv_cache.max_len if kv_len is None else kv_len
+                k, v = self.kv_cache.k[slots, :, :n], self.kv_cache.v[slots, :, :n]
+        k, v = self._expand_kv(k), self._expand_kv(v)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: QwenConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: QwenConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask=None, slots=None, positions=None, kv_len=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, slots, positions, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2Backbone(nn.Module):
+    """Token embedding, decoder layers and final RMSNorm (HF `Qwen2Model` layout)."""
+
+    def __init__(self, cfg: QwenConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class _Holder(nn.Module):
+    """One child named `model`: reproduces the released `llm.model.model.` key prefix."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+
+class CosyVoice3LM(nn.Module):
+    def __init__(self, config: LLMConfig):
+        super().__init__()
+        self.config = config
+        q = config.qwen
+        self.llm = _Holder(_Holder(Qwen2Backbone(q)))
+        self.llm_decoder = nn.Linear(q.hidden_size, config.speech_vocab, bias=False)
+        self.speech_embedding = nn.Embedding(config.speech_vocab, q.hidden_size)
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def backbone(self) -> Qwen2Backbone:
+        return self.llm.model.model
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Released `llm.pt` keys and shapes, including the tied (ignored) `llm.model.lm_head.weight`."""
+        q = self.config.qwen
+        out: dict[str, tuple[int, ...]] = {}
+        for k, v in self.state_dict().items():
+            out[k] = tuple(v.shape)
+            if k == "llm.model.model.norm.weight":
+                out[TIED_LM_HEAD_KEY] = (q.vocab_size, q.hidden_size)
+        return out
+
+    def load_checkpoint(self, sd: Mapping[str, torch.Tensor] | str) -> None:
+        """Load a released-layout state dict (or a path to one); CheckpointError names any bad key."""
+        what = "llm checkpoint"
+        if isinstance(sd, str):
+            what = f"llm checkpoint {sd}"
+            sd = read_state_dict(sd)
+        validate_state_dict(sd, self.checkpoint_shapes(), what, optional=(TIED_LM_HEAD_KEY,))
+        self.load_state_dict({k: v for k, v in sd.items() if k != TIED_LM_HEAD_KEY}, strict=True)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.llm_decoder.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.llm_decoder.weight.device
+
+    # ------------------------------------------------------------------ inputs
+
+    def embed_speech(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.speech_embedding(ids)
+
+    def build_lm_input(self, text_ids: torch.Tensor, prompt_speech_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[sos, embed_tokens(text), task_id, speech_embedding(prompt_speech)] -> [L, H].
+
+        `text_ids` is prompt text + target text ([1, Lt] or [Lt]); `prompt_speech_ids` [Ls] or [1, Ls], may be empty."""
+        text_ids = _as_ids(text_ids, "text_ids")
+        if text_ids.numel() == 0:
+            raise InputError("build_lm_input: text_ids is empty")
+        dev = self.device
+        text_ids = text_ids.to(dev)
+        vocab = self.config.qwen.vocab_size
+        if int(text_ids.min()) < 0 or int(text_ids.max()) >= vocab:
+            raise InputError(f"build_lm_input: text id out of range [0, {vocab}): "
+                             f"min {int(text_ids.min())}, max {int(text_ids.max())}")
+        if prompt_speech_ids is None:
+            prompt_speech_ids = torch.zeros(0, dtype=torch.long)
+        speech = _as_ids(prompt_speech_ids, "prompt_speech_ids").to(dev)
+        n_fsq = self.config.speech_token_size
+        if speech.numel() and (int(speech.min()) < 0 or int(speech.max()) >= n_fsq):
+            raise InputError(f"build_lm_input: prompt speech token out of range [0, {n_fsq}): "
+                             f"min {int(speech.min())}, max {int(speech.max())}")
+        special = torch.tensor([self.config.sos, self.config.task_id], device=dev)
+        se = self.speech_embedding(special)
+        return torch.cat([se[:1], self.backbone.embed_tokens(text_ids), se[1:], self.speech_embedding(speech)], dim=0)
+
+    # ------------------------------------------------------------------ full forward (no cache)
+
+    def forward_hidden(self, embeds: torch.Tensor) -> torch.Tensor:
+        """Causal forward over embeds [B, T, H] -> last hidden state (final norm applied) [B, T, H]."""
+        t = embeds.shape[1]
+        positions = torch.arange(t, device=embeds.device)
+        cos, sin = rope_cos_sin(positions, self.config.qwen.head_dim, self.config.qwen.rope_theta, embeds.dtype)
+        x = embeds
+        for layer in self.backbone.layers:
+            x = layer(x, cos, sin)
+        return self.backbone.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.llm_decoder(hidden)
+
+    def forward(self, embeds: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.forward_hidden(embeds))
+
+    # ------------------------------------------------------------------ static KV cache
+
+    def setup_cache(self, slots: int, max_len: int, device=None, dtype=None) -> None:
+        """Preallocate per-layer K/V buffers [slots, kv_heads, max_len, head_dim] (replaces any previous cache)."""
+        if not isinstance(slots, int) or slots < 1:
+            raise InputError(f"setup_cache: slots must be a positive int, got {slots!r}")
+        if not isinstance(max_len, int) or max_len < 1:
+            raise InputError(f"setup_cache: max_len must be a positive int, got {max_len!r}")
+        q = self.config.qwen
+        device = self.device if device is None else device
+        dtype = self.dtype if dtype is None else dtype
+        for layer in self.backbone.layers:
+            layer.self_attn.kv_cache = KVCache(slots, q.num_key_value_heads, max_len, q.head_dim, device, dtype)
+
+    @property
+    def cache_shape(self) -> tuple[int, int] | None:
+        """(slots, max_len) of the current cache, or None."""
+        c = self.backbone.layers[0].self_attn.kv_cache
+        return None if c is None else (c.k.shape[0], c.k.shape[2])
+
+    def _require_cache(self, what: str, t: int) -> None:
+        shape = self.cache_shape
+        if shape is None:
+            raise InputError(f"{what}: no KV cache, call setup_cache(slots, max_len) first")
+        if t > shape[1]:
+            raise InputError(f"{what}: {t} positions exceed the cache max_len {shape[1]}")
+
+    def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, return_hidden: bool = False):
+        """Right-padded embeds [B, T, H] with real `lengths` [B] into cache `slots` [B].
+
+        Writes each row's K/V at positions 0..T-1 of its slot (padding positions get overwritten by decode and are
+        never attended). Returns speech logits [B, V] at each row's last real position (and hidden [B, T, H])."""
+        b, t, _ = embeds.shape
+        self._require_cache("prefill", t)
+        dev = embeds.device
+        positions = torch.arange(t, device=dev)
+        causal = positions[None, :] <= positions[:, None]                          # [T, T]
+        valid = positions[None, :] < lengths.to(dev)[:, None]                      # [B, T]
+        mask = (causal[None] & valid[:, None, :])[:, None]                         # [B, 1, T, T]
+        cos, sin = rope_cos_sin(positions, self.config.qwen.head_dim, self.config.qwen.rope_theta, embeds.dtype)
+        x = embeds
+        for layer in self.backbone.layers:
+            x = layer(x, cos, sin, mask, slots=slots)
+        hidden = self.backbone.norm(x)
+        last = hidden[torch.arange(b, device=dev), lengths.to(dev) - 1]            # [B, H]
+        logits = self.llm_decoder(last)
+        return (logits, hidden) if return_hidden else logits
+
+    def decode(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+               kv_len: int | None = None, return_hidden: bool = False):
+        """One token per row: `tokens` = speech ids [B] (long) or embeddings [B, H], written at `positions` [B] of
+        `slots` [B]; each row attends to 0..position of its slot. `kv_len` (a static int >= every position + 1)
+        limits the attended cache length. Returns logits [B, V] (and hidden [B, H])."""
+        if not tokens.is_floating_point():
+            tokens = self.speech_embedding(tokens)
+        x = tokens[:, None, :]                                                     # [B, 1, H]
+        self._require_cache("decode", 0 if kv_len is None else kv_len)
+        n = self.cache_shape[1] if kv_len is None else kv_len
+        dev = x.device
+        positions = positions.to(dev)
+        mask = (torch.arange(n, device=dev)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, n]
+        cos, sin = rope_cos_sin(positions[:, None], self.config.qwen.head_dim, self.config.qwen.rope_theta, x.dtype)
+        cos, sin = cos[:, None], sin[:, None]                                      # [B, 1, 1, hd]
+        for layer in self.backbone.layers:
+            x = layer(x, cos, sin, mask, slots=slots, positions=positions, kv_len=n)
+        hidden = self.backbone.norm(x)[:, 0]
+        logits = self.llm_decoder(hidden)
+        return (logits, hidden) if return_hidden else logits
+
+
+def _as_ids(x, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x, dtype=torch.long)
+    if x.is_floating_point():
+        raise InputError(f"{name} must be integer token ids, got dtype {x.dtype}")
+    if x.dim() == 2 and x.shape[0] == 1:
+        x = x[0]
+    if x.dim() != 1:
+        raise InputError(f"{name} must be [L] or [1, L], got shape {tuple(x.shape)}")
+    return x.long()

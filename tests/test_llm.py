@@ -1,0 +1,206 @@
+"""CosyVoice3LM: golden parity, checkpoint layout/validation, static KV cache (prefill/decode, batched slots)."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cosytrt.runtime.config import config_from_golden_json, full_config
+from cosytrt.runtime.errors import CheckpointError, InputError
+from cosytrt.runtime.llm import CosyVoice3LM
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def vectors():
+    return load_file(os.path.join(GOLDEN, "vectors.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def state_dict():
+    return torch.load(os.path.join(GOLDEN, "llm.pt"), map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def lm(state_dict):
+    m = CosyVoice3LM(config_from_golden_json(os.path.join(GOLDEN, "config.json")).llm).eval()
+    m.load_checkpoint(state_dict)
+    return m
+
+
+def _maxerr(a, b):
+    return (a - b).abs().max().item()
+
+
+# ---------------------------------------------------------------- golden parity
+
+def test_golden_hidden_and_logits(lm, vectors):
+    with torch.no_grad():
+        hidden = lm.forward_hidden(vectors["llm.lm_input"])
+        logits = lm.logits(hidden)
+    assert hidden.shape == (1, 54, 64) and logits.shape == (1, 54, 6761)
+    assert _maxerr(hidden, vectors["llm.hidden"]) <= TOL
+    assert _maxerr(logits, vectors["llm.logits"]) <= TOL
+
+
+def test_build_lm_input_reproduces_golden(lm, vectors):
+    with torch.no_grad():
+        prompt = lm.build_lm_input(vectors["llm.text"], vectors["llm.prompt_speech"])
+        full = torch.cat([prompt, lm.embed_speech(vectors["llm.target_speech"][0])])
+    assert prompt.shape == (1 + 23 + 1 + 17, 64)
+    assert _maxerr(full, vectors["llm.lm_input"][0]) == 0.0
+    # 1-D inputs and an empty prompt give the same layout
+    with torch.no_grad():
+        no_prompt = lm.build_lm_input(vectors["llm.text"][0], torch.zeros(0, dtype=torch.long))
+    assert no_prompt.shape == (25, 64)
+    assert _maxerr(no_prompt, prompt[:25]) == 0.0
+
+
+def test_build_lm_input_rejects_bad_ids(lm):
+    with pytest.raises(InputError, match="text id out of range"):
+        lm.build_lm_input(torch.tensor([1, 512]), None)
+    with pytest.raises(InputError, match="prompt speech token out of range"):
+        lm.build_lm_input(torch.tensor([1, 2]), torch.tensor([6561]))
+    with pytest.raises(InputError, match="empty"):
+        lm.build_lm_input(torch.zeros(1, 0, dtype=torch.long), None)
+
+
+# ---------------------------------------------------------------- checkpoint layout
+
+def test_full_size_meta_keys_equal_released_layout():
+    with open(os.path.join(GOLDEN, "full_size_state_dict_keys.json")) as f:
+        released = json.load(f)["llm"]
+    with torch.device("meta"):
+        m = CosyVoice3LM(full_config().llm)
+    shapes = m.checkpoint_shapes()
+    assert shapes == {k: tuple(v) for k, v in released.items()}
+    assert list(shapes) == list(released)          # same order too
+    assert "llm.model.lm_head.weight" not in m.state_dict()
+
+
+def test_tied_lm_head_is_optional(state_dict):
+    cfg = config_from_golden_json(os.path.join(GOLDEN, "config.json")).llm
+    m = CosyVoice3LM(cfg)
+    m.load_checkpoint({k: v for k, v in state_dict.items() if k != "llm.model.lm_head.weight"})
+    assert torch.equal(m.llm_decoder.weight, state_dict["llm_decoder.weight"])
+
+
+def test_load_from_path():
+    cfg = config_from_golden_json(os.path.join(GOLDEN, "config.json")).llm
+    m = CosyVoice3LM(cfg)
+    m.load_checkpoint(os.path.join(GOLDEN, "llm.pt"))
+    with pytest.raises(CheckpointError, match="not found"):
+        m.load_checkpoint(os.path.join(GOLDEN, "nope.pt"))
+
+
+@pytest.mark.parametrize("case", ["missing", "unexpected", "misshaped", "misshaped_lm_head"])
+def test_bad_checkpoint_names_the_key(state_dict, case):
+    cfg = config_from_golden_json(os.path.join(GOLDEN, "config.json")).llm
+    m = CosyVoice3LM(cfg)
+    sd = dict(state_dict)
+    if case == "missing":
+        key = "llm.model.model.layers.1.self_attn.k_proj.bias"
+        del sd[key]
+    elif case == "unexpected":
+        key = "llm.model.model.layers.2.mlp.up_proj.weight"
+        sd[key] = torch.zeros(128, 64)
+    elif case == "misshaped":
+        key = "llm_decoder.weight"
+        sd[key] = torch.zeros(6760, 64)
+    else:
+        key = "llm.model.lm_head.weight"
+        sd[key] = torch.zeros(511, 64)
+    with pytest.raises(CheckpointError, match=key.replace(".", r"\.")):
+        m.load_checkpoint(sd)
+
+
+# ---------------------------------------------------------------- KV cache
+
+def test_prefill_then_decode_matches_full_forward(lm, vectors):
+    lm_input = vectors["llm.lm_input"]           # [1, 54, 64]; prompt is the first 42 positions
+    target = vectors["llm.target_speech"][0]     # 12 speech ids
+    n_prompt = 42
+    lm.setup_cache(1, 64)
+    k_ptr = lm.backbone.layers[0].self_attn.kv_cache.k.data_ptr()
+    slots = torch.tensor([0])
+    with torch.no_grad():
+        ref = lm(lm_input)[0]                    # [54, V]
+        step_logits = [lm.prefill(lm_input[:, :n_prompt], torch.tensor([n_prompt]), slots)[0]]
+        for i in range(len(target) - 1):
+            step_logits.append(lm.decode(target[i:i + 1], slots, torch.tensor([n_prompt + i]))[0])
+    got = torch.stack(step_logits)
+    assert _maxerr(got, ref[n_prompt - 1:n_prompt - 1 + len(target)]) <= TOL
+    assert _maxerr(got, vectors["llm.logits"][0, n_prompt - 1:n_prompt - 1 + len(target)]) <= TOL
+    assert lm.backbone.layers[0].self_attn.kv_cache.k.data_ptr() == k_ptr   # no reallocation
+
+
+def test_decode_accepts_embeddings_and_kv_len(lm, vectors):
+    lm_input = vectors["llm.lm_input"]
+    lm.setup_cache(2, 128)
+    slots = torch.tensor([1])
+    tok = vectors["llm.target_speech"][0, :1]
+    with torch.no_grad():
+        lm.prefill(lm_input[:, :42], torch.tensor([42]), slots)
+        a = lm.decode(tok, slots, torch.tensor([42]))
+        b = lm.decode(lm.embed_speech(tok), slots, torch.tensor([42]), kv_len=48)   # rewrites position 42
+        ref = lm(lm_input[:, :43])[0, -1]
+    assert _maxerr(a[0], ref) <= TOL and _maxerr(b[0], ref) <= TOL
+
+
+def test_batched_rows_of_different_lengths_equal_each_row_alone(lm, vectors):
+    torch.manual_seed(0)
+    base = vectors["llm.lm_input"][0]
+    lengths = [30, 42, 17]
+    prompts = [base[:30], base[:42], torch.randn(17, 64) * 0.5]
+    steps = 4
+    feed = torch.randint(0, 6561, (3, steps))
+    t = max(lengths)
+    embeds = torch.zeros(3, t, 64)
+    for i, p in enumerate(prompts):
+        embeds[i, :len(p)] = p
+        embeds[i, len(p):] = 7.0                 # padding garbage must not leak
+    lm.setup_cache(4, 64)
+    slots = torch.tensor([3, 0, 2])
+    lens = torch.tensor(lengths)
+    with torch.no_grad():
+        batched = [lm.prefill(embeds, lens, slots)]
+        for s in range(steps - 1):
+            batched.append(lm.decode(feed[:, s], slots, lens + s, kv_len=48))
+        batched = torch.stack(batched, dim=1)    # [3, steps, V]
+        for i, p in enumerate(prompts):
+            seq = torch.cat([p, lm.embed_speech(feed[i, :steps - 1])])[None]
+            alone = lm(seq)[0, len(p) - 1:]
+            assert alone.shape[0] == steps
+            assert _maxerr(batched[i], alone) <= TOL
+
+
+def test_prefill_return_hidden_and_cache_errors(lm, vectors):
+    cfg = lm.config
+    fresh = CosyVoice3LM(cfg)
+    with pytest.raises(InputError, match="setup_cache"):
+        fresh.prefill(torch.zeros(1, 4, 64), torch.tensor([4]), torch.tensor([0]))
+    with pytest.raises(InputError, match="slots"):
+        fresh.setup_cache(0, 16)
+    lm.setup_cache(1, 16)
+    with pytest.raises(InputError, match="max_len 16"):
+        lm.prefill(vectors["llm.lm_input"][:, :20], torch.tensor([20]), torch.tensor([0]))
+    with torch.no_grad():
+        logits, hidden = lm.prefill(vectors["llm.lm_input"][:, :10], torch.tensor([10]), torch.tensor([0]),
+                                    return_hidden=True)
+    assert hidden.shape == (1, 10, 64)
+    assert _maxerr(hidden, vectors["llm.hidden"][:, :10]) <= TOL
+    assert _maxerr(logits[0], vectors["llm.logits"][0, 9]) <= TOL
+
+
+def test_float64_cast_runs(state_dict, vectors):
+    cfg = config_from_golden_json(os.path.join(GOLDEN, "config.json")).llm
+    m = CosyVoice3LM(cfg)
+    m.load_checkpoint(state_dict)
+    m = m.to(torch.float64).eval()
+    with torch.no_grad():
+        h = m.forward_hidden(vectors["llm.lm_input"].double())
+    assert h.dtype == torch.float64
+    assert _maxerr(h.float(), vectors["llm.hidden"]) <= TOL

@@ -1,0 +1,125 @@
+"""`trtbuild golden DIR`: recompute every golden vector with cosytrt's eager models and compare.
+
+DIR has the layout of the upstream golden directory: `llm.pt`, `flow.pt`, `hift.pt`, `config.json`,
+`vectors.safetensors` and optionally `stream_vectors.safetensors`. Works for any seed or size of that layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..runtime.errors import ModelDirError
+from .table import format_table
+
+# max |error| bounds from the golden README; streaming is judged by SNR (dB, higher is better)
+TOLERANCES = {
+    "llm.hidden": 1e-4, "llm.logits": 1e-4,
+    "flow.offline.mel": 1e-3, "flow.stream.mel": 1e-3, "flow.stream_final.mel": 1e-3,
+    "hift.final.wav": 2e-3, "hift.final.source": 5e-4, "hift.chunk.wav": 2e-3, "hift.chunk.source": 5e-4,
+}
+STREAM_MIN_SNR_DB = 40.0
+
+
+def snr_db(reference: torch.Tensor, estimate: torch.Tensor) -> float:
+    ref = reference.double().flatten()
+    err = ref - estimate.double().flatten()
+    noise = float((err * err).sum())
+    if noise == 0:
+        return float("inf")
+    return 10.0 * float(torch.log10((ref * ref).sum() / noise))
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a.double() - b.double()).abs().max())
+
+
+def compute_golden(golden_dir: str) -> dict:
+    """Return {vector: max_abs_error, ...} plus the streaming SNRs and `pass`."""
+    from safetensors.torch import load_file
+
+    from ..runtime.model import load_models
+
+    vpath = os.path.join(golden_dir, "vectors.safetensors")
+    if not os.path.isfile(vpath):
+        raise ModelDirError(f"golden directory {golden_dir!r} lacks vectors.safetensors")
+    m = load_models(golden_dir)
+    v = load_file(vpath)
+    res: dict = {}
+    with torch.inference_mode():
+        hidden = m.llm.forward_hidden(v["llm.lm_input"])
+        res["llm.hidden"] = _max_err(hidden, v["llm.hidden"])
+        res["llm.logits"] = _max_err(m.llm.logits(hidden), v["llm.logits"])
+
+        m.flow.set_noise(v["flow.rand_noise"])
+        args = (v["flow.token"], v["flow.prompt_token"], v["flow.prompt_feat"], v["flow.embedding"])
+        for name, streaming, finalize in (("offline", False, True), ("stream", True, False),
+                                          ("stream_final", True, True)):
+            mel = m.flow.inference(*args, streaming=streaming, finalize=finalize)
+            res[f"flow.{name}.mel"] = _max_err(mel, v[f"flow.{name}.mel"])
+
+        m.hift.set_noise(rand_ini=v["hift.rand_ini"], sine_waves=v["hift.sine_waves"], uv=v["hift.uv"])
+        for name, finalize in (("final", True), ("chunk", False)):
+            wav, src = m.hift.inference(v["hift.mel"], finalize=finalize)
+            res[f"hift.{name}.wav"] = _max_err(wav, v[f"hift.{name}.wav"])
+            res[f"hift.{name}.source"] = _max_err(src, v[f"hift.{name}.source"])
+
+        spath = os.path.join(golden_dir, "stream_vectors.safetensors")
+        if os.path.isfile(spath):
+            res.update(_stream_check(m, load_file(spath)))
+    ok = all(res[k] <= tol for k, tol in TOLERANCES.items())
+    if "stream.lengths_match" in res:
+        ok = ok and res["stream.lengths_match"] and all(
+            val >= STREAM_MIN_SNR_DB for k, val in res.items() if k.endswith(".snr_db"))
+    res["pass"] = bool(ok)
+    return res
+
+
+def _stream_check(m, s: dict) -> dict:
+    from ..runtime.token2wav import Token2Wav
+
+    m.flow.set_noise(s["stream.rand_noise"])
+    m.hift.set_noise(rand_ini=s["stream.rand_ini"], sine_waves=s["stream.sine_waves"])
+    t2w = Token2Wav(m.flow, m.hift)
+    tokens = s["stream.token"][0]
+    chunks = list(t2w.stream_all(tokens, s["stream.prompt_token"][0], s["stream.prompt_feat"][0],
+                                 s["stream.embedding"][0]))
+    lengths = [int(c.shape[-1]) for c in chunks]
+    golden_lengths = [int(x) for x in s["stream.chunk_lengths"].tolist()]
+    out: dict = {"stream.lengths_match": lengths == golden_lengths}
+    for i in range(len(golden_lengths)):
+        ref = s[f"stream.chunk{i}.wav"]
+        out[f"stream.chunk{i}.snr_db"] = (snr_db(ref, chunks[i].reshape(ref.shape))
+                                          if i < len(chunks) and chunks[i].numel() == ref.numel() else float("-inf"))
+    wav = torch.cat([c.reshape(1, -1) for c in chunks], dim=1) if chunks else torch.zeros(1, 0)
+    out["stream.wav.snr_db"] = (snr_db(s["stream.wav"], wav) if wav.shape == s["stream.wav"].shape
+                                else float("-inf"))
+    return out
+
+
+def add_arguments(p) -> None:
+    p.add_argument("dir", help="golden directory (llm.pt, flow.pt, hift.pt, config.json, vectors.safetensors)")
+    p.add_argument("--json", action="store_true", help="print one JSON object {vector: max_abs_error, ..., pass}")
+
+
+def run(args) -> int:
+    res = compute_golden(args.dir)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        rows = []
+        for k, tol in TOLERANCES.items():
+            rows.append([k, "max |err|", res[k], tol, "ok" if res[k] <= tol else "FAIL"])
+        for k, val in res.items():
+            if k.endswith(".snr_db"):
+                rows.append([k, "SNR dB", val, f">= {STREAM_MIN_SNR_DB}", "ok" if val >= STREAM_MIN_SNR_DB else "FAIL"])
+        if "stream.lengths_match" in res:
+            rows.append(["stream.lengths_match", "exact", res["stream.lengths_match"], True,
+                         "ok" if res["stream.lengths_match"] else "FAIL"])
+        print(format_table(["vector", "metric", "value", "bound", "result"], rows,
+                           title=f"golden check of {args.dir}"))
+        print("PASS" if res["pass"] else "FAIL")
+    return 0 if res["pass"] else 1

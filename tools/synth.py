@@ -1,0 +1,54 @@
+"""`trtbuild synth`: synthesize speech to a 24 kHz mono 16-bit WAV, printing per-stage times, TTFA and RTF."""
+from __future__ import annotations
+
+import numpy as np
+
+from .table import format_table
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a CosyVoice3 model directory")
+    p.add_argument("--engines", default=None, help="engine set folder built by `trtbuild build` (default: eager)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--text", required=True, help="text to speak")
+    p.add_argument("--prompt-wav", default=None, help="reference audio (any common sample rate)")
+    p.add_argument("--prompt-text", default=None, help="transcript of the reference audio (zero-shot mode)")
+    p.add_argument("--instruct", default=None, help="instruction text (instruct mode), ending in <|endofprompt|>")
+    p.add_argument("--speaker", default=None, help="saved speaker file (skips the frontend)")
+    p.add_argument("--save-speaker", default=None, help="write the prompt's speaker features to this file")
+    p.add_argument("--stream", action="store_true", help="stream (chunked) synthesis")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same audio)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding instead of RAS sampling")
+    p.add_argument("--max-tokens", type=int, default=None, help="cap on generated speech tokens")
+    p.add_argument("--force-tokens", type=int, default=None, help="generate exactly N tokens (benchmarks)")
+    p.add_argument("--out", required=True, help="output WAV path")
+
+
+def run(args) -> int:
+    import soundfile as sf
+
+    from ..runtime.request import Request
+    from ..runtime.sampling import SamplingParams
+    from ..runtime.tts import TTS
+
+    tts = TTS.load(model=args.model, engines=args.engines, device=args.device)
+    if args.save_speaker:
+        if not args.prompt_wav:
+            from ..runtime.errors import InputError
+
+            raise InputError("--save-speaker needs --prompt-wav")
+        tts.save_speaker(args.save_speaker, args.prompt_wav, args.prompt_text or "")
+        print(f"saved speaker to {args.save_speaker}")
+    sampling = SamplingParams(seed=args.seed, greedy=args.greedy, max_tokens=args.max_tokens,
+                              force_tokens=args.force_tokens)
+    req = Request(text=args.text, prompt_wav=args.prompt_wav, prompt_text=args.prompt_text, instruct=args.instruct,
+                  speaker=args.speaker, stream=args.stream, sampling=sampling)
+    wav, m = tts.synthesize_request(req)
+    pcm = np.clip(wav, -1.0, 1.0)
+    sf.write(args.out, pcm, tts.sample_rate, subtype="PCM_16")
+    rows = [["T_tokenizer", m.t_tokenizer], ["T_AR", m.t_ar], ["T_DiT", m.t_dit], ["T_vocoder", m.t_vocoder],
+            ["T_queue", m.t_queue], ["time to first audio", m.ttfa or 0.0], ["total", m.total],
+            ["audio", m.audio_seconds], ["RTF", m.rtf]]
+    print(format_table(["stage", "seconds"], rows,
+                       title=f"wrote {args.out}: {m.tokens} speech tokens, {m.audio_seconds:.2f} s of audio"))
+    return 0
