@@ -34,11 +34,13 @@ def resolve_shape(template: list, batch: int, length: int) -> tuple[int, ...]:
 
 
 def profile_shapes(templates: dict[str, list], bucket: Bucket) -> dict[str, tuple[tuple, tuple, tuple]]:
-    """(min, opt, max) per input for one bucket: batch fixed, length from min_length to length (opt = max)."""
+    """(min, opt, max) per input for one bucket: batch fixed; length fixed for a static bucket (min = opt = max, the
+    best kernels), or from min_length to length for a dynamic-range bucket (opt = max)."""
     out = {}
+    lo, hi = bucket.length_range
     for name, tpl in templates.items():
-        mx = resolve_shape(tpl, bucket.batch, bucket.length)
-        mn = resolve_shape(tpl, bucket.batch, bucket.min_length)
+        mx = resolve_shape(tpl, bucket.batch, hi)
+        mn = resolve_shape(tpl, bucket.batch, lo)
         out[name] = (mn, mx, mx)
     return out
 

@@ -250,11 +250,12 @@ class BucketTable:
 # ------------------------------------------------------------------------------------------------ padding helpers
 
 def pad_batch(tensors: Sequence["torch.Tensor"], bucket: Bucket, pad_value: float = 0.0,
-              mask_dtype: "torch.dtype | None" = None):
+              mask_dtype: "torch.dtype | None" = None, unused_mask: float = 0.0):
     """Right-pad rows [..., T_i] into the bucket shape.
 
     Returns (x [batch, ..., L], mask [batch, 1, L], lengths) where L = bucket.run_length(max T_i), unused batch
-    slots are all `pad_value` with a zero mask, and `lengths` is the host list of the T_i (real rows only)."""
+    slots are all `pad_value` with mask `unused_mask` (0; give 1 for attention, so no row is fully masked), and
+    `lengths` is the host list of the T_i (real rows only)."""
     import torch
 
     if not isinstance(bucket, Bucket):
@@ -281,6 +282,7 @@ def pad_batch(tensors: Sequence["torch.Tensor"], bucket: Bucket, pad_value: floa
     if mask_dtype is None:
         mask_dtype = first.dtype if first.is_floating_point() else torch.float32
     mask = torch.zeros(bucket.batch, 1, L, dtype=mask_dtype, device=first.device)
+    mask[len(rows):] = unused_mask
     for i, t in enumerate(rows):
         x[i, ..., : lengths[i]] = t
         mask[i, :, : lengths[i]] = 1

@@ -98,9 +98,10 @@ class Attention(nn.Module):
         group = self.num_heads // kvh
         return x[:, :, None].expand(b, kvh, group, s, hd).reshape(b, kvh * group, s, hd)
 
-    def forward(self, x, cos, sin, mask=None, slots=None, positions=None, kv_len=None):
+    def forward(self, x, cos, sin, mask=None, slots=None, positions=None, kv_len=None, rows_are_slots=False):
         """x [B, T, H]. No `slots`: plain causal attention. `slots` only: prefill (write 0..T-1, attend to the
-        fresh K/V under `mask`). `slots` + `positions`: decode one token (T == 1), attend to the slot cache."""
+        fresh K/V under `mask`). `slots` + `positions`: decode one token (T == 1), attend to the slot cache
+        (`rows_are_slots`: slots are 0..B-1, so the cache is read as a view instead of gathered)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -112,7 +113,16 @@ class Attention(nn.Module):
             else:
                 self.kv_cache.write_one(slots, positions, k, v)
                 n = self.kv_cache.max_len if kv_len is None else kv_len
-                k, v = self.kv_cache.k[slots, :, :n], self.kv_cache.v[slots, :, :n]
+                if rows_are_slots:
+                    k, v = self.kv_cache.k[:b, :, :n], self.kv_cache.v[:b, :, :n]
+                else:
+                    k, v = self.kv_cache.k[slots, :, :n], self.kv_cache.v[slots, :, :n]
+                # One query per row: fold each kv head's query group into the query axis instead of
+                # repeating K/V per query head (same result, no [B, heads, n, hd] copies).
+                group = self.num_heads // self.num_kv_heads
+                out = F.scaled_dot_product_attention(q.reshape(b, self.num_kv_heads, group, self.head_dim),
+                                                     k, v, attn_mask=mask)
+                return self.o_proj(out.reshape(b, 1, self.num_heads * self.head_dim))
         k, v = self._expand_kv(k), self._expand_kv(v)
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -140,8 +150,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask=None, slots=None, positions=None, kv_len=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, slots, positions, kv_len)
+    def forward(self, x, cos, sin, mask=None, slots=None, positions=None, kv_len=None, rows_are_slots=False):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, slots, positions, kv_len, rows_are_slots)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -279,14 +289,17 @@ class CosyVoice3LM(nn.Module):
         if t > shape[1]:
             raise InputError(f"{what}: {t} positions exceed the cache max_len {shape[1]}")
 
-    def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, return_hidden: bool = False):
-        """Right-padded embeds [B, T, H] with real `lengths` [B] into cache `slots` [B].
+    def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor | None,
+                return_hidden: bool = False):
+        """Right-padded embeds [B, T, H] with real `lengths` [B] into cache `slots` [B] (None: rows 0..B-1).
 
         Writes each row's K/V at positions 0..T-1 of its slot (padding positions get overwritten by decode and are
         never attended). Returns speech logits [B, V] at each row's last real position (and hidden [B, T, H])."""
         b, t, _ = embeds.shape
         self._require_cache("prefill", t)
         dev = embeds.device
+        if slots is None:
+            slots = torch.arange(b, device=dev)
         positions = torch.arange(t, device=dev)
         causal = positions[None, :] <= positions[:, None]                          # [T, T]
         valid = positions[None, :] < lengths.to(dev)[:, None]                      # [B, T]
@@ -300,23 +313,27 @@ class CosyVoice3LM(nn.Module):
         logits = self.llm_decoder(last)
         return (logits, hidden) if return_hidden else logits
 
-    def decode(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+    def decode(self, tokens: torch.Tensor, slots: torch.Tensor | None, positions: torch.Tensor,
                kv_len: int | None = None, return_hidden: bool = False):
         """One token per row: `tokens` = speech ids [B] (long) or embeddings [B, H], written at `positions` [B] of
-        `slots` [B]; each row attends to 0..position of its slot. `kv_len` (a static int >= every position + 1)
-        limits the attended cache length. Returns logits [B, V] (and hidden [B, H])."""
+        `slots` [B]; each row attends to 0..position of its slot. `slots=None` means rows 0..B-1 (the cache is then
+        read in place, no gather). `kv_len` (a static int > every position) limits the attended cache length.
+        Returns logits [B, V] (and hidden [B, H])."""
         if not tokens.is_floating_point():
             tokens = self.speech_embedding(tokens)
         x = tokens[:, None, :]                                                     # [B, 1, H]
         self._require_cache("decode", 0 if kv_len is None else kv_len)
         n = self.cache_shape[1] if kv_len is None else kv_len
         dev = x.device
+        rows_are_slots = slots is None
+        if rows_are_slots:
+            slots = torch.arange(x.shape[0], device=dev)
         positions = positions.to(dev)
         mask = (torch.arange(n, device=dev)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, n]
         cos, sin = rope_cos_sin(positions[:, None], self.config.qwen.head_dim, self.config.qwen.rope_theta, x.dtype)
         cos, sin = cos[:, None], sin[:, None]                                      # [B, 1, 1, hd]
         for layer in self.backbone.layers:
-            x = layer(x, cos, sin, mask, slots=slots, positions=positions, kv_len=n)
+            x = layer(x, cos, sin, mask, slots=slots, positions=positions, kv_len=n, rows_are_slots=rows_are_slots)
         hidden = self.backbone.norm(x)[:, 0]
         logits = self.llm_decoder(hidden)
         return (logits, hidden) if return_hidden else logits

@@ -160,12 +160,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that rejects a key given twice in one mapping (PyYAML would keep the last silently)."""
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, line: int):
+        super().__init__(f"line {line}: key {key!r} given twice in one mapping")
+
+
 def _construct_unique_mapping(loader, node, deep=False):
     seen = set()
     for k, _ in node.value:
         key = loader.construct_object(k, deep=True)
         if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", k.start_mark)
+            raise _DuplicateKey(key, k.start_mark.line + 1)
         seen.add(key)
     return loader.construct_mapping(node, deep)
 
@@ -194,6 +199,8 @@ def load_profile(path_or_name: str | os.PathLike) -> Profile:
 def _load_text(text: str, source: str) -> Profile:
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as e:
+        raise ProfileError(f"{source}: {e}") from None
     except yaml.YAMLError as e:
         raise ProfileError(f"{source}: not valid YAML ({e})") from None
     return profile_from_dict(data, source)
@@ -324,7 +331,6 @@ class _Parser:
 
         modes: dict[str, tuple[Bucket, ...]] = {}
         max_seq_len = None
-        lk, mk = _LEN_KEY[s]
         if s == "ar":
             if "max_seq_len" not in d:
                 self.fail(f"{path}.max_seq_len", "missing (the KV length of the AR engines)")
@@ -388,7 +394,7 @@ class _Parser:
                     self.fail(f"{p}.{lk}", f"exceeds {max_what} ({max_len})", n)
                 lo = self.pos_int(e[mk], f"{p}.{mk}") if mk in e else 1
                 if lo > n:
-                    self.fail(f"{p}.{mk}", f"{mk} {lo} > {lk} {n}", lo)
+                    self.fail(f"{p}.{mk}", f"must not exceed {lk} ({n})", lo)
                 items.append((Bucket(s, m, b, n, lo), p))
         if not items:
             self.fail(path, f"no buckets (give batch + {lk}, or buckets)")

@@ -188,6 +188,8 @@ def test_pad_batch_dynamic_tokens_and_dtype():
     h = [torch.ones(2, 3, dtype=torch.float16)]
     x, mask, _ = pad_batch(h, Bucket("hift", "stream", 2, 8))
     assert x.dtype == torch.float16 and mask.dtype == torch.float16 and x.shape == (2, 2, 8)
+    _, mask, _ = pad_batch(h, Bucket("hift", "stream", 2, 8), unused_mask=1.0)   # attention: no all-masked row
+    assert mask[0, 0].tolist() == [1.0] * 3 + [0.0] * 5 and mask[1, 0].tolist() == [1.0] * 8
 
 
 def test_pad_batch_errors():

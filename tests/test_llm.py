@@ -177,6 +177,21 @@ def test_batched_rows_of_different_lengths_equal_each_row_alone(lm, vectors):
             assert _maxerr(batched[i], alone) <= TOL
 
 
+def test_slots_none_means_rows_in_order(lm, vectors):
+    base = vectors["llm.lm_input"][0]
+    embeds = torch.stack([base[:20], base[10:30]])
+    lens = torch.tensor([20, 15])
+    feed = torch.tensor([[5, 6], [7, 8]])
+    lm.setup_cache(2, 32)
+    with torch.no_grad():
+        a = [lm.prefill(embeds, lens, torch.tensor([0, 1]))]
+        a += [lm.decode(feed[:, s], torch.tensor([0, 1]), lens + s, kv_len=24) for s in range(2)]
+        b = [lm.prefill(embeds, lens, None)]
+        b += [lm.decode(feed[:, s], None, lens + s, kv_len=24) for s in range(2)]
+    for x, y in zip(a, b):
+        assert _maxerr(x, y) <= 1e-6
+
+
 def test_prefill_return_hidden_and_cache_errors(lm, vectors):
     cfg = lm.config
     fresh = CosyVoice3LM(cfg)

@@ -1,0 +1,109 @@
+"""ONNX export of the CosyVoice3 causal HiFT vocoder (runtime/hift.py).
+
+Graph: inputs `mel` [B, 80, T] float32 and `sine_noise` [1, >= F * 480, 9] float32 (the fixed noise slice from sample 0,
+F = T frames when finalize, T - 3 when not; longer slices are cut inside), output `wav` [B, S] (S = T * 480, or
+(T - 8) * 480 when not finalize). B and T are dynamic. Inside: the f0 predictor in float64 (its convs as im2col
+MatMuls: ONNX Runtime's CPU Conv has no float64 kernel, MatMul/Elu/CumSum do), the SineGen2 source (phase sum in
+float64, then float32 as eager), STFT as a Conv1d over a windowed DFT basis and iSTFT as a ConvTranspose1d over the
+inverse basis divided by the overlap-added squared window (ONNX has no iSTFT), weight norm folded.
+
+`rand_ini` is not an input: upstream adds it to a sample its frame-rate resampling never reads (see runtime/hift.py),
+so it does not change the output.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.nn as nn
+
+from ..runtime.errors import InputError
+from ..runtime.hift import CausalConv1d, F0Predictor, HiFT
+
+
+class MatmulCausalConv1d(nn.Module):
+    """A folded CausalConv1d computed as pad + im2col + MatMul (exports to ops ORT supports in float64)."""
+
+    def __init__(self, conv: CausalConv1d):
+        super().__init__()
+        w = conv.weight.detach()
+        self.kernel_size = w.shape[2]
+        self.dilation = conv.dilation[0]
+        self.causal_padding = conv.causal_padding
+        self.causal_type = conv.causal_type
+        self.register_buffer("weight", w.flatten(1).clone())             # [out, in * k], index c * k + i
+        self.register_buffer("bias", conv.bias.detach().clone().unsqueeze(-1))
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        p = self.causal_padding
+        if context is None:
+            x = torch.nn.functional.pad(x, (p, 0) if self.causal_type == "left" else (0, p))
+        elif self.causal_type == "left":
+            x = torch.cat([context, x], dim=2)
+        else:
+            x = torch.cat([x, context], dim=2)
+        span = (self.kernel_size - 1) * self.dilation
+        n = x.shape[2] - span
+        cols = torch.stack([x[:, :, i * self.dilation:i * self.dilation + n] for i in range(self.kernel_size)], dim=2)
+        return torch.matmul(self.weight, cols.flatten(1, 2)) + self.bias
+
+
+def matmul_f0_predictor(f0: F0Predictor) -> F0Predictor:
+    """A copy of a folded F0Predictor whose convs are MatmulCausalConv1d (float64 kept)."""
+    f0 = copy.deepcopy(f0)
+    for i, m in enumerate(f0.condnet):
+        if isinstance(m, CausalConv1d):
+            f0.condnet[i] = MatmulCausalConv1d(m)
+    return f0
+
+
+class HiFTOnnxGraph(nn.Module):
+    """mel [B, 80, T] + sine_noise [1, S, 9] -> wav, the computation of `HiFT.inference(mel, finalize)[0]`."""
+
+    def __init__(self, hift: HiFT, finalize: bool):
+        super().__init__()
+        if not hift.weights_folded:
+            raise InputError("export_hift_onnx: fold weight norm first (HiFT.load_checkpoint or fold_weight_norm)")
+        self.hift = hift
+        self.f0_predictor = matmul_f0_predictor(hift.f0_predictor)
+        self.finalize = finalize
+
+    def forward(self, mel: torch.Tensor, sine_noise: torch.Tensor) -> torch.Tensor:
+        h = self.hift
+        f0 = self.f0_predictor(mel, finalize=self.finalize).float()
+        frames = f0.shape[1]
+        noise = sine_noise[:, :frames * h.samples_per_frame]
+        source = h.source_from_phase(f0, h.cumulative_phase(f0), noise)
+        if not self.finalize:
+            mel = mel[:, :, :-h.f0_look_right]
+        return h.decode(mel, source, self.finalize)
+
+
+def example_inputs(hift: HiFT, frames: int, batch: int = 2, extra_frames: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mel, sine_noise) for a [batch, 80, frames] request: the noise from sample 0, `extra_frames` longer than needed."""
+    g = torch.Generator().manual_seed(0)
+    mel = torch.randn(batch, hift.cfg.in_channels, frames, generator=g) - 4.0
+    n = min(hift.noise_frames, frames + extra_frames)
+    return mel, hift.sine_waves[:, :n * hift.samples_per_frame].clone()
+
+
+def export_hift_onnx(hift: HiFT, path: str, finalize: bool, opset: int = 18, example_frames: int = 64) -> str:
+    """Export HiFT (folded weights) to ONNX at `path` with dynamic batch and frames; returns `path`."""
+    if example_frames < hift.held_back_frames + 2:
+        raise InputError(f"export_hift_onnx: example_frames={example_frames} too short "
+                         f"(need >= {hift.held_back_frames + 2})")
+    graph = HiFTOnnxGraph(hift, finalize).eval()
+    mel, noise = example_inputs(hift, example_frames)
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    frames = torch.export.Dim("frames", min=hift.held_back_frames + 1, max=hift.noise_frames)
+    samples = torch.export.Dim("noise_samples", min=1)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with torch.no_grad():
+        program = torch.onnx.export(
+            graph, (mel, noise), dynamo=True, opset_version=opset,
+            input_names=["mel", "sine_noise"], output_names=["wav"],
+            dynamic_shapes={"mel": {0: batch, 2: frames}, "sine_noise": {1: samples}},
+            optimize=True, external_data=False)
+    program.save(path, external_data=False)
+    return path

@@ -1,0 +1,50 @@
+"""One export description per stage: I/O names, shape templates, and how to write it as ONNX or AOTInductor."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .aoti_build import compile_aoti
+
+
+@dataclass
+class StageExport:
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    input_shapes: dict[str, list]  # shape templates in B (batch) and T (length); see engines/shapes.py
+    to_onnx: Callable[[str], str]
+    module: torch.nn.Module  # the fixed-mode module that takes the inputs positionally
+    example: Callable[[int, int], tuple]  # (batch, length) -> example inputs on the build device
+    dynamic_shapes: Callable[[int, int, int], dict]  # (max_batch, min_len, max_len) -> torch.export dynamic shapes
+
+    def to_aoti(self, path: str, max_batch: int, min_len: int, max_len: int) -> dict:
+        b = max(2, min(max_batch, 2))
+        t = max(2, min(max_len, max(min_len, 64)))
+        return compile_aoti(self.module, self.example(b, t), self.dynamic_shapes(max_batch, min_len, max_len), path)
+
+
+def dit_export(dit, streaming: bool, dtype: torch.dtype, device: str) -> StageExport:
+    from ..runtime.dit import FixedModeDiT
+    from .export_dit import INPUT_NAMES, OUTPUT_NAME, example_inputs, export_dit_onnx
+
+    dev = torch.device(device)
+    base = dit if next(dit.parameters()).dtype == dtype else copy.deepcopy(dit).to(dtype)
+    module = FixedModeDiT(base.to(dev), streaming).eval()
+    c = dit.cfg
+    shapes = {"x": ["B", c.mel_dim, "T"], "mask": ["B", 1, "T"], "mu": ["B", c.mu_dim, "T"], "t": ["B"],
+              "spks": ["B", c.spk_dim], "cond": ["B", c.mel_dim, "T"]}
+
+    def dyn(max_batch, min_len, max_len):
+        B = torch.export.Dim("batch", min=1, max=max(2, max_batch))
+        T = torch.export.Dim("seq_len", min=max(1, min_len), max=max(2, max_len))
+        bt = {0: B, 2: T}
+        return {"x": bt, "mask": bt, "mu": bt, "t": {0: B}, "spks": {0: B}, "cond": bt}
+
+    return StageExport(
+        input_names=INPUT_NAMES, output_names=(OUTPUT_NAME,), input_shapes=shapes,
+        to_onnx=lambda path: export_dit_onnx(base, path, streaming, dtype=dtype),
+        module=module, example=lambda b, t: example_inputs(base, b, t, dtype=dtype, device=dev),
+        dynamic_shapes=dyn)
