@@ -2,10 +2,13 @@
 
 Graph: inputs `mel` [B, 80, T] float32 and `sine_noise` [1, >= F * 480, 9] float32 (the fixed noise slice from sample 0,
 F = T frames when finalize, T - 3 when not; longer slices are cut inside), output `wav` [B, S] (S = T * 480, or
-(T - 8) * 480 when not finalize). B and T are dynamic. Inside: the f0 predictor in float64 (its convs as im2col
-MatMuls: ONNX Runtime's CPU Conv has no float64 kernel, MatMul/Elu/CumSum do), the SineGen2 source (phase sum in
-float64, then float32 as eager), STFT as a Conv1d over a windowed DFT basis and iSTFT as a ConvTranspose1d over the
-inverse basis divided by the overlap-added squared window (ONNX has no iSTFT), weight norm folded.
+(T - 8) * 480 when not finalize). B and T are dynamic (with `per_row_noise=True`, `sine_noise` is [B, S, 9]).
+
+Inside: the f0 predictor in float64 (its convs as im2col MatMuls: ONNX Runtime's CPU Conv has no float64 kernel;
+MatMul / Elu / CumSum do), the SineGen2 source (phase sum in float64, then float32 as eager), STFT as a Conv1d over a
+windowed DFT basis and iSTFT as a ConvTranspose1d over the inverse basis divided by the overlap-added squared window
+(ONNX has no iSTFT), weight norm folded. TensorRT has no float64: a TRT build would need the f0 predictor in float32
+(or run outside the engine); see tests/test_export_hift.py for the float32-f0 error.
 
 `rand_ini` is not an input: upstream adds it to a sample its frame-rate resampling never reads (see runtime/hift.py),
 so it does not change the output.
@@ -20,6 +23,10 @@ import torch.nn as nn
 
 from ..runtime.errors import InputError
 from ..runtime.hift import CausalConv1d, F0Predictor, HiFT
+
+
+INPUT_NAMES = ("mel", "sine_noise")
+OUTPUT_NAME = "wav"
 
 
 class MatmulCausalConv1d(nn.Module):
@@ -88,22 +95,37 @@ def example_inputs(hift: HiFT, frames: int, batch: int = 2, extra_frames: int = 
     return mel, hift.sine_waves[:, :n * hift.samples_per_frame].clone()
 
 
-def export_hift_onnx(hift: HiFT, path: str, finalize: bool, opset: int = 18, example_frames: int = 64) -> str:
-    """Export HiFT (folded weights) to ONNX at `path` with dynamic batch and frames; returns `path`."""
+def export_hift_onnx(hift: HiFT, path: str, finalize: bool, opset: int = 18, example_frames: int = 64,
+                     per_row_noise: bool = False, dynamo: bool = True) -> str:
+    """Export HiFT (folded weights) to ONNX at `path` with dynamic batch and frames; returns `path`.
+
+    per_row_noise: `sine_noise` is [B, S, 9] (one slice per row, e.g. per-row offsets into the buffer) instead of the
+    shared [1, S, 9] of upstream. dynamo: the dynamo exporter (default, as the other stages); False uses the
+    TorchScript exporter, which gives the same graph semantics about 5x faster."""
     if example_frames < hift.held_back_frames + 2:
         raise InputError(f"export_hift_onnx: example_frames={example_frames} too short "
                          f"(need >= {hift.held_back_frames + 2})")
     graph = HiFTOnnxGraph(hift, finalize).eval()
     mel, noise = example_inputs(hift, example_frames)
-    batch = torch.export.Dim("batch", min=1, max=1024)
-    frames = torch.export.Dim("frames", min=hift.held_back_frames + 1, max=hift.noise_frames)
-    samples = torch.export.Dim("noise_samples", min=1)
+    if per_row_noise:
+        noise = noise.expand(mel.shape[0], -1, -1).contiguous()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    names = dict(input_names=list(INPUT_NAMES), output_names=[OUTPUT_NAME])
+    min_frames = hift.held_back_frames + 1
     with torch.no_grad():
-        program = torch.onnx.export(
-            graph, (mel, noise), dynamo=True, opset_version=opset,
-            input_names=["mel", "sine_noise"], output_names=["wav"],
-            dynamic_shapes={"mel": {0: batch, 2: frames}, "sine_noise": {1: samples}},
-            optimize=True, external_data=False)
-    program.save(path, external_data=False)
+        if dynamo:
+            batch = torch.export.Dim("batch", min=1, max=1024)
+            frames = torch.export.Dim("frames", min=min_frames, max=hift.noise_frames)
+            min_noise = (min_frames - (0 if finalize else hift.f0_look_right)) * hift.samples_per_frame
+            samples = torch.export.Dim("noise_samples", min=min_noise)
+            noise_dims = {0: batch, 1: samples} if per_row_noise else {1: samples}
+            program = torch.onnx.export(graph, (mel, noise), dynamo=True, opset_version=opset, optimize=True,
+                                        dynamic_shapes={"mel": {0: batch, 2: frames}, "sine_noise": noise_dims},
+                                        external_data=False, **names)
+            program.save(path, external_data=False)
+        else:
+            noise_axes = {0: "batch", 1: "noise_samples"} if per_row_noise else {1: "noise_samples"}
+            torch.onnx.export(graph, (mel, noise), path, dynamo=False, opset_version=opset,
+                              dynamic_axes={"mel": {0: "batch", 2: "frames"}, "sine_noise": noise_axes,
+                                            "wav": {0: "batch", 1: "samples"}}, **names)
     return path

@@ -445,7 +445,7 @@ class StreamCall:
     token_offset: int    # target tokens already turned into audio before this call
     hop: int             # target tokens this call turns into audio (final: all the rest)
     dit_tokens: int      # target tokens the DiT sees: offset + hop + look-ahead (final: all)
-    dit_frames: int      # DiT call length: (prompt + dit_tokens) * token_mel_ratio
+    dit_frames: int      # DiT call length: (prompt + dit_tokens - look-ahead) * ratio (look-ahead gives no frames)
     hift_frames: int     # HiFT input: the whole mel cache so far, this call's mel included
     new_mel_frames: int  # mel frames this call adds to the cache
     final: bool
@@ -475,7 +475,9 @@ def streaming_schedule(prompt_tokens: int, total_tokens: int, *, token_hop_len: 
         if N - offset < hop + pre_lookahead_len:
             break
         seen = offset + hop + pre_lookahead_len
-        calls.append(StreamCall(len(calls), offset, hop, seen, (P + seen) * r, (offset + hop) * r, hop * r, False))
+        # the look-ahead tokens are PreLookahead context only: the DiT runs on (P + offset + hop) * r frames
+        calls.append(StreamCall(len(calls), offset, hop, seen, (P + offset + hop) * r, (offset + hop) * r, hop * r,
+                                False))
         offset += hop
         base_hop = min(token_max_hop_len, base_hop * stream_scale_factor)
     calls.append(StreamCall(len(calls), offset, N - offset, N, (P + N) * r, N * r, (N - offset) * r, True))
@@ -485,7 +487,7 @@ def streaming_schedule(prompt_tokens: int, total_tokens: int, *, token_hop_len: 
 def streaming_call_frames(prompt_tokens: int, total_tokens: int, stage: str = "dit", **schedule) -> list[int]:
     """Per call of a streaming request: DiT mel frames (stage='dit') or HiFT input mel frames (stage='hift').
 
-    P=20, 120 target tokens: dit [106, 206, 280], hift [60, 160, 240]."""
+    P=20, 120 target tokens: dit [100, 200, 280], hift [60, 160, 240]."""
     calls = streaming_schedule(prompt_tokens, total_tokens, **schedule)
     if stage == "dit":
         return [c.dit_frames for c in calls]

@@ -320,6 +320,11 @@ class HiFT(nn.Module):
         """Mel frames the fixed sine noise buffer covers."""
         return self.sine_waves.shape[1] // self.samples_per_frame
 
+    @property
+    def max_frames(self) -> int:
+        """Most mel frames one request may have (the noise buffer length); same as `noise_frames`."""
+        return self.noise_frames
+
     def set_noise(self, rand_ini: torch.Tensor | None = None, sine_waves: torch.Tensor | None = None,
                   uv: torch.Tensor | None = None) -> None:
         """Replace the fixed noise (e.g. with upstream's buffers or a golden slice; shorter buffers are fine)."""

@@ -289,8 +289,8 @@ def test_shape_stats_summary():
 
 def test_streaming_call_frames_golden_schedule():
     # tests/data/golden/README.md: P=20, 120 tokens; first hop 25 + 5 pad, second hop 50, final on all
-    assert streaming_call_frames(20, 120) == [2 * (20 + 30 + 3), 2 * (20 + 80 + 3), 2 * (20 + 120)]
-    assert streaming_call_frames(20, 120) == [106, 206, 280]
+    assert streaming_call_frames(20, 120) == [2 * (20 + 30), 2 * (20 + 80), 2 * (20 + 120)]
+    assert streaming_call_frames(20, 120) == [100, 200, 280]
     assert streaming_call_frames(20, 120, stage="hift") == [60, 160, 240]
     calls = streaming_schedule(20, 120)
     assert [(c.token_offset, c.hop, c.dit_tokens, c.final) for c in calls] == [
@@ -312,17 +312,17 @@ def test_streaming_schedule_matches_golden_chunk_lengths():
 
 
 def test_streaming_schedule_shapes():
-    assert streaming_call_frames(25, 200) == [2 * 53, 2 * 103, 2 * 203, 2 * 225]   # no pad; hops 25, 50, 100
-    assert streaming_call_frames(0, 30) == [56, 60]                                # first call 25 + 3
+    assert streaming_call_frames(25, 200) == [2 * 50, 2 * 100, 2 * 200, 2 * 225]   # no pad; hops 25, 50, 100
+    assert streaming_call_frames(0, 30) == [50, 60]                                # first call 25 (+3 context)
     assert streaming_call_frames(20, 10) == [60]                                   # too short: final only
-    assert streaming_call_frames(20, 33) == [106, 106]                             # hop fires at exactly 33
+    assert streaming_call_frames(20, 33) == [100, 106]                             # hop fires at exactly 33
     assert streaming_call_frames(20, 32) == [104]
-    # hops cap at 100 tokens: P=75 -> DiT tokens 103, 153, 253, 353, 453; final 500
-    assert streaming_call_frames(75, 425) == [206, 306, 506, 706, 906, 1000]
-    # every non-final DiT call is 50k + 6 frames
+    # hops cap at 100 tokens: P=75 -> DiT frames of 100, 150, 250, 350, 450 tokens; final 500
+    assert streaming_call_frames(75, 425) == [200, 300, 500, 700, 900, 1000]
+    # every non-final DiT call is 50k frames (prompt + hop ends on a chunk boundary)
     for P in (1, 24, 75, 99, 250):
         for c in streaming_schedule(P, 700)[:-1]:
-            assert (c.dit_frames - 6) % 50 == 0
+            assert c.dit_frames % 50 == 0
     with pytest.raises(InputError):
         streaming_schedule(20, 0)
     with pytest.raises(InputError):

@@ -1,0 +1,45 @@
+"""`trtbuild serve`: the OpenAI-compatible speech server (needs the `serve` extra: fastapi, uvicorn,
+python-multipart)."""
+from __future__ import annotations
+
+import sys
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a CosyVoice3 model directory")
+    p.add_argument("--engines", default=None, help="engine set folder built by `trtbuild build` (default: eager)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: no key; also $COSYTRT_API_KEY)")
+    p.add_argument("--voices-dir", default=None, help="folder of saved voices (default ~/.cache/cosytrt/voices)")
+    p.add_argument("--max-input-chars", type=int, default=4096, help="longest accepted 'input' text")
+    p.add_argument("--max-upload-mb", type=float, default=10.0, help="largest accepted voice upload, in MiB")
+    p.add_argument("--max-in-flight", type=int, default=8, help="requests synthesized at once")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot (429 beyond)")
+    p.add_argument("--queue-timeout-s", type=float, default=30.0, help="longest wait for a slot (503 then)")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0, help="shutdown waits this long for requests")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run(args) -> int:
+    import os
+
+    from ..runtime.server import ServerSettings, missing_serve_packages, serve
+
+    missing = missing_serve_packages()
+    if missing:
+        print(f"trtbuild serve: error: the server needs the Python package(s) {', '.join(missing)}, which are not "
+              f"installed (pip install 'cosytrt[serve]')", file=sys.stderr)
+        return 2
+    kw = {}
+    if args.voices_dir:
+        kw["voices_dir"] = args.voices_dir
+    settings = ServerSettings(model=args.model, engines=args.engines, device=args.device, host=args.host,
+                              port=args.port, api_key=args.api_key or os.environ.get("COSYTRT_API_KEY") or None,
+                              max_input_chars=args.max_input_chars, max_upload_mb=args.max_upload_mb,
+                              max_in_flight=args.max_in_flight, max_queue=args.max_queue,
+                              queue_timeout_s=args.queue_timeout_s, drain_timeout_s=args.drain_timeout_s,
+                              log_level=args.log_level, **kw)
+    return serve(settings)
