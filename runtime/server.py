@@ -10,8 +10,6 @@ Endpoints: `POST /v1/audio/speech` (OpenAI request shape; wav | pcm | flac; `str
 FastAPI / uvicorn / python-multipart (the `serve` extra) are imported only inside `create_app` / `serve`, so the rest
 of cosytrt imports without them. Errors have OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
-from __future__ import annotations
-
 import asyncio
 import base64
 import hmac
@@ -197,14 +195,34 @@ def _labels(**kw) -> str:
     return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in kw.items()) + "}"
 
 
-def _find_runtime_value(stats: dict, key: str):
-    """`key` at the top of tts.metrics() or one level down (e.g. under 'scheduler' / 'buckets' / 'stages')."""
-    if key in stats:
-        return stats[key]
-    for v in stats.values():
-        if isinstance(v, dict) and key in v:
-            return v[key]
-    return None
+def _nested_dicts(d: dict, depth: int = 3):
+    yield d
+    if depth > 0:
+        for v in d.values():
+            if isinstance(v, dict):
+                yield from _nested_dicts(v, depth - 1)
+
+
+def runtime_view(stats: dict | None) -> dict:
+    """What /metrics takes from `tts.metrics()`: the scheduler's in-flight count and queues, and bucket hits / pads /
+    eager fallbacks (explicit `bucket_hits` / `bucket_pads` / `eager_fallbacks` keys, a number or {stage: number},
+    else derived from a ShapeStats summary: pads = bucketed calls with padding waste > 1, over its kept samples)."""
+    dicts = list(_nested_dicts(stats or {}))
+    sched = next((d for d in dicts if "in_flight" in d and isinstance(d.get("queues"), dict)), {})
+    shapes = next((d for d in dicts if {"hits", "fallbacks"} <= set(d) and isinstance(d.get("stages"), dict)), None)
+    counters = {}
+    for key in ("bucket_hits", "bucket_pads", "eager_fallbacks"):
+        v = next((d[key] for d in dicts if key in d), None)
+        if v is None and shapes is not None:
+            v = {}
+            for sm, st in shapes["stages"].items():
+                if not isinstance(st, dict):
+                    continue
+                samples = (st.get("waste") or {}).get("samples") or []
+                v[sm] = (st.get("hits", 0) if key == "bucket_hits" else st.get("fallbacks", 0)
+                         if key == "eager_fallbacks" else sum(1 for w in samples if w > 1 + 1e-9))
+        counters[key] = v
+    return {"in_flight": _number(sched.get("in_flight")), "queues": sched.get("queues", {}), "counters": counters}
 
 
 def _number(v) -> float | None:
@@ -263,16 +281,24 @@ class ServerMetrics:
             lines.append(f"cosytrt_audio_seconds_total {self.audio_seconds!r}")
             head("cosytrt_speech_tokens_total", "counter", "Speech tokens generated")
             lines.append(f"cosytrt_speech_tokens_total {self.speech_tokens}")
-        runtime_queue = _number(_find_runtime_value(stats, "queue_depth")) or 0.0
-        head("cosytrt_requests_in_flight", "gauge", "Speech requests admitted and not finished")
+        view = runtime_view(runtime_stats)
+        waiting = sum(int(_number(view["queues"].get(q)) or 0) for q in ("frontend", "ar_waiting"))
+        head("cosytrt_requests_in_flight", "gauge", "Speech requests admitted by the server and not finished")
         lines.append(f"cosytrt_requests_in_flight {in_flight}")
-        head("cosytrt_queue_depth", "gauge", "Requests waiting for a slot (server) plus the runtime's queue")
-        lines.append(f"cosytrt_queue_depth {queued + int(runtime_queue)}")
+        head("cosytrt_queue_depth", "gauge",
+             "Requests waiting: for a server slot, plus in the runtime before AR decoding starts")
+        lines.append(f"cosytrt_queue_depth {queued + waiting}")
+        head("cosytrt_runtime_requests_in_flight", "gauge", "Requests in flight in the runtime scheduler")
+        lines.append(f"cosytrt_runtime_requests_in_flight {view['in_flight'] or 0.0!r}")
+        head("cosytrt_runtime_queue_depth", "gauge", "Jobs queued per runtime stage")
+        for q, n in sorted(view["queues"].items()):
+            if _number(n) is not None:
+                lines.append(f"cosytrt_runtime_queue_depth{_labels(queue=q)} {_number(n)!r}")
         head("cosytrt_ready", "gauge", "1 once the model is loaded and warmed")
         lines.append(f"cosytrt_ready {int(ready)}")
         for name, key, text in RUNTIME_COUNTERS:
             head(name, "counter", text)
-            v = _find_runtime_value(stats, key)
+            v = view["counters"][key]
             per_stage = [(k, _number(x)) for k, x in sorted(v.items())] if isinstance(v, dict) else []
             per_stage = [(k, x) for k, x in per_stage if x is not None]
             if per_stage:
@@ -322,111 +348,40 @@ class Admission:
 
 # ------------------------------------------------------------------------------------------------ jobs
 
-_END = object()
-
-
-class _Failure:
-    def __init__(self, exc: BaseException):
-        self.exc = exc
-
-
-class _ThreadPump:
-    """Runs a blocking chunk iterator in a worker thread and hands its items to the event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.stop = threading.Event()
-
-    def _put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # loop closed: nobody is listening any more
-            pass
-
-    def run(self, make_iter) -> None:
-        it = None
-        try:
-            if not self.stop.is_set():
-                it = make_iter()
-                for item in it:
-                    if self.stop.is_set():
-                        break
-                    self._put(item)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            self._put(_Failure(e))
-        finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                try:
-                    close()
-                except Exception:  # noqa: BLE001
-                    log.exception("closing a synthesis iterator failed")
-            self._put(_END)
-
-    async def items(self) -> AsyncIterator:
-        while True:
-            item = await self.queue.get()
-            if item is _END:
-                return
-            if isinstance(item, _Failure):
-                raise item.exc
-            yield item
+class _ClientGone(Exception):
+    """The client disconnected before its response was ready."""
 
 
 class SpeechJob:
-    """One synthesis on the shared TTS: `tts.submit(...)` when the runtime has it, else the eager pipeline on the
-    server's single synthesis thread (requests then run one after another)."""
+    """One request on the shared TTS (`tts.submit`), consumed from the event loop."""
 
-    def __init__(self, tts, text: str, options: dict, stream: bool, executor: ThreadPoolExecutor):
+    def __init__(self, tts, text: str, options: dict, stream: bool):
         self.tts, self.text, self.options, self.stream = tts, text, options, stream
-        self.executor = executor
         self.handle = None
-        self.pump: _ThreadPump | None = None
-        self.metrics = None
         self.cancelled = False
 
-    def start(self) -> None:
-        """Submit; raises RejectedError / InputError from the runtime at once."""
-        loop = asyncio.get_running_loop()
-        if hasattr(self.tts, "submit"):
-            self.handle = self.tts.submit(self.text, stream=self.stream, **self.options)
-            self.metrics = getattr(self.handle, "metrics", None)
-            if not hasattr(self.handle, "achunks"):
-                self.pump = _ThreadPump(loop)
-                threading.Thread(target=self.pump.run, args=(self.handle.chunks,), daemon=True,
-                                 name="cosytrt-chunks").start()
-            return
-        from .request import RequestMetrics
-        from .tts import make_request
+    @property
+    def metrics(self):
+        return getattr(self.handle, "metrics", None)
 
-        req = make_request(self.text, stream=self.stream, **self.options)  # validates before queueing
-        self.metrics = m = RequestMetrics(request_id=req.request_id, stream=self.stream)
-        self.pump = _ThreadPump(loop)
-
-        def run_pipeline():
-            m.t_queue = time.perf_counter() - m.t_submit
-            yield from self.tts.pipeline.run(req, m)
-            history = getattr(self.tts, "_history", None)
-            if isinstance(history, list):
-                history.append(m)
-
-        self.executor.submit(self.pump.run, run_pipeline)
+    async def start(self, executor: ThreadPoolExecutor) -> None:
+        """Submit (in `executor`: the runtime may wait for space); RejectedError / InputError propagate."""
+        fut = asyncio.get_running_loop().run_in_executor(
+            executor, lambda: self.tts.submit(self.text, stream=self.stream, **self.options))
+        try:
+            self.handle = await asyncio.shield(fut)
+        except asyncio.CancelledError:  # the caller went away while submitting: cancel the request once it exists
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().cancel())
+            raise
+        if self.cancelled:
+            self.handle.cancel()
 
     async def chunks(self) -> AsyncIterator[np.ndarray]:
-        if self.pump is not None:
-            async for c in self.pump.items():
-                yield c
-        else:
-            async for c in self.handle.achunks():
-                yield c
-        if self.handle is not None:
-            self.metrics = getattr(self.handle, "metrics", self.metrics)
+        async for c in self.handle.achunks():
+            yield c
 
     def cancel(self) -> None:
         self.cancelled = True
-        if self.pump is not None:
-            self.pump.stop.set()
         if self.handle is not None:
             try:
                 self.handle.cancel()
@@ -571,7 +526,8 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.voices = VoiceStore(settings.voices_dir, getattr(getattr(tts, "pipeline", None), "default_speaker",
                                                               None))
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cosytrt-synth")
+        # submit() may block while the runtime is full: never on the event loop, and never on the default pool
+        self.executor = ThreadPoolExecutor(max_workers=settings.max_in_flight + 1, thread_name_prefix="cosytrt-submit")
         self.admission: Admission | None = None
         self.ready = False
         self.status = "loading"
@@ -602,9 +558,8 @@ class ServerState:
             if self.settings.warmup:
                 t0 = time.perf_counter()
                 job = SpeechJob(self.tts, "Warm up.", {"speaker": speaker, "seed": 0,
-                                                       "max_tokens": self.settings.warmup_tokens},
-                                False, self.executor)
-                job.start()
+                                                       "max_tokens": self.settings.warmup_tokens}, False)
+                await job.start(self.executor)
                 async for _ in job.chunks():
                     pass
                 log.info("warm-up synthesis took %.2f s", time.perf_counter() - t0)
@@ -636,7 +591,10 @@ def _route_label(path: str) -> str:
 # ------------------------------------------------------------------------------------------------ the app
 
 def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = False):
-    """The FastAPI app over one loaded `TTS`. It warms up at startup (/health 503 until done) and drains in-flight
+    """(This module has no `from __future__ import annotations`: FastAPI reads the route annotations, and `Request`
+    is imported here, lazily.)
+
+    The FastAPI app over one loaded `TTS`. It warms up at startup (/health 503 until done) and drains in-flight
     requests at shutdown; `owns_tts=True` also closes the TTS then."""
     from contextlib import asynccontextmanager
 
@@ -842,9 +800,26 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
                 finally:
                     self._finish("cancelled")  # a no-op when the body already finished it
 
-    async def wait_disconnect(request: Request) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
+    async def until_done_or_gone(coro, request: Request):
+        """Await `coro`, but give up (cancel it, raise _ClientGone) when the client disconnects first."""
+        task = asyncio.ensure_future(coro)
+
+        async def gone():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        if not task.done():
+            task.cancel()
+            raise _ClientGone
+        return task.result()
 
     @app.post("/v1/audio/speech")
     async def speech(request: Request):
@@ -862,66 +837,65 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
         except CosytrtError as e:
             raise _from_runtime_error(e, param="voice") from None
         admission_wait = await state.admission.acquire()
-        job = SpeechJob(tts, params.input, {"speaker": speaker, **params.options}, params.stream, state.executor)
+        job = SpeechJob(tts, params.input, {"speaker": speaker, **params.options}, params.stream)
         finish = _finisher(job, admission_wait)
-        try:
-            job.start()
-        except BaseException as e:
-            finish("error")
-            if isinstance(e, Exception):
-                raise _from_runtime_error(e) from None
-            raise
-        state.jobs.add(job)
         sr = state.sample_rate
-        if params.stream:
-            return _AudioStream(_stream_body(job, params, sr, finish),
-                                finish, media_type="text/event-stream" if params.sse else
-                                MEDIA_TYPES[params.response_format],
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        chunks: list[np.ndarray] = []
-
-        async def collect():
-            async for c in job.chunks():
-                chunks.append(c)
-
-        collector = asyncio.ensure_future(collect())
-        watcher = asyncio.ensure_future(wait_disconnect(request))
+        chunks = job.chunks()
         try:
-            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not collector.done():  # the client went away
-                collector.cancel()
-                finish("cancelled")
-                return Response(status_code=499)
-            collector.result()
-        except asyncio.CancelledError:
-            collector.cancel()
+            state.jobs.add(job)
+            await job.start(state.executor)
+            if params.stream:  # wait for the first chunk, so errors before any audio still get a status code
+                try:
+                    first = await until_done_or_gone(chunks.__anext__(), request)
+                except StopAsyncIteration:
+                    first = None
+                return _AudioStream(_stream_body(job, params, sr, finish, first, chunks), finish,
+                                    media_type="text/event-stream" if params.sse else
+                                    MEDIA_TYPES[params.response_format],
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+            async def collect():
+                return [c async for c in chunks]
+
+            parts = await until_done_or_gone(collect(), request)
+        except _ClientGone:
             finish("cancelled")
-            raise
+            return Response(status_code=499)  # nobody reads it; counted as "client closed request"
         except Exception as e:  # noqa: BLE001 - mapped to an HTTP error
             finish("error")
+            if state.draining:
+                raise APIError(503, "the server shut down before the request finished", code="shutting_down") \
+                    from None
             raise _from_runtime_error(e) from None
-        finally:
-            watcher.cancel()
+        except BaseException:
+            finish("cancelled")
+            raise
         finish("ok")
-        wav = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-        m = job.metrics
+        wav = np.concatenate(parts) if parts else np.zeros(0, np.float32)
         headers = {"X-Audio-Seconds": f"{wav.size / sr:.4f}"}
-        if m is not None:
-            headers["X-Speech-Tokens"] = str(int(getattr(m, "tokens", 0) or 0))
+        if job.metrics is not None:
+            headers["X-Speech-Tokens"] = str(int(getattr(job.metrics, "tokens", 0) or 0))
         return Response(encode_audio(wav, sr, params.response_format),
                         media_type=MEDIA_TYPES[params.response_format], headers=headers)
 
-    async def _stream_body(job: SpeechJob, params: SpeechParams, sr: int, finish):
+    async def _stream_body(job: SpeechJob, params: SpeechParams, sr: int, finish, first, rest):
         outcome = "cancelled"
         samples = 0
+
+        def encode(data: bytes) -> bytes:
+            return _sse_delta(data) if params.sse else data
+
         try:
             if params.response_format == "wav":
-                first = wav_header(sr, None)
-                yield _sse_delta(first) if params.sse else first
-            async for chunk in job.chunks():
-                data = pcm16(chunk)
+                yield encode(wav_header(sr, None))
+            if first is not None:
+                data = pcm16(first)
                 samples += len(data) // 2
-                yield _sse_delta(data) if params.sse else data
+                yield encode(data)
+                async for chunk in rest:
+                    data = pcm16(chunk)
+                    samples += len(data) // 2
+                    yield encode(data)
             outcome = "ok"
             if params.sse:
                 tokens = int(getattr(job.metrics, "tokens", 0) or 0)

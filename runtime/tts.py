@@ -3,9 +3,14 @@
     tts = TTS.load(model="tiny", engines=None, device="cpu")
     wav = tts.synthesize("Hello there.", seed=0)            # float32 PCM at tts.sample_rate
     for chunk in tts.stream("Hello there.", seed=0): ...     # streaming PCM chunks
+    h = tts.submit("Hello there.", seed=0); wav = h.result()  # a RequestHandle (also chunks() / achunks())
+
+Every request runs through one `Scheduler` (created on first use), so concurrent callers (threads or asyncio) are
+batched together. `tts.pipeline` stays the eager single-request reference path.
 """
 from __future__ import annotations
 
+import threading
 from typing import AsyncIterator, Iterator
 
 import numpy as np
@@ -16,6 +21,7 @@ from .frontend import SavedSpeaker, save_speaker
 from .pipeline import Pipeline, make_frontend
 from .request import Request, RequestMetrics
 from .sampling import SamplingParams
+from .scheduler import RequestHandle, Scheduler, SchedulerConfig
 
 _SAMPLING_KEYS = {"top_p", "top_k", "win_size", "tau_r", "seed", "greedy", "max_tokens", "min_tokens", "force_tokens"}
 
@@ -30,23 +36,39 @@ def make_request(text: str, *, prompt_wav=None, prompt_sr=None, prompt_text=None
 
 
 class TTS:
-    """CosyVoice3 synthesis over eager models or an engine set."""
+    """CosyVoice3 synthesis over eager models or an engine set; thread-safe, every request goes through the
+    scheduler."""
 
-    def __init__(self, pipeline: Pipeline, engines: str | None = None):
+    def __init__(self, pipeline: Pipeline, engines: str | None = None, scheduler: SchedulerConfig | None = None):
         self.pipeline = pipeline
         self.engines = engines
         self.sample_rate = pipeline.sample_rate
+        self.scheduler_config = scheduler or SchedulerConfig()
+        self._scheduler: Scheduler | None = None
+        self._lock = threading.Lock()
         self._history: list[RequestMetrics] = []
 
     @classmethod
     def load(cls, model: str = "tiny", engines: str | None = None, device: str = "cpu",
-             dtype: torch.dtype | None = None) -> "TTS":
+             dtype: torch.dtype | None = None, scheduler: SchedulerConfig | None = None) -> "TTS":
         pipeline = Pipeline.load(model, device=device, dtype=dtype)
         if engines is not None:
             from .engine_set import attach_engine_set
 
             attach_engine_set(pipeline, engines)
-        return cls(pipeline, engines)
+        return cls(pipeline, engines, scheduler)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The request scheduler (started on first use)."""
+        with self._lock:
+            if self._scheduler is None:
+                self._scheduler = Scheduler(self.pipeline, self.scheduler_config, on_finish=self._record)
+            return self._scheduler
+
+    def _record(self, m: RequestMetrics) -> None:
+        with self._lock:
+            self._history.append(m)
 
     # ------------------------------------------------------------------ voices
     def make_speaker(self, prompt_wav, prompt_text: str = "", prompt_sr: int | None = None) -> SavedSpeaker:
@@ -59,38 +81,59 @@ class TTS:
         return spk
 
     # ------------------------------------------------------------------ synthesis
+    def submit(self, text: str | Request, **kw) -> RequestHandle:
+        """Queue one request (text + options, or a ready `Request`); returns its RequestHandle at once."""
+        if isinstance(text, Request):
+            if kw:
+                raise InputError(f"submit(Request) takes no further options, got {sorted(kw)}")
+            return self.scheduler.submit(text)
+        return self.scheduler.submit(make_request(text, **kw))
+
     def synthesize_request(self, req: Request) -> tuple[np.ndarray, RequestMetrics]:
-        wav, m = self.pipeline.synthesize(req)
-        self._history.append(m)
-        return wav, m
+        h = self.submit(req)
+        return h.result(), h.metrics
 
     def synthesize(self, text: str, **kw) -> np.ndarray:
         kw.pop("stream", None)
-        return self.synthesize_request(make_request(text, **kw))[0]
+        return self.submit(make_request(text, **kw)).result()
 
     def stream(self, text: str, **kw) -> Iterator[np.ndarray]:
         kw.pop("stream", None)
-        req = make_request(text, stream=True, **kw)
-        m = RequestMetrics(request_id=req.request_id, stream=True)
-        yield from self.pipeline.run(req, m)
-        self._history.append(m)
+        h = self.submit(make_request(text, stream=True, **kw))
+        try:
+            yield from h.chunks()
+        finally:
+            h.cancel()  # no-op when finished; stops the request when the caller stops early
 
     async def astream(self, text: str, **kw) -> AsyncIterator[np.ndarray]:
         import asyncio
 
-        it = self.stream(text, **kw)
-        loop = asyncio.get_running_loop()
-        sentinel = object()
-        while True:
-            chunk = await loop.run_in_executor(None, next, it, sentinel)
-            if chunk is sentinel:
-                return
-            yield chunk
+        kw.pop("stream", None)
+        req = make_request(text, stream=True, **kw)
+        h = await asyncio.get_running_loop().run_in_executor(None, self.submit, req)  # may wait for space
+        try:
+            async for chunk in h.achunks():
+                yield chunk
+        finally:
+            h.cancel()
 
     def metrics(self) -> dict:
         from .metrics import aggregate
 
-        return aggregate(self._history)
+        with self._lock:
+            history = list(self._history)
+            sched = self._scheduler
+        return aggregate(history, sched.stats() if sched is not None else None)
 
-    def close(self) -> None:
-        pass
+    def close(self, drain_timeout_s: float = 30.0) -> None:
+        """Finish in-flight requests (up to `drain_timeout_s`) and stop the scheduler; later calls start a new one."""
+        with self._lock:
+            sched, self._scheduler = self._scheduler, None
+        if sched is not None:
+            sched.close(drain_timeout_s)
+
+    def __enter__(self) -> "TTS":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,106 @@
+"""HiFT ONNX export: ORT CPU equals eager (and the golden vectors) for finalize and chunk graphs at several batch sizes
+and lengths, the f0 predictor stays float64 in the graph, and the phase does not drift at long T."""
+import os
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cosytrt.build.export_hift import MatmulCausalConv1d, example_inputs, export_hift_onnx
+from cosytrt.runtime.config import config_from_golden_json
+from cosytrt.runtime.errors import InputError
+from cosytrt.runtime.hift import HiFT, load_hift
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
+WAV_TOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def hift():
+    cfg = config_from_golden_json(os.path.join(GOLDEN, "config.json")).hift
+    return load_hift(cfg, os.path.join(GOLDEN, "hift.pt"))  # default noise, 3000 frames
+
+
+@pytest.fixture(scope="module")
+def sessions(hift, tmp_path_factory):
+    d = tmp_path_factory.mktemp("hift_onnx")
+    out = {}
+    for name, fin in (("final", True), ("chunk", False)):
+        path = export_hift_onnx(hift, str(d / f"hift_{name}.onnx"), finalize=fin, example_frames=24, dynamo=False)
+        out[name] = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        out[name + "_path"] = path
+    return out
+
+
+def run(sess, mel, noise):
+    return sess.run(None, {"mel": mel.numpy(), "sine_noise": noise.numpy()})[0]
+
+
+@pytest.mark.parametrize("name, finalize", [("final", True), ("chunk", False)])
+@pytest.mark.parametrize("frames, batch", [(12, 1), (60, 3), (137, 2)])
+def test_ort_equals_eager(hift, sessions, name, finalize, frames, batch):
+    mel, noise = example_inputs(hift, frames, batch)
+    wav = run(sessions[name], mel, noise)
+    ref = hift.inference(mel, finalize)[0].numpy()
+    assert wav.shape == ref.shape == (batch, (frames if finalize else frames - 8) * 480)
+    err = np.abs(wav - ref).max()
+    assert err <= WAV_TOL
+    assert err <= 1e-4, err  # measured ~1.5e-6
+
+
+@pytest.mark.parametrize("name", ["final", "chunk"])
+def test_ort_golden_vectors(hift, sessions, name):
+    v = load_file(os.path.join(GOLDEN, "vectors.safetensors"))
+    wav = run(sessions[name], v["hift.mel"], v["hift.sine_waves"])
+    assert np.abs(wav - v[f"hift.{name}.wav"].numpy()).max() <= WAV_TOL
+
+
+def test_graph_keeps_f0_in_float64(sessions):
+    model = onnx.load(sessions["final_path"])
+    double = onnx.TensorProto.DOUBLE
+    casts = [n for n in model.graph.node if n.op_type == "Cast"
+             and any(a.name == "to" and a.i == double for a in n.attribute)]
+    assert casts, "no cast to float64 in the graph"
+    ops = {n.op_type for n in model.graph.node}
+    assert {"MatMul", "Conv", "ConvTranspose", "CumSum"} <= ops
+    assert {i.name for i in model.graph.input} == {"mel", "sine_noise"}
+
+
+def test_long_request_does_not_drift(hift, sessions):
+    """The phase reaches ~1e5 rad at 1000 frames; the float64 phase sum keeps ORT on the eager values."""
+    base = load_file(os.path.join(GOLDEN, "vectors.safetensors"))["hift.mel"]
+    mel = torch.cat([base, base.flip(2)] * 9, dim=2)[:, :, :1000]
+    noise = hift.sine_waves[:, :1000 * 480]
+    err = np.abs(run(sessions["final"], mel, noise) - hift.inference(mel, True)[0].numpy()).max()
+    assert err <= 1e-4, err  # measured 1.5e-6 at T = 1000 and at T = 3000
+
+
+def test_per_row_noise_and_dynamo_exporter(hift, tmp_path):
+    """`per_row_noise`: sine_noise [B, S, 9], one slice per row (exported with the dynamo exporter)."""
+    path = export_hift_onnx(hift, str(tmp_path / "hift_rows.onnx"), finalize=True, example_frames=24,
+                            per_row_noise=True, dynamo=True)
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    mel, _ = example_inputs(hift, 40, 2)
+    noise = torch.stack([hift.sine_waves[0, :40 * 480], hift.sine_waves[0, 480 * 7:480 * 47]])
+    wav = run(sess, mel, noise)
+    with torch.no_grad():
+        f0 = hift.predict_f0(mel)
+        ref = hift.decode(mel, hift.source_from_phase(f0, hift.cumulative_phase(f0), noise), True).numpy()
+    assert np.abs(wav - ref).max() <= 1e-4
+
+
+def test_matmul_conv_equals_conv(hift):
+    torch.manual_seed(0)
+    for conv in (hift.f0_predictor.condnet[0], hift.f0_predictor.condnet[2]):
+        x = torch.randn(2, conv.in_channels, 30, dtype=torch.float64)
+        assert (MatmulCausalConv1d(conv)(x) - conv(x)).abs().max().item() <= 1e-12
+
+
+def test_export_needs_folded_weights(hift, tmp_path):
+    with pytest.raises(InputError, match="fold weight norm"):
+        export_hift_onnx(HiFT(hift.cfg), str(tmp_path / "x.onnx"), finalize=True)
+    with pytest.raises(InputError, match="example_frames"):
+        export_hift_onnx(hift, str(tmp_path / "x.onnx"), finalize=True, example_frames=5)

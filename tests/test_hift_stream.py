@@ -1,0 +1,141 @@
+"""O(chunk) HiFT streaming: the pushed samples equal upstream's quadratic loop (HiFT re-run on the whole mel so far,
+samples past those already sent), the work per push is bounded, and several streams advance together."""
+import copy
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cosytrt.runtime.config import config_from_golden_json
+from cosytrt.runtime.errors import InputError, RequestTooLongError
+from cosytrt.runtime.hift import load_hift
+from cosytrt.runtime.hift_stream import HiFTStream, push_batch
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
+TOTAL = 230
+
+
+@pytest.fixture(scope="module")
+def hift():
+    cfg = config_from_golden_json(os.path.join(GOLDEN, "config.json")).hift
+    return load_hift(cfg, os.path.join(GOLDEN, "hift.pt"))  # default noise: 3000 frames
+
+
+@pytest.fixture(scope="module")
+def mel():
+    base = load_file(os.path.join(GOLDEN, "vectors.safetensors"))["hift.mel"]
+    g = torch.Generator().manual_seed(7)
+    m = torch.cat([base, base.flip(2)] * 2, dim=2)[:, :, :TOTAL]
+    return m + 0.3 * torch.randn(m.shape, generator=g)
+
+
+def upstream_loop(hift, mel, schedule):
+    """What upstream yields per chunk: HiFT on all mel so far (final chunk: finalize), minus the samples sent."""
+    out, sent, n = [], 0, 0
+    for k, c in enumerate(schedule):
+        n += c
+        final = k == len(schedule) - 1
+        if final or n >= hift.held_back_frames:
+            wav = hift.inference(mel[:, :, :n], finalize=final)[0]
+        else:
+            wav = mel.new_zeros(1, 0)
+        out.append(wav[:, sent:])
+        sent = max(sent, wav.shape[1])
+    return out
+
+
+def stream(hift, mel, schedule, check_work=True):
+    s, n, out = HiFTStream(hift), 0, []
+    for k, c in enumerate(schedule):
+        out.append(s.push(mel[:, :, n:n + c], finalize=k == len(schedule) - 1))
+        n += c
+        if check_work:  # constant context + the chunk, never the history
+            assert s.last_decode_window_frames <= s.context_frames + c + hift.held_back_frames
+            assert s.last_f0_window_frames <= hift.f0_left_context + c + hift.f0_look_right
+            assert s.history_frames <= s.context_frames + hift.held_back_frames + hift.f0_left_context
+    return out
+
+
+def _sched(*head):
+    return list(head) + [TOTAL - sum(head)]
+
+
+SCHEDULES = {
+    "54-100-rest": _sched(54, 100),
+    "50s": _sched(50, 50, 50, 50),
+    "tiny-first": _sched(5, 0, 4, 1, 60, 7),
+    "hops-25-50-100": _sched(28, 50, 100),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_stream_equals_upstream_prefix_recompute(hift, mel, name):
+    schedule = SCHEDULES[name]
+    ref = upstream_loop(hift, mel, schedule)
+    got = stream(hift, mel, schedule)
+    assert [g.shape[1] for g in got] == [r.shape[1] for r in ref]
+    assert sum(g.shape[1] for g in got) == TOTAL * 480
+    err = max((g - r).abs().max().item() for g, r in zip(got, ref) if r.numel())
+    assert err <= 2e-3
+    assert err <= 2e-5, err  # measured <= 6e-7: the window reproduces the prefix run up to float rounding
+
+
+def test_work_per_push_does_not_grow_with_history(hift, mel):
+    s = HiFTStream(hift)
+    windows = []
+    for i in range(0, TOTAL - 10, 10):
+        s.push(mel[:, :, i:i + 10])
+        windows.append(s.last_decode_window_frames)
+    assert max(windows[5:]) == min(windows[5:]) == s.context_frames + 10 + 5  # context + chunk + (8 - 3) held back
+    assert s.mel_start > 0 and s.history_frames < 60
+
+
+def test_context_is_needed(hift, mel):
+    """With too little left context the window's zero padding shows: the receptive field is real."""
+    schedule = SCHEDULES["50s"]
+    ref = torch.cat(upstream_loop(hift, mel, schedule), dim=1)
+    s, n, out = HiFTStream(hift, context_frames=4), 0, []
+    for k, c in enumerate(schedule):
+        out.append(s.push(mel[:, :, n:n + c], finalize=k == len(schedule) - 1))
+        n += c
+    assert (torch.cat(out, dim=1) - ref).abs().max().item() > 1e-3
+    assert hift.decode_left_context() == 30
+
+
+def test_push_batch_advances_streams_together(hift, mel):
+    schedules = [SCHEDULES["50s"], SCHEDULES["54-100-rest"], _sched(50, 50, 50, 50)]
+    mels = [mel, mel.flip(2), mel * 0.9]
+    refs = [upstream_loop(hift, m, sc) for m, sc in zip(mels, schedules)]
+    streams = [HiFTStream(hift) for _ in schedules]
+    got = [[] for _ in schedules]
+    pos = [0] * len(schedules)
+    for step in range(max(len(sc) for sc in schedules)):
+        idx = [i for i, sc in enumerate(schedules) if step < len(sc)]
+        chunks = [mels[i][:, :, pos[i]:pos[i] + schedules[i][step]] for i in idx]
+        flags = [step == len(schedules[i]) - 1 for i in idx]
+        outs = push_batch([streams[i] for i in idx], chunks, flags)
+        for i, o in zip(idx, outs):
+            got[i].append(o)
+            pos[i] += schedules[i][step]
+    for g, r in zip(got, refs):
+        assert [x.shape[1] for x in g] == [x.shape[1] for x in r]
+        assert max((x - y).abs().max().item() for x, y in zip(g, r) if y.numel()) <= 2e-5
+
+
+def test_stream_errors(hift, mel):
+    s = HiFTStream(hift)
+    with pytest.raises(InputError, match=r"shape \(1, 80, n\)"):
+        s.push(torch.zeros(1, 81, 5))
+    s.push(mel[:, :, :60], finalize=True)
+    with pytest.raises(InputError, match="already finalized"):
+        s.push(mel[:, :, 60:70])
+    short = copy.deepcopy(hift)
+    short.set_noise(sine_waves=hift.sine_waves[:, :100 * 480])
+    s = HiFTStream(short)
+    s.push(mel[:, :, :100])  # non-final: only 97 frames of source so far
+    with pytest.raises(RequestTooLongError, match="needs 101 mel frames.*holds 100"):
+        s.push(mel[:, :, 100:104])
+    assert s.frames == 100  # a refused push changes nothing
+    with pytest.raises(InputError, match="twice"):
+        push_batch([s, s], [mel[:, :, :1]] * 2, [False, False])
