@@ -106,7 +106,13 @@ class Pipeline:
 def make_frontend(models: CosyVoice3Models) -> tuple[Frontend, SavedSpeaker | None]:
     """The frontend for a model source, and its built-in voice (the tiny model has one; real models do not)."""
     if models.kind == "real":
-        return Frontend.from_model_dir(models.model_dir), None
+        from .config import ENDOFPROMPT_TEXT_ID
+        from .text import QwenTokenizer
+
+        full_vocab = models.config.llm.qwen.vocab_size == 151936  # the released Qwen2 text vocabulary
+        tok = QwenTokenizer(os.path.join(models.model_dir, "CosyVoice-BlankEN"),
+                            expected_endofprompt_id=ENDOFPROMPT_TEXT_ID if full_vocab else None)
+        return Frontend.from_model_dir(models.model_dir, tokenizer=tok), None
     from .model import ensure_tiny_dir
 
     d = models.model_dir if os.path.isfile(os.path.join(models.model_dir, "campplus.onnx")) else ensure_tiny_dir()

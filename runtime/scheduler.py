@@ -358,6 +358,9 @@ class Scheduler:
                      **{k[3:]: v for k, v in stage.items() if k.startswith("ar_")}}
         for s in ("dit", "hift"):
             out[s] = {k[len(s) + 1:]: v for k, v in stage.items() if k.startswith(s + "_")}
+        es = getattr(self.pipeline, "engine_set", None)
+        if es is not None and hasattr(es, "stats"):
+            out["shapes"] = es.stats.summary()  # bucket hits / padding / eager fallbacks of the engine calls
         return out
 
     def close(self, drain_timeout_s: float = 30.0) -> None:
@@ -760,8 +763,10 @@ class Scheduler:
             self._vocode(push, streams, restore)
         if offline:
             lengths = [j.mel.shape[2] for j in offline]
+            # an engine set may route offline HiFT through `token2wav.hift_runner` (same inference_batch API)
+            vocoder = getattr(self.t2w, "hift_runner", None) or self.hift
             for idx in group_by_length(lengths, cfg.hift_max_batch, cfg.max_padding_waste, cfg.hift_max_frames):
-                self._vocode(lambda g: self.hift.inference_batch([j.mel for j in g], finalize=True),
+                self._vocode(lambda g: vocoder.inference_batch([j.mel for j in g], finalize=True),
                              [offline[i] for i in idx])
 
     def _vocode(self, call, group: list[_HiftJob], restore=None) -> None:

@@ -43,6 +43,8 @@ def compute_golden(golden_dir: str) -> dict:
 
     from ..runtime.model import load_models
 
+    if not os.path.isdir(golden_dir):
+        raise ModelDirError(f"golden directory not found: {golden_dir!r}")
     vpath = os.path.join(golden_dir, "vectors.safetensors")
     if not os.path.isfile(vpath):
         raise ModelDirError(f"golden directory {golden_dir!r} lacks vectors.safetensors")

@@ -1,0 +1,69 @@
+"""The trtbuild CLI: golden check (table, JSON, exit codes) and synth (valid WAV of the right length)."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from cosytrt.tools.trtbuild import main
+
+
+def test_golden_json_passes(golden_dir, capsys):
+    assert main(["golden", golden_dir, "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["pass"] is True and res["stream.lengths_match"] is True
+    for k in ("llm.hidden", "llm.logits", "flow.offline.mel", "flow.stream.mel", "flow.stream_final.mel",
+              "hift.final.wav", "hift.final.source", "hift.chunk.wav", "hift.chunk.source"):
+        assert res[k] < 1e-4, k
+    assert res["stream.wav.snr_db"] > 60 and all(res[f"stream.chunk{i}.snr_db"] > 60 for i in range(3))
+
+
+def test_golden_fails_on_changed_weights(golden_dir, tmp_path, capsys):
+    for f in os.listdir(golden_dir):
+        shutil.copy(os.path.join(golden_dir, f), tmp_path / f)
+    os.remove(tmp_path / "stream_vectors.safetensors")
+    sd = torch.load(tmp_path / "flow.pt", weights_only=True)
+    sd["decoder.estimator.proj_out.bias"] += 0.01
+    torch.save(sd, tmp_path / "flow.pt")
+    assert main(["golden", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "flow.offline.mel" in out
+
+
+def test_golden_missing_dir_is_an_error(tmp_path, capsys):
+    assert main(["golden", str(tmp_path / "nope")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_synth_writes_wav_of_token_duration(tmp_path, capsys, stream):
+    out = tmp_path / "out.wav"
+    args = ["synth", "--model", "tiny", "--text", "Hello world.", "--seed", "1", "--force-tokens", "60",
+            "--out", str(out)] + (["--stream"] if stream else [])
+    assert main(args) == 0
+    wav, sr = sf.read(out, dtype="float32")
+    info = sf.info(out)
+    assert sr == 24000 and info.subtype == "PCM_16" and info.channels == 1
+    assert len(wav) == 60 * 24000 // 25  # tokens / 25 Hz
+    text = capsys.readouterr().out
+    for k in ("T_tokenizer", "T_AR", "T_DiT", "T_vocoder", "time to first audio", "RTF"):
+        assert k in text
+
+
+def test_synth_is_deterministic_for_a_seed(tmp_path):
+    paths = []
+    for i in range(2):
+        p = tmp_path / f"{i}.wav"
+        assert main(["synth", "--text", "Same seed.", "--seed", "5", "--max-tokens", "40", "--out", str(p)]) == 0
+        paths.append(p)
+    a, _ = sf.read(paths[0])
+    b, _ = sf.read(paths[1])
+    assert np.array_equal(a, b)
+
+
+def test_synth_empty_text_is_an_error(tmp_path, capsys):
+    assert main(["synth", "--text", "  ", "--out", str(tmp_path / "x.wav")]) == 2
+    assert "empty" in capsys.readouterr().err
