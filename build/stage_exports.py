@@ -48,3 +48,31 @@ def dit_export(dit, streaming: bool, dtype: torch.dtype, device: str) -> StageEx
         to_onnx=lambda path: export_dit_onnx(base, path, streaming, dtype=dtype),
         module=module, example=lambda b, t: example_inputs(base, b, t, dtype=dtype, device=dev),
         dynamic_shapes=dyn)
+
+
+def hift_export(hift, mode: str, device: str) -> StageExport:
+    """HiFT as one graph: mel [B, 80, T] + the fixed sine-noise slice [1, T*480, 9] -> wav [B, T*480] (offline,
+    finalize) or the chunk variant (stream: look-ahead held back). float32 (f0 predictor float64 inside)."""
+    from .export_hift import INPUT_NAMES, OUTPUT_NAME, HiFTOnnxGraph, export_hift_onnx
+
+    dev = torch.device(device)
+    finalize = mode == "offline"
+    graph = HiFTOnnxGraph(hift, finalize).to(dev).eval()
+    spf = hift.samples_per_frame
+    shapes = {"mel": ["B", hift.cfg.in_channels, "T"], "sine_noise": [1, f"T*{spf}", hift.cfg.nb_harmonics + 1]}
+
+    def example(b, t):
+        t = max(t, hift.held_back_frames + 2)
+        mel = torch.randn(b, hift.cfg.in_channels, t, device=dev) - 4.0
+        return mel, hift.sine_waves[:, :t * spf].to(dev).clone()
+
+    def dyn(max_batch, min_len, max_len):
+        lo = max(min_len, hift.held_back_frames + 1)
+        B = torch.export.Dim("batch", min=1, max=max(2, max_batch))
+        T = torch.export.Dim("frames", min=lo, max=max(lo + 1, max_len))
+        S = torch.export.Dim("noise_samples", min=lo * spf, max=max(lo + 1, max_len) * spf)
+        return {"mel": {0: B, 2: T}, "sine_noise": {1: S}}
+
+    return StageExport(input_names=INPUT_NAMES, output_names=(OUTPUT_NAME,), input_shapes=shapes,
+                       to_onnx=lambda path: export_hift_onnx(hift, path, finalize), module=graph, example=example,
+                       dynamic_shapes=dyn)

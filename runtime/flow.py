@@ -82,9 +82,9 @@ class FlowRow:
 def _default_noise(frames: int) -> torch.Tensor:
     """Upstream's fixed CFM noise: randn([1, 80, 15000]) from seed 0, extended by further draws if longer."""
     g = torch.Generator().manual_seed(0)
-    noise = torch.randn([1, 80, UPSTREAM_NOISE_FRAMES], generator=g)
+    noise = torch.randn([1, 80, UPSTREAM_NOISE_FRAMES], generator=g, device="cpu")
     if frames > UPSTREAM_NOISE_FRAMES:
-        extra = torch.randn([1, 80, frames - UPSTREAM_NOISE_FRAMES], generator=g)
+        extra = torch.randn([1, 80, frames - UPSTREAM_NOISE_FRAMES], generator=g, device="cpu")
         noise = torch.cat((noise, extra), dim=2)
     return noise[:, :, :frames].contiguous()
 

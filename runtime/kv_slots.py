@@ -24,6 +24,8 @@ class KVSlots:
 
     def install(self) -> None:
         """Put this pool's caches back on the LM layers if someone replaced them."""
+        if not self._caches:
+            return
         for layer, cache in zip(self.lm.backbone.layers, self._caches):
             if layer.self_attn.kv_cache is not cache:
                 layer.self_attn.kv_cache = cache

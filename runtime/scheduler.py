@@ -113,11 +113,13 @@ class RequestHandle:
                 self._chunks.append(chunk)
                 self._notify()
 
-    def _finish(self, error: BaseException | None = None) -> bool:
-        """Mark done (with `error` if it failed); False when it was already done."""
+    def _finish(self, error: BaseException | None = None, stamp: Callable[[], None] | None = None) -> bool:
+        """Mark done (with `error` if it failed), calling `stamp()` first; False when it was already done."""
         with self._cond:
             if self._done:
                 return False
+            if stamp is not None:
+                stamp()
             self._done = True
             self.error = error
             self._notify()
@@ -343,7 +345,14 @@ class Scheduler:
             r = _Req(req, handle)
             self._live[id(handle)] = r
             self._frontend_pending += 1
-        self._frontend.submit(self._run_frontend, r)
+        try:
+            self._frontend.submit(self._run_frontend, r)
+        except RuntimeError:  # the pool was shut down by a close() that gave up draining
+            with self._lock:
+                self._frontend_pending -= 1
+            err = RejectedError(f"request {req.request_id}: the scheduler is closed")
+            self._finish(r, err)
+            raise err from None
         return handle
 
     def stats(self) -> dict:
@@ -391,10 +400,12 @@ class Scheduler:
     def _finish(self, r: _Req, error: BaseException | None, cancelled: bool = False) -> None:
         """Complete (error None) or fail one request; the first call wins."""
         m = r.metrics
-        m.total = time.perf_counter() - m.t_submit
-        if error is not None:
-            m.error = f"{type(error).__name__}: {error}"
-        if not r.handle._finish(error):
+
+        def stamp():
+            m.total = time.perf_counter() - m.t_submit
+            if error is not None:
+                m.error = f"{type(error).__name__}: {error}"
+        if not r.handle._finish(error, stamp):
             return
         with self._space:
             self._live.pop(id(r.handle), None)
@@ -413,6 +424,9 @@ class Scheduler:
         except _Stop:
             pass
         except BaseException as e:  # a scheduler bug: nobody must wait forever
+            with self._space:
+                self._closing = True  # later submits are rejected
+                self._space.notify_all()
             for r in list(self._live.values()):
                 self._finish(r, RuntimeError(f"scheduler worker {threading.current_thread().name} died: {e!r}"))
             raise

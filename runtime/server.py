@@ -33,7 +33,8 @@ from .voices import VoiceExistsError, VoiceNotFoundError, VoiceStore, check_voic
 
 log = logging.getLogger("cosytrt.server")
 
-SERVE_PACKAGES = (("fastapi", "fastapi"), ("uvicorn", "uvicorn"), ("multipart", "python-multipart"))
+SERVE_PACKAGES = ((("fastapi",), "fastapi"), (("uvicorn",), "uvicorn"),
+                  (("python_multipart", "multipart"), "python-multipart"))  # (import names, pip name)
 RESPONSE_FORMATS = ("wav", "pcm", "flac")
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
 SPEECH_FIELDS = {"model", "input", "voice", "response_format", "speed", "seed", "instruct", "instructions", "stream",
@@ -78,7 +79,7 @@ def missing_serve_packages() -> list[str]:
     """pip names of the `serve` extra's packages that are not importable."""
     import importlib.util
 
-    return [pip for mod, pip in SERVE_PACKAGES if importlib.util.find_spec(mod) is None]
+    return [pip for mods, pip in SERVE_PACKAGES if all(importlib.util.find_spec(m) is None for m in mods)]
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -577,7 +578,7 @@ class ServerState:
             job.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
         if self.owns_tts:
-            self.tts.close()
+            await asyncio.get_running_loop().run_in_executor(None, self.tts.close)
 
 
 def _route_label(path: str) -> str:
@@ -591,15 +592,14 @@ def _route_label(path: str) -> str:
 # ------------------------------------------------------------------------------------------------ the app
 
 def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = False):
-    """(This module has no `from __future__ import annotations`: FastAPI reads the route annotations, and `Request`
-    is imported here, lazily.)
+    """The FastAPI app over one loaded `TTS`. It warms up at startup (/health 503 until done) and drains in-flight
+    requests at shutdown; `owns_tts=True` also closes the TTS then.
 
-    The FastAPI app over one loaded `TTS`. It warms up at startup (/health 503 until done) and drains in-flight
-    requests at shutdown; `owns_tts=True` also closes the TTS then."""
+    (This module has no `from __future__ import annotations`: FastAPI reads the route annotations, and `Request` is
+    imported here, lazily.)"""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -631,12 +631,9 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
     async def _cosytrt_error(request, e: CosytrtError):
         return error_response(_from_runtime_error(e))
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request, e: RequestValidationError):
-        first = (e.errors() or [{}])[0]
-        param = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "path", "query")) or None
-        return error_response(APIError(422, f"{param or 'request'}: {first.get('msg', 'invalid')}", param=param,
-                                       code="invalid_value"))
+    @app.exception_handler(Exception)
+    async def _internal_error(request, e: Exception):
+        return error_response(_from_runtime_error(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
@@ -928,11 +925,15 @@ def serve(settings: ServerSettings, tts=None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     owns = tts is None
     if tts is None:
+        from .scheduler import SchedulerConfig
         from .tts import TTS
 
         t0 = time.perf_counter()
-        tts = TTS.load(model=settings.model, engines=settings.engines, device=settings.device)
+        tts = TTS.load(model=settings.model, engines=settings.engines, device=settings.device,
+                       scheduler=SchedulerConfig(max_in_flight=settings.max_in_flight))
         log.info("loaded model %r in %.1f s", settings.model, time.perf_counter() - t0)
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        log.warning("listening on %s without an API key: anyone who can reach it can use it", settings.host)
     app = create_app(tts, settings, owns_tts=owns)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=int(math.ceil(settings.drain_timeout_s)), lifespan="on")

@@ -51,10 +51,11 @@ class StreamState:
 class Token2Wav:
     """Eager token2wav over a Flow and a HiFT; `estimator` overrides the DiT call (engines plug in here)."""
 
-    def __init__(self, flow, hift, estimator=None):
+    def __init__(self, flow, hift, estimator=None, hift_runner=None):
         self.flow = flow
         self.hift = hift
         self.estimator = estimator
+        self.hift_runner = hift_runner  # BucketedHiFT when an engine set is attached
         self._t_dit = 0.0
         self._t_vocoder = 0.0
 
@@ -88,8 +89,15 @@ class Token2Wav:
     def offline(self, tokens, prompt_token, prompt_feat, embedding) -> torch.Tensor:
         """All tokens through flow (full attention, finalize) and HiFT (finalize). Returns wav [S]."""
         mel = self._flow(tokens, (prompt_token, prompt_feat, embedding), streaming=False, finalize=True)
-        wav, _ = self._timed("vocoder", self.hift.inference, mel, finalize=True)
-        return wav.reshape(-1)
+        return self._timed("vocoder", self.vocode_batch, [mel[0]])[0]
+
+    def vocode_batch(self, mels: list) -> list:
+        """Offline HiFT of several mels [80, T_i] (engine buckets when attached); exact per row."""
+        if self.hift_runner is not None:
+            return [w.reshape(-1) for w in self.hift_runner.inference_batch(mels, finalize=True)]
+        if len(mels) == 1:
+            return [self.hift.inference(mels[0].unsqueeze(0), finalize=True)[0].reshape(-1)]
+        return [w.reshape(-1) for w in self.hift.inference_batch(mels, finalize=True)]
 
     # ------------------------------------------------------------------ streaming
     def start(self, prompt_token, prompt_feat, embedding) -> StreamState:

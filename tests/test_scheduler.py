@@ -158,8 +158,9 @@ def test_async_streams_match_threaded(tts, speakers):
     outs = asyncio.run(main())
     for k, chunks in zip(kw, outs):
         ref = reference(tts, make_request("Async speech.", stream=True, **k))
-        assert len(chunks) == len(ref)
-        np.testing.assert_allclose(np.concatenate(chunks), np.concatenate(ref), rtol=0, atol=ATOL)
+        assert [c.shape for c in chunks] == [c.shape for c in ref]
+        a, b = np.concatenate(chunks), np.concatenate(ref)  # the two may share DiT / HiFT calls: float noise
+        assert np.abs(a - b).max() <= BATCHED_ATOL and snr_db(b, a) >= BATCHED_SNR_DB
 
 
 def test_too_long_request_fails_before_model_work(tts, speakers):
@@ -224,8 +225,9 @@ def test_failing_request_fails_alone_and_close_drains(tts, speakers, monkeypatch
     st = sched.stats()
     assert st["failed"] == 1 and st["completed"] == 3 and st["in_flight"] == 0 and st["dit"]["max_batch"] >= 2
     monkeypatch.setattr(flow, "prepare_row", real)
-    for req, h in zip(good, handles[:2] + handles[3:]):
-        np.testing.assert_allclose(h.result(), np.concatenate(reference(tts, req)), rtol=0, atol=ATOL)
+    for req, h in zip(good, handles[:2] + handles[3:]):  # intact (batched DiT / HiFT: up to float noise)
+        a, b = h.result(), np.concatenate(reference(tts, req))
+        assert a.shape == b.shape and np.abs(a - b).max() <= BATCHED_ATOL and snr_db(b, a) >= BATCHED_SNR_DB
     with pytest.raises(RejectedError):
         sched.submit(make_request("After close.", speaker=speakers[0]))
 

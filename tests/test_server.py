@@ -21,7 +21,7 @@ import pytest
 import soundfile as sf
 
 pytest.importorskip("fastapi")
-pytest.importorskip("multipart")
+pytest.importorskip("python_multipart")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from cosytrt.runtime.errors import RejectedError  # noqa: E402
@@ -62,8 +62,8 @@ def assert_error(r, status, param=None, code=None):
 def parse_metrics(text: str) -> dict:
     """Prometheus text -> {'name{labels}': value}; asserts every line is well-formed."""
     out = {}
-    sample = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})?'
-                        r' (-?[0-9.e+-]+|\+Inf|NaN)$')
+    label = r'[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"'
+    sample = re.compile(rf"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{{{label}(,{label})*\}})? (-?[0-9.e+-]+|\+Inf|NaN)$")
     for line in text.strip().splitlines():
         if line.startswith("#"):
             assert re.match(r"^# (HELP|TYPE) [a-zA-Z_:][a-zA-Z0-9_:]* .+$", line), line
@@ -317,7 +317,8 @@ def test_metrics_exposition(client):
         assert after[f'{name}_bucket{{le="+Inf"}}'] == after[f"{name}_count"]
     assert speech_count(after, 200) == speech_count(before, 200) + 1
     assert speech_count(after, 422) == speech_count(before, 422) + 1
-    assert after['cosytrt_speech_requests_total{outcome="ok"}'] == before['cosytrt_speech_requests_total{outcome="ok"}'] + 1
+    ok = 'cosytrt_speech_requests_total{outcome="ok"}'
+    assert after[ok] == before[ok] + 1
     assert after["cosytrt_speech_tokens_total"] == before["cosytrt_speech_tokens_total"] + 5
     assert after["cosytrt_requests_in_flight"] == 0 and after["cosytrt_queue_depth"] == 0
     assert after["cosytrt_ready"] == 1
@@ -593,6 +594,41 @@ def test_runtime_counters_from_tts_metrics(tmp_path):
         m = parse_metrics(client.get("/metrics").text)
     assert m["cosytrt_bucket_hits_total"] == 7 and m["cosytrt_bucket_pads_total"] == 0
     assert m['cosytrt_eager_fallbacks_total{stage="llm"}'] == 2
+
+
+def test_internal_error_is_openai_shaped_500(tmp_path):
+    fake = FakeTTS()
+    app, client = fake_client(tmp_path, fake)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        wait_ready(client, 5)
+
+        def broken(text, **kw):
+            raise RuntimeError("engine exploded")
+
+        fake.submit = broken
+        err = assert_error(client.post("/v1/audio/speech", json={"input": "hi", "voice": "default"}), 500,
+                           code="internal_error")
+        assert err["type"] == "server_error" and "engine exploded" in err["message"]
+        assert in_flight(app) == 0
+        assert speech_count(parse_metrics(client.get("/metrics").text), 500) == 1
+
+
+def test_voice_store_stays_inside_its_folder(tmp_path, tts):
+    from cosytrt.runtime.errors import InputError
+    from cosytrt.runtime.frontend import save_speaker
+
+    store = VoiceStore(str(tmp_path / "voices"), tts.pipeline.default_speaker)
+    outside = tmp_path / "outside.safetensors"
+    spk = tts.pipeline.default_speaker
+    save_speaker(str(outside), spk.features, spk.prompt_text)
+    os.symlink(outside, tmp_path / "voices" / "evil.safetensors")
+    with pytest.raises(InputError, match="outside the voices folder"):
+        store.get("evil")
+    for bad in ("..", "../outside", "/etc/passwd", "a/b", "", "x" * 65, "UP"):
+        with pytest.raises(InputError, match="invalid"):
+            store.path(bad)
+    assert store.get("alloy") is spk and store.get("default") is spk
+    assert [v.id for v in store.list()] == ["default"]  # the symlink is not listed as a voice
 
 
 def test_settings_validation():

@@ -1,0 +1,287 @@
+"""`trtbuild bench`: GPU benchmarks on the full-size CosyVoice3 architecture (seeded random weights, fixed lengths).
+
+Suites (each writes into --out as it finishes, so a run cut short keeps what it measured):
+- `micro`: AR prefill / decode ms per step per batch (eager vs CUDA graph), DiT ms per call per (rows, frames)
+  (eager vs CUDA graph), HiFT ms per call per (batch, frames) (eager vs CUDA graph), each beside its H200 roofline
+  bound (bytes / 4.8 TB/s, FLOPs / 790 TFLOP/s bf16) and the achieved fraction.
+- `e2e`: single requests end to end (c1) through the eager pipeline: stream / offline, TTFA, RTF, stage breakdown.
+- `serving`: the request matrix through the scheduler (text short/medium/long x concurrency x stream/offline x
+  reference audio yes/no), p50/p95/p99 TTFA, inter-chunk, RTF, throughput (needs the runtime scheduler).
+Everything runs with what the GPU machine has (torch, numpy); other imports are guarded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import torch
+
+H200_HBM_BPS = 4.8e12
+H200_BF16_FLOPS = 790e12
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--suite", default="micro,e2e", help="comma list of micro, e2e, serving")
+    p.add_argument("--out", required=True, help="folder for results.json (and plots)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--model", default="full", help="'full' (random full-size weights) or 'tiny'")
+    p.add_argument("--dtype", default="bfloat16", help="LM and DiT dtype (HiFT stays float32)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    p.add_argument("--budget-s", type=float, default=480.0, help="stop starting new sections after this many seconds")
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def time_cuda(fn, reps: int = 10, warmup: int = 2) -> float:
+    """Median milliseconds of fn() measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def full_models(device: str, dtype: torch.dtype, which: str = "full"):
+    """Full-size (or tiny) architecture with seeded random weights, built directly on the device."""
+    from ..runtime.config import full_config, tiny_config
+    from ..runtime.model import build_modules
+
+    cfg = full_config() if which == "full" else tiny_config()
+    torch.manual_seed(0)
+    llm, flow, hift = build_modules(cfg, device=device)
+    with torch.no_grad():
+        hift.f0_predictor.classifier.bias.fill_(180.0)
+    hift.fold_weight_norm()
+    llm.to(dtype)
+    flow.to(dtype)
+    return cfg, llm.eval(), flow.eval(), hift.eval()
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.t0 = time.perf_counter()
+        self.results: dict = {"meta": self._meta(args)}
+        os.makedirs(args.out, exist_ok=True)
+
+    def _meta(self, args) -> dict:
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "model": args.model,
+                "dtype": args.dtype}
+        if torch.cuda.is_available():
+            meta["gpu"] = torch.cuda.get_device_name(0)
+        try:
+            meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                            text=True).stdout.strip()
+        except OSError:
+            pass
+        return meta
+
+    def over_budget(self) -> bool:
+        return time.perf_counter() - self.t0 > self.args.budget_s
+
+    def save(self) -> None:
+        with open(os.path.join(self.args.out, "results.json"), "w") as f:
+            json.dump(self.results, f, indent=1)
+
+    def section(self, name: str, fn) -> None:
+        if self.over_budget():
+            _log(f"skip {name}: time budget spent")
+            self.results.setdefault("skipped", []).append(name)
+            return
+        _log(f"start {name}")
+        t = time.perf_counter()
+        try:
+            self.results[name] = fn()
+        except Exception as e:  # noqa: BLE001 - a failing section must not lose the others
+            import traceback
+
+            traceback.print_exc()
+            self.results[name] = {"error": repr(e)}
+        _log(f"done {name} in {time.perf_counter() - t:.1f}s")
+        self.save()
+
+
+# ------------------------------------------------------------------ micro-benchmarks
+
+def bench_ar(llm, device, quick: bool) -> list[dict]:
+    from ..runtime.cuda_graphs import GraphCache
+
+    q = llm.config.qwen
+    params = sum(p.numel() for p in llm.parameters()) - llm.speech_embedding.weight.numel()
+    # decode reads the backbone + llm_decoder once per step (embed_tokens rows are gathered, not read)
+    step_bytes = (params - q.vocab_size * q.hidden_size) * 2
+    rows = []
+    kv_len = 1024
+    batches = [1, 8, 32] if quick else [1, 8, 32, 64]
+    llm.setup_cache(max(batches), kv_len, device=device)
+    for B in batches:
+        tokens = torch.randint(0, 6561, (B,), device=device)
+        pos = torch.full((B,), 300, device=device, dtype=torch.long)
+
+        def step():
+            return llm.decode(tokens, None, pos, kv_len=kv_len)
+
+        with torch.inference_mode():
+            eager = time_cuda(step, reps=10)
+            g = GraphCache(lambda t, p: llm.decode(t, None, p, kv_len=kv_len), device)
+            g.capture(B, (tokens, pos))
+            graph = time_cuda(lambda: g.run(B, tokens, pos), reps=20)
+        kv_bytes = 2 * q.num_hidden_layers * B * q.num_key_value_heads * 300 * q.head_dim * 2
+        bound = (step_bytes + kv_bytes) / H200_HBM_BPS * 1e3
+        rows.append({"stage": "ar_decode", "batch": B, "eager_ms": eager, "graph_ms": graph, "bound_ms": bound,
+                     "graph_fraction_of_bound": bound / graph})
+        _log(f"AR decode B={B}: eager {eager:.2f} ms, graph {graph:.2f} ms, bound {bound:.3f} ms")
+    emb = torch.randn(1, 150, q.hidden_size, device=device, dtype=next(llm.parameters()).dtype)
+    with torch.inference_mode():
+        pre = time_cuda(lambda: llm.prefill(emb, torch.tensor([150], device=device), None), reps=5)
+    rows.append({"stage": "ar_prefill", "batch": 1, "tokens": 150, "eager_ms": pre})
+    _log(f"AR prefill 150 tokens: {pre:.2f} ms")
+    return rows
+
+
+def bench_dit(flow, device, dtype, quick: bool) -> list[dict]:
+    from ..build.export_dit import example_inputs
+    from ..runtime.cuda_graphs import GraphCache
+    from ..runtime.dit import FixedModeDiT
+
+    dit = flow.estimator
+    params = sum(p.numel() for p in dit.parameters())
+    shapes = [(2, 200), (16, 200), (2, 1000), (32, 500)] if quick else [(2, 200), (8, 200), (16, 200), (2, 1000),
+                                                                        (16, 1000), (32, 500), (64, 300)]
+    rows = []
+    for streaming in (False, True):
+        mod = FixedModeDiT(dit, streaming)
+        g = GraphCache(mod, device)
+        for B, T in shapes:
+            args = example_inputs(dit, B, T, dtype=dtype, device=device)
+            with torch.inference_mode():
+                eager = time_cuda(lambda: mod(*args), reps=5)
+                g.capture((B, T), args)
+                graph = time_cuda(lambda: g.run((B, T), *args), reps=10)
+            flops = 2 * params * B * T + 4 * B * T * T * dit.cfg.dim * dit.cfg.depth
+            bound = max(flops / H200_BF16_FLOPS, params * 2 / H200_HBM_BPS) * 1e3
+            rows.append({"stage": "dit", "streaming": streaming, "rows": B, "frames": T, "eager_ms": eager,
+                         "graph_ms": graph, "bound_ms": bound, "graph_fraction_of_bound": bound / graph})
+            _log(f"DiT {'stream' if streaming else 'offline'} {B}x{T}: eager {eager:.2f} ms, graph {graph:.2f} ms, "
+                 f"bound {bound:.3f} ms")
+        del g
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_hift(hift, device, quick: bool) -> list[dict]:
+    from ..runtime.cuda_graphs import GraphCache
+
+    params = sum(p.numel() for p in hift.parameters())
+    shapes = [(1, 100), (1, 500), (8, 500)] if quick else [(1, 100), (1, 500), (8, 100), (8, 500), (16, 1000)]
+    rows = []
+    g = GraphCache(lambda m: hift.inference(m, finalize=True)[0], device)
+    for B, T in shapes:
+        mel = torch.randn(B, 80, T, device=device)
+        with torch.inference_mode():
+            eager = time_cuda(lambda: hift.inference(mel, finalize=True), reps=5)
+            try:
+                g.capture((B, T), (mel,))
+                graph = time_cuda(lambda: g.run((B, T), mel), reps=10)
+            except Exception as e:  # noqa: BLE001
+                _log(f"HiFT graph capture failed: {e!r}")
+                graph = None
+        audio_s = B * T * 480 / 24000
+        # ~2 FLOPs per weight per output sample at each stage's rate; a coarse bound (fp32 convs ~ 60 TFLOP/s)
+        flops = 2 * params * B * T * 60
+        bound = flops / 60e12 * 1e3
+        rows.append({"stage": "hift", "batch": B, "frames": T, "eager_ms": eager, "graph_ms": graph,
+                     "ms_per_audio_s": (graph or eager) / audio_s, "bound_ms": bound})
+        _log(f"HiFT {B}x{T}: eager {eager:.2f} ms, graph {graph} ms ({(graph or eager) / audio_s:.2f} ms per audio s)")
+    return rows
+
+
+# ------------------------------------------------------------------ end to end (c1)
+
+def bench_e2e(cfg, llm, flow, hift, device, quick: bool) -> list[dict]:
+    from ..runtime.model import CosyVoice3Models
+    from ..runtime.pipeline import Pipeline
+    from ..runtime.request import Request
+    from ..runtime.sampling import SamplingParams
+
+    models = CosyVoice3Models(cfg, llm, flow, hift, "random-full", "", "random")
+    pipe = _pipeline_with_random_frontend(models, Pipeline)
+    rows = []
+    for seconds in ((5,) if quick else (5, 15)):
+        for stream in (True, False):
+            req = Request(text="a" * 40, stream=stream, sampling=SamplingParams(seed=0, force_tokens=25 * seconds))
+            pipe.synthesize(req)  # warm
+            req = Request(text="a" * 40, stream=stream, sampling=SamplingParams(seed=0, force_tokens=25 * seconds))
+            _, m = pipe.synthesize(req)
+            d = m.to_dict()
+            d.update({"audio_target_s": seconds, "stream": stream})
+            rows.append(d)
+            _log(f"e2e c1 {'stream' if stream else 'offline'} {seconds}s: TTFA {m.ttfa:.3f}s, total {m.total:.3f}s, "
+                 f"RTF {m.rtf:.3f} (AR {m.t_ar:.3f}, DiT {m.t_dit:.3f}, voc {m.t_vocoder:.3f})")
+    return rows
+
+
+def _pipeline_with_random_frontend(models, Pipeline):
+    """A pipeline over in-memory random models with the tiny ONNX frontends and a synthetic built-in voice."""
+    import tempfile
+
+    from ..runtime.frontend import Frontend, SavedSpeaker
+    from ..runtime.request import default_voice_wav
+    from ..runtime.text import ByteTokenizer
+    from ..runtime.tiny_frontends import write_tiny_frontends
+
+    d = tempfile.mkdtemp()
+    tok_path, spk_path = write_tiny_frontends(d)
+    fe = Frontend(ByteTokenizer(models.config.llm.qwen.vocab_size), tok_path, spk_path)
+    feats = fe.prompt_features(default_voice_wav(16000, 3.0), 16000)
+    return Pipeline(models, fe, SavedSpeaker(features=feats, prompt_text="a prompt of three seconds"))
+
+
+def run(args) -> int:
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        from ..runtime.errors import CosytrtError
+
+        raise CosytrtError("trtbuild bench needs a CUDA GPU (--device cuda)")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    b = Bench(args)
+    _log(f"building {args.model} models on {args.device}")
+    cfg, llm, flow, hift = full_models(args.device, dtype, args.model)
+    suites = set(args.suite.split(","))
+    if "micro" in suites:
+        b.section("ar", lambda: bench_ar(llm, args.device, args.quick))
+        b.section("dit", lambda: bench_dit(flow, args.device, dtype, args.quick))
+        b.section("hift", lambda: bench_hift(hift, args.device, args.quick))
+    if "e2e" in suites:
+        b.section("e2e", lambda: bench_e2e(cfg, llm, flow, hift, args.device, args.quick))
+    if "serving" in suites:
+        from .bench_serving import bench_serving
+
+        b.section("serving", lambda: bench_serving(cfg, llm, flow, hift, args.device, args.quick, b))
+    b.results["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
+    b.save()
+    _log(f"wrote {os.path.join(args.out, 'results.json')}")
+    return 0
+
+
+def main() -> int:  # python -m cosytrt.tools.bench
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m cosytrt.tools.bench")
+    add_arguments(p)
+    return run(p.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
