@@ -1,6 +1,8 @@
 """Loading an engine set into a pipeline: manifest checks, one runner per engine, bucketed stage callables."""
 from __future__ import annotations
 
+import torch
+
 from ..build.manifest import Manifest
 from ..engines import open_runner
 from .buckets import BucketTable, ShapeStats, parse_key
@@ -35,6 +37,66 @@ def attach_engine_set(pipeline, folder: str) -> LoadedEngineSet:
     """Route the pipeline's DiT (and HiFT) calls through the engine set's buckets."""
     device = str(pipeline.device)
     es = LoadedEngineSet(folder, pipeline.models.weights_hash, device)
+    runners, tables = es.stage("dit")
+    pipeline.token2wav.estimator = BucketedDiT(pipeline.models.flow.estimator, runners, tables, es.stats)
+    runners, tables = es.stage("hift")
+    if runners:
+        from .stage_runner import BucketedHiFT
+
+        pipeline.token2wav.hift_runner = BucketedHiFT(pipeline.models.hift, runners, tables, es.stats)
+    pipeline.engine_set = es
+    return es
+
+
+class GraphedEagerSet:
+    """No engine files: the eager DiT and HiFT captured as CUDA graphs per static bucket of a profile."""
+
+    def __init__(self, pipeline, profile, progress: bool = False):
+        from ..build.export_dit import INPUT_NAMES as DIT_INPUTS, OUTPUT_NAME as DIT_OUTPUT
+        from ..engines.base import EngineSpec
+        from ..engines.cudagraph import CudaGraphRunner, example_from_templates
+        from .dit import FixedModeDiT
+
+        device = str(pipeline.device)
+        flow, hift = pipeline.models.flow, pipeline.models.hift
+        dit = flow.estimator
+        dtype = next(dit.parameters()).dtype
+        dname = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+        c = dit.cfg
+        dit_tpl = {"x": ["B", c.mel_dim, "T"], "mask": ["B", 1, "T"], "mu": ["B", c.mu_dim, "T"], "t": ["B"],
+                   "spks": ["B", c.spk_dim], "cond": ["B", c.mel_dim, "T"]}
+        self.stats = ShapeStats()
+        self.manifest = None
+        self.runners, self.tables = {}, {}
+        waste = profile.max_padding_waste
+        for mode in ("stream", "offline"):
+            buckets = profile.buckets("dit", mode)
+            if not buckets:
+                continue
+            spec = EngineSpec("dit", mode, "cudagraph", "", list(DIT_INPUTS), [DIT_OUTPUT], [b.key for b in buckets],
+                              dtype=dname, device=device)
+            fn = FixedModeDiT(dit, mode == "stream")
+            self.runners[("dit", mode)] = CudaGraphRunner(
+                fn, spec, device, buckets, example_from_templates(dit_tpl, list(DIT_INPUTS), {n: dtype for n in DIT_INPUTS},
+                                                              device), progress)
+            self.tables[("dit", mode)] = BucketTable(buckets, waste)
+        buckets = profile.buckets("hift", "offline")
+        if buckets:
+            spf = hift.samples_per_frame
+            tpl = {"mel": ["B", 80, "T"], "sine_noise": [1, f"T*{spf}", hift.cfg.nb_harmonics + 1]}
+            spec = EngineSpec("hift", "offline", "cudagraph", "", ["mel", "sine_noise"], ["wav"],
+                              [b.key for b in buckets], device=device)
+            self.runners[("hift", "offline")] = CudaGraphRunner(
+                lambda mel, noise: hift.inference(mel, finalize=True)[0], spec, device, buckets,
+                example_from_templates(tpl, ["mel", "sine_noise"], {}, device), progress)
+            self.tables[("hift", "offline")] = BucketTable(buckets, waste)
+
+    stage = LoadedEngineSet.stage
+
+
+def attach_cuda_graphs(pipeline, profile, progress: bool = False) -> GraphedEagerSet:
+    """Route DiT and offline HiFT calls through CUDA graphs of the eager modules (one per static bucket)."""
+    es = GraphedEagerSet(pipeline, profile, progress)
     runners, tables = es.stage("dit")
     pipeline.token2wav.estimator = BucketedDiT(pipeline.models.flow.estimator, runners, tables, es.stats)
     runners, tables = es.stage("hift")

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
-from .checkpoint import expected_shapes, load_strict
+from .checkpoint import expected_shapes, load_strict, read_state_dict
 from .config import HiFTConfig
 from .errors import CheckpointError, InputError, RequestTooLongError
 
@@ -297,8 +297,15 @@ class HiFT(nn.Module):
 
     # ------------------------------------------------------------------ checkpoint
 
-    def load_checkpoint(self, sd: dict[str, torch.Tensor], what: str = "hift.pt") -> "HiFT":
-        """Validate and load a released-layout state dict (optional `generator.` prefix), then fold weight norm."""
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every key and shape of this config's released hift.pt (weight-norm layout, also once folded)."""
+        return checkpoint_shapes(self.cfg) if self.weights_folded else expected_shapes(self)
+
+    def load_checkpoint(self, sd: str | dict[str, torch.Tensor], what: str = "hift.pt") -> "HiFT":
+        """Validate and load a released-layout state dict or a path to one (optional `generator.` key prefix), then
+        fold weight norm."""
+        if isinstance(sd, str):
+            what, sd = sd, read_state_dict(sd)
         if self.weights_folded:
             raise CheckpointError(f"{what}: this HiFT already holds folded weights; build a new HiFT to load it")
         sd = {k[len("generator."):] if k.startswith("generator.") else k: v for k, v in sd.items()}
@@ -559,9 +566,6 @@ def checkpoint_shapes(cfg: HiFTConfig) -> dict[str, tuple[int, ...]]:
 def load_hift(cfg: HiFTConfig, checkpoint: str | dict[str, torch.Tensor], device: str | torch.device = "cpu",
               noise_seed: int = DEFAULT_NOISE_SEED) -> HiFT:
     """Build a HiFT, load a hift.pt (path or state dict), fold weight norm, move to `device`, eval mode."""
-    from .checkpoint import read_state_dict
-    what = checkpoint if isinstance(checkpoint, str) else "hift state dict"
-    sd = read_state_dict(checkpoint) if isinstance(checkpoint, str) else checkpoint
     model = HiFT(cfg, noise_seed=noise_seed)
-    model.load_checkpoint(sd, what=what)
+    model.load_checkpoint(checkpoint, what="hift state dict")
     return model.to(device).eval()

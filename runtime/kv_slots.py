@@ -10,10 +10,13 @@ from .errors import InputError
 
 
 class KVSlots:
-    def __init__(self, lm, slots: int, max_len: int):
+    def __init__(self, lm, slots: int, max_len: int, scratch: bool = False):
+        """`scratch`: one extra slot (index `slots`) that is never handed out — padding rows of captured decode
+        graphs write there."""
         if not isinstance(slots, int) or slots < 1:
             raise InputError(f"KVSlots: slots must be a positive int, got {slots!r}")
-        lm.setup_cache(slots, max_len)
+        lm.setup_cache(slots + (1 if scratch else 0), max_len)
+        self.scratch_slot = slots if scratch else None
         self.lm = lm
         self.slots = slots
         self.max_len = max_len

@@ -51,6 +51,15 @@ class CosyVoice3Models:
         return self
 
 
+def check_device(device) -> None:
+    """A CUDA device asked for where there is none gets a clear error (not a torch assertion)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        from .errors import CosytrtError
+
+        raise CosytrtError(f"device {str(device)!r} requested but this torch build has no usable CUDA GPU")
+
+
 def cache_dir() -> str:
     return os.environ.get("COSYTRT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "cosytrt"))
 
@@ -159,6 +168,7 @@ def resolve_source(source: str) -> tuple[str, str, CosyVoice3Config]:
 
 def load_models(source: str = "tiny", device: str = "cpu", dtype: torch.dtype | None = None) -> CosyVoice3Models:
     """Load the LM, flow and HiFT with strict key checking; errors name the file and key."""
+    check_device(device)
     kind, d, config = resolve_source(source)
     llm, flow, hift = build_modules(config)
     paths = [os.path.join(d, f) for f in CHECKPOINTS]

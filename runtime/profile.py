@@ -22,7 +22,7 @@ from .errors import ProfileError
 
 DTYPES = ("float32", "float16", "bfloat16")
 MODELS = ("full", "tiny")
-SHIPPED_PROFILES = ("default", "tiny")
+SHIPPED_PROFILES = ("default", "tiny", "h200-graphs")
 PROFILE_FORMAT = 1  # bump when the meaning of a profile (and so of its hashes) changes
 
 _TOP_KEYS = ("model", "description", "dtype", "max_padding_waste", "stages")
@@ -179,7 +179,7 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 
 def load_profile(path_or_name: str | os.PathLike) -> Profile:
-    """Load a profile: 'default' / 'tiny' (shipped in cosytrt.profiles) or a YAML file path."""
+    """Load a profile: a shipped name (default, tiny, h200-graphs in cosytrt.profiles) or a YAML file path."""
     if isinstance(path_or_name, Profile):
         return path_or_name
     if not isinstance(path_or_name, (str, os.PathLike)):

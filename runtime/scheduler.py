@@ -63,6 +63,8 @@ class SchedulerConfig:
     hift_max_frames: int = 8192       # rows x longest mel frames of one offline HiFT call
     max_padding_waste: float = 1.5    # padded work / real work allowed when grouping DiT and HiFT rows
     frontend_workers: int = 2
+    cuda_graphs: bool = True          # on CUDA: capture the AR decode step per batch bucket and KV-length rung
+    ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
 
     def __post_init__(self):
         if self.on_full not in ("wait", "reject"):
@@ -283,7 +285,19 @@ class Scheduler:
             self.ar_max_len = min(max_pos, -(-(limit // 2 + 512) // _KV_LEN_STEP) * _KV_LEN_STEP)
         else:
             self.ar_max_len = cfg.ar_max_len
-        self.slots = KVSlots(self.lm, cfg.ar_max_batch, self.ar_max_len)
+        use_graphs = cfg.cuda_graphs and torch.device(self.device).type == "cuda"
+        self.slots = KVSlots(self.lm, cfg.ar_max_batch, self.ar_max_len, scratch=use_graphs)
+        self.decode_graphs = None
+        if use_graphs:
+            from .ar_graphs import DecodeGraphs
+
+            batches = [b for b in cfg.ar_graph_batches if b < cfg.ar_max_batch] + [cfg.ar_max_batch]
+            rungs, kv = [], 256
+            while kv < self.ar_max_len:
+                rungs.append(kv)
+                kv *= 2
+            rungs.append(self.ar_max_len)
+            self.decode_graphs = DecodeGraphs(self.lm, batches, rungs, self.slots.scratch_slot, self.device)
 
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)   # backpressure: in_flight < max_in_flight
@@ -363,6 +377,7 @@ class Scheduler:
                          "ar_running": len(self._running), "dit": len(self._dit_queue),
                          "hift": len(self._hift_queue), "output": len(self._transfers)}
         out["ar"] = {"slots": self.slots.slots, "free_slots": self.slots.free, "max_len": self.ar_max_len,
+                     "decode_graph_replays": self.decode_graphs.replays if self.decode_graphs else 0,
                      "slot_allocations": self.slots.allocations,
                      **{k[3:]: v for k, v in stage.items() if k.startswith("ar_")}}
         for s in ("dit", "hift"):
@@ -533,7 +548,12 @@ class Scheduler:
 
     def _decode_call(self, rows: list[_Req]) -> torch.Tensor:
         dev = self.device
-        kv_len = min(self.ar_max_len, -(-(max(r.pos for r in rows) + 1) // _KV_LEN_STEP) * _KV_LEN_STEP)
+        need = max(r.pos for r in rows) + 1
+        if self.decode_graphs is not None and self.decode_graphs.fits(len(rows), need):
+            return self.decode_graphs(torch.tensor([r.policy.next_input for r in rows], device=dev),
+                                      torch.tensor([r.slot for r in rows], device=dev),
+                                      torch.tensor([r.pos for r in rows], device=dev), need)
+        kv_len = min(self.ar_max_len, -(-need // _KV_LEN_STEP) * _KV_LEN_STEP)
         return self.lm.decode(torch.tensor([r.policy.next_input for r in rows], device=dev),
                               torch.tensor([r.slot for r in rows], device=dev),
                               torch.tensor([r.pos for r in rows], device=dev), kv_len=kv_len)

@@ -53,8 +53,10 @@ def test_full_size_keys_match_released_checkpoint():
                                                       for k in got)
 
 
-def test_tiny_keys_match_golden_checkpoint(cfg, golden_sd):
-    assert checkpoint_shapes(cfg) == {k: tuple(v.shape) for k, v in golden_sd.items()}
+def test_tiny_keys_match_golden_checkpoint(cfg, golden_sd, hift):
+    want = {k: tuple(v.shape) for k, v in golden_sd.items()}
+    assert checkpoint_shapes(cfg) == want
+    assert HiFT(cfg).checkpoint_shapes() == want and hift.checkpoint_shapes() == want  # also once folded
 
 
 def test_load_folds_weight_norm_and_keeps_f0_float64(hift):

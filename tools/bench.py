@@ -31,6 +31,7 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="bfloat16", help="LM and DiT dtype (HiFT stays float32)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop starting new sections after this many seconds")
+    p.add_argument("--graph-profile", default="h200-graphs", help="bucket profile of the CUDA graphs (serving)")
 
 
 def _log(msg: str) -> None:

@@ -15,10 +15,14 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..build.engine_set import build_engine_set
+    from ..build.engine_set import build_engine_set, resolve_backend
     from ..runtime.model import load_models
     from ..runtime.profile import load_profile
 
+    if resolve_backend(args.backend, args.device) == "tensorrt":
+        from ..engines.tensorrt import import_tensorrt
+
+        import_tensorrt()  # names the missing package before any work
     profile = load_profile(args.profile or ("tiny" if args.model == "tiny" else "default"))
     models = load_models(args.model, device=args.device)
     manifest, results = build_engine_set(models, profile, args.backend, args.device, args.out,
