@@ -35,14 +35,17 @@ class LoadedEngineSet:
 
 def attach_engine_set(pipeline, folder: str) -> LoadedEngineSet:
     """Route the pipeline's DiT (and HiFT) calls through the engine set's buckets."""
-    device = str(pipeline.device)
-    es = LoadedEngineSet(folder, pipeline.models.weights_hash, device)
+    return _install(pipeline, LoadedEngineSet(folder, pipeline.models.weights_hash, str(pipeline.device)))
+
+
+def _install(pipeline, es):
+    """Point the pipeline's DiT calls and offline HiFT calls at the set's bucketed runners."""
+    from .stage_runner import BucketedHiFT
+
     runners, tables = es.stage("dit")
     pipeline.token2wav.estimator = BucketedDiT(pipeline.models.flow.estimator, runners, tables, es.stats)
     runners, tables = es.stage("hift")
     if runners:
-        from .stage_runner import BucketedHiFT
-
         pipeline.token2wav.hift_runner = BucketedHiFT(pipeline.models.hift, runners, tables, es.stats)
     pipeline.engine_set = es
     return es
@@ -96,13 +99,4 @@ class GraphedEagerSet:
 
 def attach_cuda_graphs(pipeline, profile, progress: bool = False) -> GraphedEagerSet:
     """Route DiT and offline HiFT calls through CUDA graphs of the eager modules (one per static bucket)."""
-    es = GraphedEagerSet(pipeline, profile, progress)
-    runners, tables = es.stage("dit")
-    pipeline.token2wav.estimator = BucketedDiT(pipeline.models.flow.estimator, runners, tables, es.stats)
-    runners, tables = es.stage("hift")
-    if runners:
-        from .stage_runner import BucketedHiFT
-
-        pipeline.token2wav.hift_runner = BucketedHiFT(pipeline.models.hift, runners, tables, es.stats)
-    pipeline.engine_set = es
-    return es
+    return _install(pipeline, GraphedEagerSet(pipeline, profile, progress))

@@ -36,6 +36,10 @@ class Pipeline:
         self.token2wav = token2wav or Token2Wav(models.flow, models.hift)
         self.sample_rate = models.config.sample_rate
         self.device = next(models.llm.parameters()).device
+        if self.device.type == "cuda":
+            # HiFT runs in float32 and its sine-source phase is sensitive: keep cuDNN convolutions out of TF32
+            # (the LM and DiT run in bf16/fp16, which TF32 does not affect)
+            torch.backends.cudnn.allow_tf32 = False
 
     @classmethod
     def load(cls, model: str = "tiny", device: str = "cpu", dtype: torch.dtype | None = None) -> "Pipeline":
