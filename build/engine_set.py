@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import time
 from dataclasses import dataclass
 
@@ -125,7 +126,7 @@ class EngineSetBuilder:
             spec.build_seconds = time.perf_counter() - t0
             results.append(BuildResult(spec, True, spec.build_seconds))
         commands = {}
-        if self.backend == "tensorrt" and self.profile.stage("ar") is not None:
+        if self.profile.stage("ar") is not None:  # every backend: the runtime runs the AR itself unless TRT-LLM is built
             commands.update(self._build_ar_trtllm())
         manifest = Manifest(
             model={"source": self.models.source, "kind": self.models.kind, "weights_hash": self.models.weights_hash,
@@ -187,14 +188,22 @@ class EngineSetBuilder:
 
         sp = self.profile.stage("ar")
         hf_dir = os.path.join(self.out_dir, "ar_hf")
-        export_merged_hf(self.models.llm, hf_dir, dtype=torch.float32)
+        dtype = torch_dtype(sp.dtype)
+        meta_path = os.path.join(hf_dir, "cosytrt_metadata.json")
+        stamp = {"weights": self.models.weights_hash, "dtype": sp.dtype}
+        if not (os.path.isfile(meta_path) and json.load(open(meta_path)).get("cosytrt_build") == stamp):
+            meta = export_merged_hf(self.models.llm, hf_dir, dtype=dtype)
+            meta["cosytrt_build"] = stamp
+            with open(meta_path, "w") as f:
+                json.dump(meta, f, indent=1)
         ckpt = os.path.join(self.out_dir, "ar_trtllm_ckpt")
         eng = os.path.join(self.out_dir, "ar_trtllm_engine")
         max_b = max(b.batch for b in sp.buckets("decode")) if sp.buckets("decode") else 64
         seq = sp.max_seq_len or 2048
         kw = {"dtype": "bfloat16", "max_batch_size": max_b, "max_seq_len": seq, "max_input_len": max(1, seq // 2)}
         cmds = trtllm_commands(hf_dir, ckpt, eng, **kw)
-        out = {"trtllm": [" ".join(c) for c in cmds], "trtllm_built": False}
+        out = {"trtllm": [" ".join(shlex.quote(a) for a in c) for c in cmds], "trtllm_built": False,
+               "ar_hf_checkpoint": "ar_hf"}
         try:
             build_trtllm_engine(hf_dir, ckpt, eng, **kw)
             out["trtllm_built"] = True

@@ -255,34 +255,38 @@ def hift_kept_samples(hift, frames: int, finalize: bool) -> int:
     return (frames if finalize else frames - hift.held_back_frames) * hift.samples_per_frame
 
 
-def run_hift_engine(runner, hift, bucket: Bucket, mels: list[torch.Tensor], finalize: bool) -> list[torch.Tensor]:
-    """Right-pad mels into the bucket, run the engine, crop each row to its own output length."""
+def hift_engine_feeds(spec, hift, bucket: Bucket, mel: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Engine inputs for a padded mel [batch, 80, L]: `mel` and the fixed sine noise from sample 0 (its shape from the
+    manifest's template, [1, L*480, 9] by default), as the runtime's BucketedHiFT feeds them."""
     from ..engines.base import torch_dtype
     from ..engines.shapes import resolve_shape
 
-    spec = runner.spec
-    lengths = [int(m.shape[-1]) for m in mels]
-    L = bucket.run_length(max(lengths))
-    dev = mels[0].device
-    mel = torch.zeros(bucket.batch, hift.cfg.in_channels, L, device=dev)
-    for i, m in enumerate(mels):
-        mel[i, :, :lengths[i]] = m
     templates = spec.extra.get("input_shapes", {})
     feeds = {}
     for name in spec.input_names:
         if name == "mel":
             feeds[name] = mel.to(torch_dtype(spec.dtype))
         elif name == "sine_noise":
-            tpl = templates.get(name, [1, "T*480", hift.harmonics])
-            shape = resolve_shape(tpl, bucket.batch, L)
-            src = hift.sine_waves[:, :shape[1], :shape[2]].to(dev)
+            tpl = templates.get(name, [1, f"T*{hift.samples_per_frame}", hift.harmonics])
+            shape = resolve_shape(tpl, bucket.batch, int(mel.shape[-1]))
+            src = hift.sine_waves[:, :shape[1], :shape[2]].to(mel.device)
             if src.shape[1] < shape[1]:
                 raise EngineSetError(f"{spec.file}: sine_noise needs {shape[1]} samples, the noise buffer has "
                                      f"{src.shape[1]}")
             feeds[name] = src.expand(shape[0], -1, -1).contiguous()
         else:
             raise EngineSetError(f"{spec.file}: parity does not know how to make HiFT input {name!r}")
-    out = runner.run(feeds, bucket)[spec.output_names[0]].float()
+    return feeds
+
+
+def run_hift_engine(runner, hift, bucket: Bucket, mels: list[torch.Tensor], finalize: bool) -> list[torch.Tensor]:
+    """Right-pad mels into the bucket, run the engine, crop each row to its own output length."""
+    lengths = [int(m.shape[-1]) for m in mels]
+    L = bucket.run_length(max(lengths))
+    mel = torch.zeros(bucket.batch, hift.cfg.in_channels, L, device=mels[0].device)
+    for i, m in enumerate(mels):
+        mel[i, :, :lengths[i]] = m
+    out = runner.run(hift_engine_feeds(runner.spec, hift, bucket, mel), bucket)[runner.spec.output_names[0]].float()
     return [out[i, :hift_kept_samples(hift, n, finalize)] for i, n in enumerate(lengths)]
 
 
@@ -387,7 +391,7 @@ class ParityChecker:
     def __init__(self, models, folder: str, device: str = "cpu", *, check_weights: bool = True, seed: int = 0,
                  polygraphy: bool = True, pipeline: bool = True, stream_tokens: int = 80,
                  prompt_seconds: float = 1.0):
-        from ..build.manifest import Manifest
+        from .manifest import Manifest
 
         self.models = models
         self.folder = folder
@@ -500,7 +504,8 @@ class ParityChecker:
                 tails += 1
             refs.append(r.float())
             outs.append(g.float())
-        note = f"tail rule: last {WAV_SAMPLES_PER_FRAME} samples of {tails} padded final row(s) left out" if tails else ""
+        note = (f"tail rule: last {WAV_SAMPLES_PER_FRAME} samples of {tails} padded final row(s) left out"
+                if tails else "")
         feed = None
         if len(set(lengths)) == 1 and len(lengths) == bucket.batch:
             feed = {"mel": torch.stack(mels)}
@@ -535,17 +540,8 @@ class ParityChecker:
         else:
             hift = self.models.hift
             finalize = spec.mode == "offline"
-            mel = feed["mel"]
-            np_feed = {}
-            for n in spec.input_names:
-                if n == "mel":
-                    np_feed[n] = mel.cpu().numpy().astype(_np_dtype(spec.dtype))
-                else:  # the engine's noise input, exactly as run_hift_engine makes it
-                    from ..engines.shapes import resolve_shape
-
-                    tpl = spec.extra.get("input_shapes", {}).get(n, [1, "T*480", hift.harmonics])
-                    shape = resolve_shape(tpl, bucket.batch, width)
-                    np_feed[n] = hift.sine_waves[:, :shape[1], :shape[2]].expand(shape[0], -1, -1).cpu().numpy()
+            np_feed = {n: np.ascontiguousarray(v.cpu().numpy())
+                       for n, v in hift_engine_feeds(spec, hift, bucket, feed["mel"]).items()}
             names = list(spec.input_names)
 
             def eager_fn(f):
@@ -554,6 +550,8 @@ class ParityChecker:
 
         try:
             ok, note = polygraphy_compare(eager_fn, names, np_feed, targets, rule)
+            if not ok:
+                note = f"Polygraphy Comparator: {note}: outputs differ beyond {rule.describe()}"
         except Exception as e:  # noqa: BLE001
             ok, note = False, f"polygraphy error: {type(e).__name__}: {e}"
         return [Check(name, "polygraphy", ok, rule.describe(), spec.stage, spec.mode, bucket.key, "max_len",
@@ -701,7 +699,7 @@ def _np_dtype(dtype: str):
 
 def run_parity(folder: str, model: str | None = None, device: str | None = None, **kw) -> ParityReport:
     """Load the eager models (default: the manifest's model source) and check the engine set in `folder`."""
-    from ..build.manifest import Manifest
+    from .manifest import Manifest
     from ..runtime.model import load_models
 
     man = Manifest.load(folder)

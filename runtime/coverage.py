@@ -299,17 +299,21 @@ def _stats(values: list[float]) -> dict:
 
 
 def batch_ladder(stage: str, existing: list[int], top: int) -> list[int]:
+    """The engine's batches plus powers of two (even for the DiT's CFG rows) up to the first one >= top."""
     step = CFG_ROWS if stage == "dit" else 1
     ladder = set(existing)
     b = step
-    while b <= top:
+    while True:
         ladder.add(b)
+        if b >= top:
+            break
         b *= 2
-    ladder.add(top if top % step == 0 else top + step - top % step)
     return sorted(ladder)
 
 
 def length_ladder(existing: list[int], top: int, quantum: int = 16) -> list[int]:
+    """The engine's lengths plus a 1.25x ladder from 4 x quantum (rounded up to the quantum) to the first rung
+    >= top."""
     ladder = set(existing)
     v = float(quantum * 4)
     while True:
@@ -318,7 +322,7 @@ def length_ladder(existing: list[int], top: int, quantum: int = 16) -> list[int]
         if r >= top:
             break
         v *= 1.25
-    return sorted(x for x in ladder if x <= max(top, max(existing, default=0)))
+    return sorted(ladder)
 
 
 def _round_up(x: int, ladder: list[int], k: int = 3) -> list[int]:
@@ -346,13 +350,16 @@ def suggest_buckets(stage: str, mode: str, fallback_shapes: dict[tuple[int, int]
         return b <= B and n <= L and B * L <= max_padding_waste * b * n + 1e-9
 
     def candidates(pts):
+        """Each shape rounded up to the ladder (3 rungs each way, lengths also to a multiple of 16); the exact
+        (even) batch only where no ladder batch fits within the waste limit."""
         cands = set()
         for b, n in pts:
             b_even = b + (-b) % step
-            for B in _round_up(b_even, bl):
-                for L in _round_up(n, ll) + [n + (-n) % 16]:
-                    if max_length is None or L <= max_length:
-                        cands.add((B, L))
+            lens = [L for L in _round_up(n, ll) + [n + (-n) % 16] if max_length is None or L <= max_length]
+            mine = {(B, L) for B in _round_up(b_even, bl) for L in lens}
+            if not any(ok(B, L, b, n) for B, L in mine):
+                mine |= {(b_even, L) for L in lens}
+            cands |= mine
         return sorted(cands, key=lambda c: (c[0] * c[1], c))
 
     chosen, uncovered = [], set(shapes)
@@ -504,13 +511,14 @@ def _reason_code(reason: str | None) -> str:
 
 def write_heatmap(report: dict, tables: dict[tuple[str, str], BucketTable], path: str, bins: int = 24) -> str:
     """batch x length grid per stage/mode, coloured by calls (log scale); cells with eager fallbacks marked with a
-    red x; dotted lines at the bucket lengths."""
+    red x; each bucket's coverage outlined."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.colors import LogNorm
+    from matplotlib.patches import Rectangle
 
     by_sm: dict[str, list[dict]] = defaultdict(list)
     for s in report["shapes"]:
@@ -525,7 +533,7 @@ def write_heatmap(report: dict, tables: dict[tuple[str, str], BucketTable], path
             continue
         stage, mode = sm.split("/")
         table = tables.get((stage, mode))
-        bucket_lengths = sorted({bk.length for bk in table}) if table is not None else []
+        bucket_lengths = [bk.length for bk in table] if table is not None else []
         batches = sorted({r["b"] for r in rows} | ({bk.batch for bk in table} if table is not None else set()))
         top = max([r["n"] for r in rows] + bucket_lengths)
         width = max(1, math.ceil(top / bins))
@@ -538,19 +546,22 @@ def write_heatmap(report: dict, tables: dict[tuple[str, str], BucketTable], path
             if r["bucket"] is None:
                 fallback[i, j] = True
         masked = np.ma.masked_where(grid == 0, grid)
-        vmax = max(1.0, float(grid.max()))
+        vmax = max(10.0, float(grid.max()))
         im = ax.imshow(masked, aspect="auto", origin="lower", cmap="viridis", norm=LogNorm(vmin=1, vmax=vmax),
                        extent=(0, nb * width, -0.5, len(batches) - 0.5), interpolation="nearest")
         ys, xs = np.nonzero(fallback)
         if len(xs):
             ax.scatter((xs + 0.5) * width, ys, marker="x", color="red", s=50, label="eager fallback")
             ax.legend(loc="upper right", fontsize=8)
-        for L in bucket_lengths:
-            ax.axvline(L, color="gray", linestyle=":", linewidth=0.8)
+        for bk in (table or []):  # what each bucket covers: batch <= B, length <= L (min_length.. if dynamic)
+            top_row = max(i for i, b in enumerate(batches) if b <= bk.batch)
+            lo = bk.min_length if bk.dynamic else 0
+            ax.add_patch(Rectangle((lo, -0.5), bk.length - lo, top_row + 1, fill=False, edgecolor="gray",
+                                   linewidth=0.8, linestyle="--"))
         ax.set_yticks(range(len(batches)))
         ax.set_yticklabels([str(b) for b in batches])
         ax.set_ylabel("batch (rows)")
-        ax.set_xlabel("length (frames); dotted: bucket lengths")
+        ax.set_xlabel("length (frames); dashed outlines: buckets (batch <= B, length <= L)")
         st = report["stages"].get(sm, {})
         ax.set_title(f"{sm}: {st.get('calls', 0)} calls, {st.get('fallbacks', 0)} eager fallbacks")
         fig.colorbar(im, ax=ax, label="calls")

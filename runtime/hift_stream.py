@@ -37,12 +37,19 @@ class _Job:
     result: torch.Tensor | None = None
 
 
+WINDOW_STEP = 16  # decode windows are rounded up to a multiple of this many frames when history allows
+
+
 class HiFTStream:
     """One request's streaming state. `push` returns the new samples [1, m] of that chunk."""
 
     def __init__(self, hift: HiFT, context_frames: int | None = None):
         self.hift = hift
-        self.context_frames = hift.decode_left_context() if context_frames is None else int(context_frames)
+        # history kept for the conv stack: its receptive field plus WINDOW_STEP - 1 spare frames, so decode windows
+        # can be rounded up to a multiple of WINDOW_STEP with real history (exact, and few distinct shapes: cuDNN
+        # plans and CUDA graphs are per shape)
+        self.min_context = hift.decode_left_context() if context_frames is None else int(context_frames)
+        self.context_frames = self.min_context + WINDOW_STEP - 1
         h = hift.harmonics
         dev = hift.sine_waves.device
         self.mel = torch.zeros(1, hift.cfg.in_channels, 0, device=dev)  # frames [mel_start, frames)
@@ -166,8 +173,11 @@ def push_batch(streams: list[HiFTStream], chunks: list[torch.Tensor], finalize_f
         first = s.emitted // spf
         if out_end * spf <= s.emitted or s.frames == 0:
             continue
-        lo = max(0, first - s.context_frames)
         hi = s.frames if fin else s.frames - look_f0
+        lo = max(0, first - s.min_context)
+        rounded = hi - -(-(hi - lo) // WINDOW_STEP) * WINDOW_STEP
+        if rounded >= max(s.mel_start, s.f0_start):
+            lo = rounded
         dec_jobs.append(_Job(s, fin, lo, hi, skip=s.emitted - lo * spf))
         s.last_decode_window_frames = hi - lo
 
@@ -189,3 +199,21 @@ def push_batch(streams: list[HiFTStream], chunks: list[torch.Tensor], finalize_f
         s._trim()
         out.append(new)
     return out
+
+
+@torch.no_grad()
+def warm_decode_windows(hift: HiFT, max_frames: int = 416, batches=(1, 2, 4, 8)) -> int:
+    """Run the conv stack once at every rounded window length (and batch) a stream can produce, so that cuDNN's
+    per-shape planning (tens of ms per new shape on an H200) happens at load, not on a request's first chunk.
+    Returns the number of shapes warmed."""
+    dev = hift.sine_waves.device
+    spf = hift.samples_per_frame
+    n = 0
+    for frames in range(WINDOW_STEP, max_frames + 1, WINDOW_STEP):
+        for b in batches:
+            for fin in (False, True):
+                mel = torch.full((b, hift.cfg.in_channels, frames), -4.0, device=dev)
+                src = torch.zeros(b, 1, frames * spf, device=dev)
+                hift.decode(mel, src, finalize=fin)
+                n += 1
+    return n

@@ -71,7 +71,11 @@ def build_modules(config: CosyVoice3Config, device: str | torch.device = "cpu"):
     from .llm import CosyVoice3LM
 
     with torch.device(device):
-        return CosyVoice3LM(config.llm).eval(), Flow(config.flow).eval(), HiFT(config.hift).eval()
+        mods = CosyVoice3LM(config.llm).eval(), Flow(config.flow).eval(), HiFT(config.hift).eval()
+    if torch.device(device).type != "meta":  # fixed-noise buffers are drawn on the CPU: move them too
+        for m in mods:
+            m.to(device)
+    return mods
 
 
 def hash_files(paths: list[str]) -> str:

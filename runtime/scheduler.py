@@ -298,6 +298,10 @@ class Scheduler:
                 kv *= 2
             rungs.append(self.ar_max_len)
             self.decode_graphs = DecodeGraphs(self.lm, batches, rungs, self.slots.scratch_slot, self.device)
+        if torch.device(self.device).type == "cuda":
+            from .hift_stream import warm_decode_windows
+
+            warm_decode_windows(self.hift, batches=tuple(b for b in (1, 2, 4, 8, 16) if b <= cfg.hift_max_batch))
 
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)   # backpressure: in_flight < max_in_flight

@@ -25,7 +25,8 @@ ORT_PROFILE = {
     "model": "tiny", "dtype": "float32", "max_padding_waste": 1.5,
     "stages": {"dit": {"stream": {"batch": [2, 4], "frames": [64, 128]},
                        "offline": {"batch": [2], "frames": [128, 288]}},
-               "hift": {"offline": {"batch": [1, 2], "frames": [64, 128]}}},
+               "hift": {"offline": {"batch": [1, 2], "frames": [64, 128]}},
+               "ar": {"max_seq_len": 512, "decode_batch": [1, 2]}},
 }
 AOTI_PROFILE = {
     "model": "tiny", "dtype": "float32", "max_padding_waste": 1.5,
@@ -150,6 +151,19 @@ def test_manifest_round_trip_and_refusals(models, ort_set, tmp_path):
         Manifest.load(folder)
     with pytest.raises(EngineSetError, match="no manifest.json"):
         Manifest.load(str(tmp_path))
+
+
+def test_ar_trtllm_export_and_commands_recorded(ort_set):
+    m = Manifest.load(ort_set)
+    convert, build = m.commands["trtllm"]
+    assert "from_hugging_face" in convert and build.startswith("trtllm-build --checkpoint_dir ")
+    for flag in ("--max_batch_size 2", "--max_seq_len 512", "--gemm_plugin bfloat16"):
+        assert flag in build
+    assert m.commands["trtllm_built"] is False and "tensorrt_llm" in m.commands["trtllm_note"]
+    hf = os.path.join(ort_set, m.commands["ar_hf_checkpoint"])
+    with open(os.path.join(hf, "config.json")) as f:
+        assert json.load(f)["vocab_size"] % 128 == 0
+    assert os.path.isfile(os.path.join(hf, "model.safetensors"))
 
 
 def test_inspect_prints_table(ort_set, capsys):

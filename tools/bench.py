@@ -24,7 +24,7 @@ H200_BF16_FLOPS = 790e12
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--suite", default="micro,e2e", help="comma list of micro, e2e, serving")
+    p.add_argument("--suite", default="micro,parity,e2e,serving", help="comma list of micro, parity, e2e, serving")
     p.add_argument("--out", required=True, help="folder for results.json (and plots)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", default="full", help="'full' (random full-size weights) or 'tiny'")
@@ -209,6 +209,50 @@ def bench_hift(hift, device, quick: bool) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------ CUDA-graph replay vs eager, every bucket
+
+def graph_parity(cfg, llm, flow, hift, device, profile_name: str) -> list[dict]:
+    """For every static DiT/HiFT bucket of the graph profile: graph replay vs the eager module at that shape."""
+    from ..engines.cudagraph import example_from_templates
+    from ..runtime.cuda_graphs import GraphCache
+    from ..runtime.dit import FixedModeDiT
+    from ..runtime.profile import load_profile
+
+    prof = load_profile(profile_name)
+    dit = flow.estimator
+    dtype = next(dit.parameters()).dtype
+    c = dit.cfg
+    names = ["x", "mask", "mu", "t", "spks", "cond"]
+    tpl = {"x": ["B", c.mel_dim, "T"], "mask": ["B", 1, "T"], "mu": ["B", c.mu_dim, "T"], "t": ["B"],
+           "spks": ["B", c.spk_dim], "cond": ["B", c.mel_dim, "T"]}
+    rows = []
+    for mode in ("stream", "offline"):
+        fn = FixedModeDiT(dit, mode == "stream")
+        g = GraphCache(fn, device)
+        make = example_from_templates(tpl, names, {n: dtype for n in names}, device)
+        for b in prof.buckets("dit", mode):
+            args = make(b)
+            with torch.inference_mode():
+                ref = fn(*args).float()
+                g.capture(b.key, args)
+                out = g.run(b.key, *args).float()
+            rows.append({"bucket": b.key, "max_abs_err": float((out - ref).abs().max()),
+                         "ref_max": float(ref.abs().max())})
+        del g
+    hfn = lambda mel: hift.inference(mel, finalize=True)[0]  # noqa: E731
+    g = GraphCache(hfn, device)
+    for b in prof.buckets("hift", "offline"):
+        mel = torch.randn(b.batch, 80, b.length, device=device) - 4.0
+        with torch.inference_mode():
+            ref = hfn(mel)
+            g.capture(b.key, (mel,))
+            out = g.run(b.key, mel)
+        rows.append({"bucket": b.key, "max_abs_err": float((out - ref).abs().max()), "ref_max": float(ref.abs().max())})
+    worst = max(r["max_abs_err"] for r in rows)
+    _log(f"graph parity: {len(rows)} buckets, worst max |graph - eager| = {worst:.3e}")
+    return rows
+
+
 # ------------------------------------------------------------------ end to end (c1)
 
 def bench_e2e(cfg, llm, flow, hift, device, quick: bool) -> list[dict]:
@@ -264,6 +308,8 @@ def run(args) -> int:
         b.section("ar", lambda: bench_ar(llm, args.device, args.quick))
         b.section("dit", lambda: bench_dit(flow, args.device, dtype, args.quick))
         b.section("hift", lambda: bench_hift(hift, args.device, args.quick))
+    if "parity" in suites:
+        b.section("graph_parity", lambda: graph_parity(cfg, llm, flow, hift, args.device, args.graph_profile))
     if "e2e" in suites:
         b.section("e2e", lambda: bench_e2e(cfg, llm, flow, hift, args.device, args.quick))
     if "serving" in suites:

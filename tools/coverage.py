@@ -44,12 +44,12 @@ def format_report(r: dict) -> str:
     for sm, st in r["stages"].items():
         rows = []
         for b in st["buckets"]:
-            rows.append([b["key"], b["calls"], _f(100 * b["share_of_calls"], ".1f"), _f(100 * b["share_of_work"], ".1f"),
-                         _f(b["waste"]["mean"]), _f(b["waste"]["p95"]), _f(b["waste"]["max"]), _f(b["seconds"]),
-                         ""])
+            rows.append([b["key"], b["calls"], _f(100 * b["share_of_calls"], ".1f"),
+                         _f(100 * b["share_of_work"], ".1f"), _f(b["waste"]["mean"]), _f(b["waste"]["p95"]),
+                         _f(b["waste"]["max"]), _f(b["seconds"]), ""])
         time_share = 100 * st["fallback_time_share"]
-        rows.append(["eager fallback", st["fallbacks"], _f(100 * st["fallbacks"] / st["calls"] if st["calls"] else 0,
-                                                            ".1f"),
+        calls_pct = 100 * st["fallbacks"] / st["calls"] if st["calls"] else 0.0
+        rows.append(["eager fallback", st["fallbacks"], _f(calls_pct, ".1f"),
                      _f(100 * st["fallback_work_share"], ".1f"), "-", "-", "-", _f(st["fallback_seconds"]),
                      _f(time_share, ".1f")])
         title = (f"\n{sm}: {st['calls']} calls, padding waste mean {_f(st['waste']['mean'])} p95 "
@@ -91,7 +91,8 @@ def run(args) -> int:
         reqs, source = load_workload(args.workload), args.workload
     else:
         reqs = default_matrix(args.scale, quick=args.quick)
-        source = "matrix default" + (" (quick)" if args.quick else "") + (f" x{args.scale:g}" if args.scale != 1 else "")
+        source = ("matrix default" + (" (quick)" if args.quick else "")
+                  + (f" x{args.scale:g}" if args.scale != 1 else ""))
     report = run_coverage(args.engines, reqs, model=args.model, device=args.device, out_dir=args.out, source=source,
                           timeout_s=args.timeout, progress=not args.quiet and not args.json,
                           waste_target=args.waste_target or None)

@@ -21,6 +21,12 @@ def add_arguments(p) -> None:
     p.add_argument("--queue-timeout-s", type=float, default=30.0, help="longest wait for a slot (503 then)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0, help="shutdown waits this long for requests")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--cluster", default=None, choices=["ray"],
+                   help="run the stages as Ray Serve deployments (needs the 'cluster' extra: pip install "
+                        "'cosytrt[cluster]')")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="with --cluster ray: placement / sizing YAML (e.g. profiles/cluster-example.yaml); its "
+                        "'server' section overrides the flags above (default: one CPU replica per stage)")
 
 
 def run(args) -> int:
@@ -33,6 +39,21 @@ def run(args) -> int:
         print(f"trtbuild serve: error: the server needs the Python package(s) {', '.join(missing)}, which are not "
               f"installed (pip install 'cosytrt[serve]')", file=sys.stderr)
         return 2
+    if args.cluster is None and args.config is not None:
+        print("trtbuild serve: error: --config is the cluster placement file: it needs --cluster ray", file=sys.stderr)
+        return 2
+    if args.cluster == "ray":
+        from ..runtime.cluster import CLUSTER_EXTRA, missing_cluster_packages
+
+        missing = missing_cluster_packages()
+        if missing:
+            print(f"trtbuild serve: error: --cluster ray needs the Python package {', '.join(missing)} (Ray Serve), "
+                  f"which is not installed (pip install '{CLUSTER_EXTRA}')", file=sys.stderr)
+            return 2
+        if args.engines is not None or args.device != "cpu":
+            print("trtbuild serve: error: with --cluster ray, engines and devices are set per stage in the cluster "
+                  "config (--config FILE)", file=sys.stderr)
+            return 2
     kw = {}
     if args.voices_dir:
         kw["voices_dir"] = args.voices_dir
@@ -42,4 +63,8 @@ def run(args) -> int:
                               max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                               queue_timeout_s=args.queue_timeout_s, drain_timeout_s=args.drain_timeout_s,
                               log_level=args.log_level, **kw)
+    if args.cluster == "ray":
+        from ..runtime.cluster import serve_cluster
+
+        return serve_cluster(args.config, settings)
     return serve(settings)
