@@ -39,7 +39,7 @@ class StageConfig:
 
     replicas: int = 1
     autoscaling: dict | None = None        # Ray Serve autoscaling_config (min_replicas, max_replicas, ...)
-    num_cpus: float = 1.0
+    num_cpus: float = 0.5                 # a Ray scheduling reservation, not a limit
     num_gpus: float = 0.0
     device: str = "cpu"
     dtype: str | None = None               # LM / flow dtype (HiFT stays float32); None: float32
