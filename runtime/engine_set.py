@@ -23,14 +23,29 @@ class LoadedEngineSet:
         self.runners = {}
         self.tables = {}
         for spec in self.manifest.engines:
-            self.runners[(spec.stage, spec.mode)] = open_runner(spec, folder, device)
-            self.tables[(spec.stage, spec.mode)] = BucketTable([parse_key(k) for k in spec.buckets], waste)
+            runner = open_runner(spec, folder, device)
+            buckets = [parse_key(k) for k in spec.buckets]
+            if spec.backend == "aoti" and str(device).startswith("cuda"):
+                runner = _graphed(runner, spec, buckets, device)
+            self.runners[(spec.stage, spec.mode)] = runner
+            self.tables[(spec.stage, spec.mode)] = BucketTable(buckets, waste)
         self.stats = ShapeStats()
 
     def stage(self, stage: str) -> tuple[dict, dict]:
         runners = {m: r for (s, m), r in self.runners.items() if s == stage}
         tables = {m: t for (s, m), t in self.tables.items() if s == stage}
         return runners, tables
+
+
+def _graphed(runner, spec, buckets, device):
+    """An AOTInductor package on CUDA, captured once per static bucket (loaded with run_single_threaded=True)."""
+    from ..engines.base import torch_dtype
+    from ..engines.cudagraph import CudaGraphRunner, example_from_templates
+
+    dt = torch_dtype(spec.dtype) if spec.stage == "dit" else torch.float32
+    example = example_from_templates(spec.extra["input_shapes"], spec.input_names,
+                                     {n: dt for n in spec.input_names}, device)
+    return CudaGraphRunner(lambda *args: runner.model(*args), spec, device, buckets, example)
 
 
 def attach_engine_set(pipeline, folder: str) -> LoadedEngineSet:

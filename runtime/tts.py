@@ -50,12 +50,23 @@ class TTS:
 
     @classmethod
     def load(cls, model: str = "tiny", engines: str | None = None, device: str = "cpu",
-             dtype: torch.dtype | None = None, scheduler: SchedulerConfig | None = None) -> "TTS":
+             dtype: torch.dtype | None = None, scheduler: SchedulerConfig | None = None,
+             cuda_graphs: bool | str = True) -> "TTS":
+        """`cuda_graphs` (CUDA only): capture the eager DiT / offline HiFT per bucket of a profile when no engine set
+        is given (True: `h200-graphs` for full-size models, `tiny` otherwise; or a profile name/path). AR decode graphs
+        are the scheduler's (SchedulerConfig.cuda_graphs)."""
         pipeline = Pipeline.load(model, device=device, dtype=dtype)
         if engines is not None:
             from .engine_set import attach_engine_set
 
             attach_engine_set(pipeline, engines)
+        elif cuda_graphs and pipeline.device.type == "cuda":
+            from .engine_set import attach_cuda_graphs
+            from .profile import load_profile
+
+            name = cuda_graphs if isinstance(cuda_graphs, str) else (
+                "h200-graphs" if pipeline.models.config.flow.dit.dim >= 1024 else "tiny")
+            attach_cuda_graphs(pipeline, load_profile(name))
         return cls(pipeline, engines, scheduler)
 
     @property
@@ -124,6 +135,15 @@ class TTS:
             history = list(self._history)
             sched = self._scheduler
         return aggregate(history, sched.stats() if sched is not None else None)
+
+    def export_metrics(self, path: str) -> None:
+        """Write the aggregates and every request's metrics as JSON."""
+        from .metrics import to_json
+
+        with self._lock:
+            history = list(self._history)
+            sched = self._scheduler
+        to_json(history, path, sched.stats() if sched is not None else None)
 
     def close(self, drain_timeout_s: float = 30.0) -> None:
         """Finish in-flight requests (up to `drain_timeout_s`) and stop the scheduler; later calls start a new one."""

@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -103,6 +104,18 @@ def test_cluster_flag_without_ray_exits_2_naming_the_package(monkeypatch, capsys
     assert "--cluster ray needs the Python package ray[serve]" in err and "cosytrt[cluster]" in err
     assert main(["serve", "--config", "x.yaml"]) == 2  # --config alone is a mistake, not ignored
     assert "needs --cluster ray" in capsys.readouterr().err
+
+
+def test_modules_import_without_ray():
+    code = ("import sys\n"
+            "sys.modules['ray'] = None\n"
+            "import cosytrt.runtime.cluster, cosytrt.runtime.cluster_config, cosytrt.runtime.server\n"
+            "import cosytrt.tools.serve, cosytrt.tools.trtbuild\n"
+            "from cosytrt.runtime.cluster import missing_cluster_packages\n"
+            "assert missing_cluster_packages() == ['ray[serve]']\n"
+            "assert not [m for m in sys.modules if m.startswith('ray.')]\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
 
 
 # ------------------------------------------------------------------------------------------------ stages in process

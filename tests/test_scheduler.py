@@ -236,3 +236,21 @@ def test_tts_metrics_include_scheduler_stats(tts):
     m = tts.metrics()
     assert m["requests"] >= 6 and m["stages"]["completed"] >= 6
     assert m["T_AR"]["n"] >= 6 and m["ttfa"]["p50"] is not None
+
+
+def test_export_metrics_json(tmp_path):
+    import json
+
+    from cosytrt.runtime.tts import TTS
+
+    with TTS.load("tiny") as tts:
+        tts.synthesize("Metrics to a file.", seed=0, force_tokens=10)
+        chunks = list(tts.stream("And a stream.", seed=1, force_tokens=30))
+        assert len(chunks) >= 2
+        path = tmp_path / "m.json"
+        tts.export_metrics(str(path))
+    d = json.loads(path.read_text())
+    assert d["aggregate"]["requests"] == 2 and len(d["requests"]) == 2
+    for k in ("T_tokenizer", "T_AR", "T_DiT", "T_vocoder", "T_queue", "ttfa", "rtf"):
+        assert set(d["aggregate"][k]) >= {"p50", "p95", "p99"}
+    assert d["aggregate"]["stages"]["completed"] == 2
