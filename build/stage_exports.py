@@ -39,7 +39,8 @@ def dit_export(dit, streaming: bool, dtype: torch.dtype, device: str) -> StageEx
 
     def dyn(max_batch, min_len, max_len):
         B = torch.export.Dim("batch", min=1, max=max(2, max_batch))
-        T = torch.export.Dim("seq_len", min=max(1, min_len), max=max(2, max_len))
+        lo = max(1, min_len)
+        T = torch.export.Dim("seq_len", min=lo, max=max(lo + 1, max_len))  # a Dim needs min < max
         bt = {0: B, 2: T}
         return {"x": bt, "mask": bt, "mu": bt, "t": {0: B}, "spks": {0: B}, "cond": bt}
 

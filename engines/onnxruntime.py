@@ -36,6 +36,8 @@ def session_options(intra_op_threads: int = 0, inter_op_threads: int = 0, graph_
     if graph_optimization not in levels:
         raise EngineSetError(f"unknown onnxruntime graph_optimization {graph_optimization!r}; one of {sorted(levels)}")
     so.graph_optimization_level = levels[graph_optimization]
+    # no busy-waiting worker threads: they starve torch and the scheduler's threads on small CPU machines
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.log_severity_level = 3
     return so
 

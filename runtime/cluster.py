@@ -524,14 +524,15 @@ class ClusterTTS:
 
     async def _drive(self, req: Request, handle: RequestHandle) -> None:
         m = handle.metrics
-        stage, gen = "frontend", None
+        stage, call = "frontend", None
         try:
             t0 = time.perf_counter()
-            inputs = await self.frontend.prepare.remote(req)
+            call = self.frontend.prepare.remote(req)
+            inputs = await call
             m.t_tokenizer = time.perf_counter() - t0
             stage = "token2wav"
-            gen = self.token2wav.options(stream=True).synthesize.remote(_slim(req), inputs)
-            async for item in gen:
+            call = self.token2wav.options(stream=True).synthesize.remote(_slim(req), inputs)
+            async for item in call:
                 if isinstance(item, dict):
                     m.tokens = int(item.get("tokens", 0))
                     for k in ("t_ar", "t_queue", "t_dit", "t_vocoder"):
@@ -540,9 +541,9 @@ class ClusterTTS:
                     m.mark_chunk(item.size, self.sample_rate)
                     handle._put(item)
             self._done(handle, None)
-        except asyncio.CancelledError:
-            if gen is not None:
-                gen.cancel()
+        except asyncio.CancelledError:  # the client went away: stop the remote calls (token2wav cancels AR)
+            if call is not None:
+                call.cancel()
             self._done(handle, RejectedError(f"request {req.request_id} was cancelled"))
             raise
         except Exception as e:  # noqa: BLE001 - this request fails, with a clear error

@@ -18,9 +18,9 @@ All random draws use one per-request `torch.Generator`, so a seed reproduces the
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Iterator
 
-import numpy as np
 import torch
 
 from .config import NUM_SPECIAL, SILENT_TOKENS, SPEECH_TOKEN_SIZE
@@ -69,46 +69,117 @@ class SamplingParams:
         return g
 
 
-def _nucleus_count(sorted_probs: torch.Tensor, top_p: float, top_k: int) -> int:
-    """How many of the descending probs upstream keeps: while cum_prob < top_p and count < top_k, adding in fp32."""
-    head = sorted_probs[:top_k].float().cpu().numpy()
-    limit = np.float32(top_p)
-    cum, n = np.float32(0.0), 0
-    for p in head:
-        if cum < limit and n < top_k:
-            cum = np.float32(cum + p)
-            n += 1
-        else:
-            break
-    return n
+# ---------------------------------------------------------------- batched RAS on tensors (no host sync)
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of `weights` [B, N] (>= 0, unnormalised) the index i with cdf[i-1] <= u * total < cdf[i], for
+    uniforms `u` [B] in [0, 1): a draw proportional to the weights. Zero-weight entries are never picked (unless a
+    row is all zeros). Returns [B, 1]."""
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=weights.shape[-1] - 1)
 
 
-def nucleus_sample(scores: torch.Tensor, top_p: float, top_k: int, generator: torch.Generator) -> int:
-    probs = scores.softmax(dim=0)
-    sorted_p, sorted_idx = probs.sort(descending=True, stable=True)
-    n = _nucleus_count(sorted_p, top_p, top_k)
-    pick = torch.multinomial(sorted_p[:n], 1, replacement=True, generator=generator)
-    return int(sorted_idx[pick])
+def nucleus_keep(sorted_probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Which of the descending probs [B, N] upstream keeps: position i while the cumulative probability BEFORE it is
+    < top_p and i < top_k (`top_p`, `top_k` [B]). Bool [B, N]; position 0 is always kept."""
+    cum = sorted_probs.cumsum(dim=-1)
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+    pos = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)
+    return (before < top_p[:, None]) & (pos[None] < top_k[:, None])
 
 
-def random_sample(scores: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(scores.softmax(dim=0), 1, replacement=True, generator=generator))
+def ras_select(scores: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, greedy: torch.Tensor,
+               uniforms: torch.Tensor, window: torch.Tensor, repeat_min: torch.Tensor,
+               max_top_k: int | None = None) -> torch.Tensor:
+    """RAS for B rows at once, all tensors on one device, no host sync. Returns the ids [B] (long).
+
+    scores [B, V] float (logits or log-probs, -inf = masked); top_p [B] float; top_k [B] long; greedy [B] bool;
+    uniforms [B, 2] in [0, 1) (column 0: nucleus draw, column 1: repeat resample); window [B, W] long (the row's last
+    win_size sampled ids, padded with -1); repeat_min [B]: the drawn id is resampled when it occurs >= repeat_min
+    times in the window; max_top_k: a bound on top_k (python int) so only that many sorted probs are scanned.
+    Greedy rows take the argmax. Otherwise inverse-CDF nucleus sampling; a repeated id is masked and an id is drawn
+    from the full softmax of what is left (upstream `ras_sampling`)."""
+    probs = scores.softmax(dim=-1)
+    sorted_p, sorted_idx = probs.sort(dim=-1, descending=True, stable=True)
+    k = sorted_p.shape[-1] if max_top_k is None else min(max_top_k, sorted_p.shape[-1])
+    head = sorted_p[:, :k]
+    head = head * nucleus_keep(head, top_p, top_k)
+    nucleus_id = sorted_idx.gather(1, _inverse_cdf(head, uniforms[:, 0]))                       # [B, 1]
+    repeated = (window == nucleus_id).sum(dim=-1, keepdim=True) >= repeat_min[:, None]
+    rest = scores.scatter(1, nucleus_id, float("-inf")).softmax(dim=-1)
+    resample_id = _inverse_cdf(rest, uniforms[:, 1])
+    ids = torch.where(repeated, resample_id, nucleus_id)
+    ids = torch.where(greedy[:, None], scores.argmax(dim=-1, keepdim=True), ids)
+    return ids[:, 0]
+
+
+def _repeat_min(params: SamplingParams) -> int:
+    """Smallest repeat count that triggers the resample: count >= win_size * tau_r (exact for integer counts)."""
+    return math.ceil(params.win_size * params.tau_r)
+
+
+def _draw_uniforms(generator: torch.Generator) -> torch.Tensor:
+    """The two uniforms [2] one sampling step takes from a request's stream (drawn for greedy rows too)."""
+    return torch.rand(2, generator=generator, device=generator.device).to("cpu")
+
+
+# Host-side inputs of one row, uploaded as one float32 tensor [B, _WINDOW + W] (ids < 2**24 are exact in float32).
+_U_NUCLEUS, _U_RESAMPLE, _TOP_P, _TOP_K, _REPEAT_MIN, _GREEDY, _STOP_MODE, _WINDOW = range(8)
+
+
+def _row_params(params: SamplingParams, history: list[int], stop_mode: int, width: int) -> list[float]:
+    """Columns _TOP_P.._STOP_MODE and the RAS window (the last win_size ids, left-padded with -1 to `width`)."""
+    window = history[-params.win_size:] if history else []
+    return ([params.top_p, params.top_k, _repeat_min(params), params.greedy, stop_mode]
+            + [-1] * (width - len(window)) + window)
+
+
+def _upload_rows(uniforms: torch.Tensor, params_rows: list[list[float]], device: torch.device) -> torch.Tensor:
+    """[B, 2] uniforms + per-row params → one device tensor, without a host sync (pinned + non-blocking on CUDA)."""
+    host = torch.cat([uniforms, torch.tensor(params_rows, dtype=torch.float32)], dim=1)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _select(scores: torch.Tensor, rows: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """`ras_select` with its inputs read from the uploaded row tensor."""
+    return ras_select(scores, rows[:, _TOP_P], rows[:, _TOP_K].long(), rows[:, _GREEDY] > 0,
+                      rows[:, _U_NUCLEUS:_U_RESAMPLE + 1], rows[:, _WINDOW:].long(), rows[:, _REPEAT_MIN], max_top_k)
 
 
 def ras_sample(logits: torch.Tensor, history: list[int], params: SamplingParams, generator: torch.Generator) -> int:
-    """One id from `logits` [V] (logits or log-probs; -inf = masked). Greedy: argmax. Otherwise nucleus sampling;
-    if the drawn id occurs >= win_size * tau_r times in the last win_size ids of `history`, its score is set to
-    -inf and an id is drawn from the full softmax (upstream `ras_sampling`)."""
-    scores = logits.float()
-    if params.greedy:
-        return int(scores.argmax())
-    top_id = nucleus_sample(scores, params.top_p, params.top_k, generator)
-    window = history[-params.win_size:]
-    if sum(1 for t in window if t == top_id) >= params.win_size * params.tau_r:
-        scores = scores.clone()
-        scores[top_id] = float("-inf")
-        top_id = random_sample(scores, generator)
-    return top_id
+    """One id from `logits` [V] (logits or log-probs; -inf = masked): `ras_select` for one row, taking two uniforms
+    from `generator`. Greedy: argmax (the uniforms are still drawn)."""
+    scores = logits.float()[None]
+    rows = _upload_rows(_draw_uniforms(generator)[None], [_row_params(params, history, 0, params.win_size)],
+                        scores.device)
+    return int(_select(scores, rows, params.top_k)[0])
+
+
+def nucleus_sample(scores: torch.Tensor, top_p: float, top_k: int, generator: torch.Generator) -> int:
+    """One id from the nucleus of `scores` [V] (inverse CDF, one uniform from `generator`)."""
+    probs = scores.float().softmax(dim=0)[None]
+    sorted_p, sorted_idx = probs.sort(dim=-1, descending=True, stable=True)
+    head = sorted_p[:, :top_k]
+    head = head * nucleus_keep(head, torch.tensor([top_p], device=head.device),
+                               torch.tensor([top_k], device=head.device))
+    u = torch.rand(1, generator=generator, device=generator.device).to(head.device)
+    return int(sorted_idx.gather(1, _inverse_cdf(head, u))[0, 0])
+
+
+def random_sample(scores: torch.Tensor, generator: torch.Generator) -> int:
+    """One id from the full softmax of `scores` [V] (inverse CDF, one uniform from `generator`)."""
+    probs = scores.float().softmax(dim=0)[None]
+    u = torch.rand(1, generator=generator, device=generator.device).to(probs.device)
+    return int(_inverse_cdf(probs, u)[0, 0])
+
+
+# ---------------------------------------------------------------- per-request policy
+
+_NO_STOP_MASK, _MASK_FIRST_STOP, _MASK_ALL_STOPS = 0, 1, 2
 
 
 class TokenPolicy:
@@ -116,7 +187,9 @@ class TokenPolicy:
 
     `step(logits)` samples the next id and returns `(token, finished)`: `token` is the id to emit, or None when
     the sampled id was a stop id or a dropped silent token. While not finished, `next_input` is the id to feed back
-    to the LM (the sampled one, even when it was dropped from the output)."""
+    to the LM (the sampled one, even when it was dropped from the output). `step` is `sample_batch` for one row;
+    `accept(id)` is its host-side bookkeeping. Random draws: two uniforms per step from the request's own CPU
+    generator (seeded by `params.seed`), so a request's tokens do not depend on the rows batched with it."""
 
     def __init__(self, text_len: int, params: SamplingParams | None = None,
                  speech_token_size: int = SPEECH_TOKEN_SIZE, num_special: int = NUM_SPECIAL,
@@ -138,36 +211,51 @@ class TokenPolicy:
         self.silent_run = 0
         self.finished = False
         self.next_input: int | None = None
-        self.generator: torch.Generator | None = None
+        self.generator: torch.Generator | None = None   # CPU, created on the first draw
 
     @property
     def num_sampled(self) -> int:
         return len(self.history)
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if self.generator is None or self.generator.device != device:
-            self.generator = self.params.make_generator(device)
+    def _generator(self) -> torch.Generator:
+        if self.generator is None:
+            self.generator = self.params.make_generator("cpu")
         return self.generator
+
+    def stop_mask_mode(self) -> int:
+        """0: no stop id masked; 1: only `speech_token_size` (upstream ignore_eos quirk); 2: every stop id."""
+        if self.params.force_tokens is not None or (self.mask_all_stops_before_min and self.num_sampled < self.min_len):
+            return _MASK_ALL_STOPS
+        if self.num_sampled < self.min_len:
+            return _MASK_FIRST_STOP   # upstream ignore_eos quirk (see module docstring)
+        return _NO_STOP_MASK
+
+    def _check_logits(self, width: int) -> None:
+        if width != self.vocab:
+            raise InputError(f"TokenPolicy: logits have {width} entries, expected {self.vocab}")
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """Log-probs [V] with the ids not allowed at this step set to -inf."""
-        if logits.shape[-1] != self.vocab:
-            raise InputError(f"TokenPolicy: logits have {logits.shape[-1]} entries, expected {self.vocab}")
+        self._check_logits(logits.shape[-1])
         logp = logits.float().log_softmax(dim=-1)
-        if self.params.force_tokens is not None or (self.mask_all_stops_before_min and self.num_sampled < self.min_len):
+        mode = self.stop_mask_mode()
+        if mode == _MASK_ALL_STOPS:
             logp[self.speech_token_size:] = float("-inf")
-        elif self.num_sampled < self.min_len:
-            logp[self.speech_token_size] = float("-inf")   # upstream ignore_eos quirk (see module docstring)
+        elif mode == _MASK_FIRST_STOP:
+            logp[self.speech_token_size] = float("-inf")
         return logp
 
     def step(self, logits: torch.Tensor) -> tuple[int | None, bool]:
+        """Sample and accept one id from `logits` [V] (exactly what `sample_batch` does for this row)."""
+        if logits.dim() != 1:
+            raise InputError(f"TokenPolicy.step: logits must be [V], got shape {tuple(logits.shape)}")
+        return sample_batch(logits[None], [self])[0]
+
+    def accept(self, tok: int) -> tuple[int | None, bool]:
+        """Book-keep the sampled id `tok`: stop ids finish the request; length limits; silent-run filter.
+        Returns `(token to emit or None, finished)`."""
         if self.finished:
-            raise InputError("TokenPolicy.step called after the request finished")
-        if self.num_sampled >= self.max_len:
-            self.finished = True
-            return None, True
-        logp = self.mask(logits)
-        tok = ras_sample(logp, self.history, self.params, self._generator(logp.device))
+            raise InputError("TokenPolicy.accept called after the request finished")
         if tok >= self.speech_token_size:
             self.finished = True
             self.next_input = None
@@ -187,6 +275,53 @@ class TokenPolicy:
         if self.num_sampled >= self.max_len:
             self.finished = True
         return emit, self.finished
+
+
+def sample_ids(logits: torch.Tensor, policies: list[TokenPolicy]) -> list[int]:
+    """The next id of every row of `logits` [B, V] (row i belongs to `policies[i]`): stop masks, RAS with each row's
+    own top_p / top_k / greedy / window and two uniforms from its own generator, in one set of tensor ops and ONE
+    host sync (the final `.tolist()`). Does not touch the policies' bookkeeping (that is `TokenPolicy.accept`)."""
+    _check_batch("sample_ids", logits, policies)
+    if not policies:
+        return []
+    for p in policies:
+        if p.finished:
+            raise InputError("TokenPolicy: sampling requested after the request finished")
+        p._check_logits(logits.shape[1])
+    stop = policies[0].speech_token_size
+    if any(p.speech_token_size != stop for p in policies):
+        raise InputError(f"sample_ids: policies disagree on speech_token_size "
+                         f"{sorted({p.speech_token_size for p in policies})}")
+    width = max(p.params.win_size for p in policies)
+    uniforms = torch.stack([_draw_uniforms(p._generator()) for p in policies])
+    dev = logits.device
+    rows = _upload_rows(uniforms, [_row_params(p.params, p.history, p.stop_mask_mode(), width) for p in policies], dev)
+    mode = rows[:, _STOP_MODE:_STOP_MODE + 1]
+    col = torch.arange(logits.shape[1], device=dev)[None]
+    masked = ((mode == _MASK_ALL_STOPS) & (col >= stop)) | ((mode == _MASK_FIRST_STOP) & (col == stop))
+    scores = logits.float().masked_fill(masked, float("-inf"))
+    return _select(scores, rows, max(p.params.top_k for p in policies)).tolist()
+
+
+def sample_batch(logits: torch.Tensor, policies: list[TokenPolicy]) -> list[tuple[int | None, bool]]:
+    """One decode step for B requests: `sample_ids` (one host sync), then each policy's `accept`. A row already at
+    max_len finishes without a draw. Returns `(token to emit or None, finished)` per row."""
+    _check_batch("sample_batch", logits, policies)
+    live = [i for i, p in enumerate(policies) if p.finished or p.num_sampled < p.max_len]
+    ids = sample_ids(logits if len(live) == len(policies) else logits[live], [policies[i] for i in live])
+    out: list[tuple[int | None, bool]] = [(None, True)] * len(policies)
+    for p in policies:
+        if not p.finished and p.num_sampled >= p.max_len:
+            p.finished = True
+    for i, tok in zip(live, ids):
+        out[i] = policies[i].accept(tok)
+    return out
+
+
+def _check_batch(what: str, logits: torch.Tensor, policies: list[TokenPolicy]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(policies):
+        raise InputError(f"{what}: logits must be [{len(policies)}, V] for {len(policies)} policies, "
+                         f"got shape {tuple(logits.shape)}")
 
 
 def generate(lm, lm_input: torch.Tensor, text_len: int, params: SamplingParams | None = None,

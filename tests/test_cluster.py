@@ -299,6 +299,27 @@ def test_cluster_errors_come_back_unwrapped(cluster):
     assert r.status_code == 404 and r.json()["error"]["code"] == "voice_not_found"
 
 
+def test_client_disconnect_cancels_the_request_on_every_stage(cluster):
+    before = cluster.ar.stats.remote().result()
+    with cluster.client.stream("POST", "/v1/audio/speech", json={
+            "model": "cosyvoice3", "input": TEXT, "voice": "default", "response_format": "pcm",
+            "stream_format": "sse", "seed": 5, "force_tokens": 1200}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # the first chunk is here; leaving the block drops the connection
+    deadline = time.monotonic() + 60
+    while True:
+        ar = cluster.ar.stats.remote().result()
+        t2w = _replicas(cluster.token2wav, 2)
+        if ar["in_flight"] == 0 and sum(i["in_flight"] for i in t2w.values()) == 0:
+            break
+        assert time.monotonic() < deadline, (ar, t2w)
+        time.sleep(0.1)
+    assert ar["cancelled"] == before["cancelled"] + 1 and ar["completed"] == before["completed"]
+    assert ar["ar"]["decode_steps"] - before["ar"]["decode_steps"] < 1000  # stopped long before 1200 tokens
+
+
 def _replicas(handle, want: int, avoid: str | None = None, timeout: float = 90.0) -> dict:
     """{replica name: info} once `want` distinct live replicas (none named `avoid`) have answered."""
     seen: dict = {}
@@ -317,7 +338,7 @@ def _replicas(handle, want: int, avoid: str | None = None, timeout: float = 90.0
 
 
 def test_killing_a_token2wav_replica_fails_only_its_requests(cluster, reference):
-    n, force = 4, 1200  # long requests (tens of seconds of audio), so all are in flight when the replica dies
+    n, force = 4, 800  # long requests (half a minute of audio), so all are in flight when the replica dies
     bodies = [dict(input=f"Long request number {i}.", seed=100 + i, force_tokens=force) for i in range(n)]
     pool = ThreadPoolExecutor(n)
     futures = [pool.submit(speech, cluster.client, **b) for b in bodies]
