@@ -17,3 +17,15 @@ def _cosytrt_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def golden_dir():
     return GOLDEN_DIR
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The tiny model runs as fast on one thread, and a busy 2-core machine slows multi-threaded torch next to ONNX
+    Runtime's worker threads by up to 5x."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

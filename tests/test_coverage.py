@@ -36,14 +36,7 @@ WORKLOAD = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """The tiny model runs as fast on one thread, and a busy 2-core machine slows multi-threaded torch next to ONNX
-    Runtime's spinning workers by up to 5x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
