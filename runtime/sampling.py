@@ -13,12 +13,18 @@ Upstream quirk, reproduced on purpose: before min_len, `sampling_ids(ignore_eos=
 sampleable, so a request can stop before min_len. `TokenPolicy(..., mask_all_stops_before_min=True)` masks every
 stop id instead.
 
-All random draws use one per-request `torch.Generator`, so a seed reproduces the output (on the same device).
+Batched: `sample_batch(logits [B, V], policies)` samples every running row in one set of tensor ops with ONE host
+sync (`ras_select` does the RAS on tensors; per-row top_p / top_k / greedy / window are [B] tensors), then each
+`TokenPolicy.accept` does the light per-row bookkeeping. `TokenPolicy.step` is `sample_batch` for one row, so the
+single-request loop (`generate`) and the scheduler give the same tokens. Draws are inverse-CDF with two uniforms per
+row per step (nucleus draw, repeat resample) from the request's own CPU `torch.Generator` (seeded by
+`SamplingParams.seed`): a request's random stream does not depend on the rows batched with it. The draws differ from
+upstream's `torch.multinomial` stream; the distribution and the RAS semantics are upstream's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -131,7 +137,7 @@ _U_NUCLEUS, _U_RESAMPLE, _TOP_P, _TOP_K, _REPEAT_MIN, _GREEDY, _STOP_MODE, _WIND
 
 def _row_params(params: SamplingParams, history: list[int], stop_mode: int, width: int) -> list[float]:
     """Columns _TOP_P.._STOP_MODE and the RAS window (the last win_size ids, left-padded with -1 to `width`)."""
-    window = history[-params.win_size:] if history else []
+    window = history[-params.win_size:]
     return ([params.top_p, params.top_k, _repeat_min(params), params.greedy, stop_mode]
             + [-1] * (width - len(window)) + window)
 

@@ -4,10 +4,10 @@
 Every stage is one worker thread fed by a queue (the frontend is a small thread pool):
 
 * AR: each request owns one static KV-cache slot (`KVSlots`). Every iteration admits waiting requests (one batched
-  prefill of rows of different lengths), runs ONE `lm.decode` for all running rows and one `TokenPolicy.step` per row.
-  Finished rows free their slot at once; new requests join at the next step. A streaming request emits a DiT job
-  whenever its hop schedule fires (`StreamState.ready`), and a final job when the LM stops; an offline request emits
-  one final job.
+  prefill of rows of different lengths), runs ONE `lm.decode` for all running rows and ONE `sample_batch` for them
+  (one host sync). Finished rows free their slot at once; new requests join at the next step. A streaming request
+  emits a DiT job whenever its hop schedule fires (`StreamState.ready`), and a final job when the LM stops; an
+  offline request emits one final job.
 * DiT: takes ready jobs of one kind ((streaming, finalize) = (True, False) for hops, (False, True) for finals),
   length-grouped, at most `dit_max_requests`, waiting at most `dit_max_wait_ms` after the oldest job was queued (and
   only while the AR can still produce jobs), and runs ONE `flow.inference_batch` per group. Jobs from requests in
@@ -42,7 +42,7 @@ from .flow import FlowInput
 from .hift_stream import push_batch
 from .kv_slots import KVSlots
 from .request import Request, RequestMetrics, prepare_inputs
-from .sampling import TokenPolicy
+from .sampling import TokenPolicy, sample_batch
 from .token2wav import HOP_SCALE, LOOKAHEAD, TOKEN_MAX_HOP, StreamState
 
 _KV_LEN_STEP = 256  # decode attends to the cache rounded up to this many positions
@@ -612,11 +612,30 @@ class Scheduler:
             st["ar_max_decode_batch"] = max(st["ar_max_decode_batch"], len(rows))
             st["ar_batched_decode_steps"] += len(rows) > 1
 
-    def _sample(self, results: list[tuple[_Req, torch.Tensor]], t0: float, jobs: list) -> None:
-        """One TokenPolicy step per row; queue hop / final DiT jobs; free the slots of finished rows."""
+    def _policy_steps(self, results: list[tuple[_Req, torch.Tensor]]) -> list[tuple[_Req, int | None, bool]]:
+        """One `sample_batch` for all rows (one host sync); if it raises, `TokenPolicy.step` row by row so only
+        failing rows fail. Returns (row, token or None, finished) for the rows that did not fail."""
+        if not results:
+            return []
+        try:
+            steps = sample_batch(torch.stack([logits for _, logits in results]), [r.policy for r, _ in results])
+            return [(r, tok, done) for (r, _), (tok, done) in zip(results, steps)]
+        except Exception as e:
+            if len(results) == 1:
+                self._fail_ar(results[0][0], e)
+                return []
+        out = []
         for r, logits in results:
             try:
-                tok, done = r.policy.step(logits)
+                out.append((r, *r.policy.step(logits)))
+            except Exception as e:
+                self._fail_ar(r, e)
+        return out
+
+    def _sample(self, results: list[tuple[_Req, torch.Tensor]], t0: float, jobs: list) -> None:
+        """One batched sampling step for all rows; queue hop / final DiT jobs; free the slots of finished rows."""
+        for r, tok, done in self._policy_steps(results):
+            try:
                 if tok is not None:
                     r.tokens.append(tok)
                     if r.state is not None and r.state.ready(len(r.tokens)):

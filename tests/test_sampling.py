@@ -1,4 +1,5 @@
-"""RAS sampling, TokenPolicy (length limits, stop ids, upstream quirk, silent runs, force_tokens) and generate()."""
+"""RAS sampling (single and batched: sample_batch == each row alone, one host sync), TokenPolicy (length
+limits, stop ids, upstream quirk, silent runs, force_tokens) and generate()."""
 import os
 
 import pytest
@@ -7,7 +8,8 @@ import torch
 from cosytrt.runtime.config import SILENT_TOKENS, config_from_golden_json
 from cosytrt.runtime.errors import InputError
 from cosytrt.runtime.llm import CosyVoice3LM
-from cosytrt.runtime.sampling import MAX_SILENT_RUN, SamplingParams, TokenPolicy, generate, ras_sample
+from cosytrt.runtime.sampling import (MAX_SILENT_RUN, SamplingParams, TokenPolicy, generate, nucleus_keep, ras_sample,
+                                      sample_batch, sample_ids)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 V = 6761
@@ -20,43 +22,85 @@ def _peaked(token: int, high: float = 30.0) -> torch.Tensor:
     return x
 
 
-# ---------------------------------------------------------------- ras_sample
+# ---------------------------------------------------------------- ras_sample / ras_select semantics
 
-def _upstream_ras(weighted_scores, decoded_tokens, g, top_p=0.8, top_k=25, win_size=10, tau_r=0.1):
-    """Transcription of upstream ras_sampling / nucleus_sampling / random_sampling with an explicit generator."""
-    prob, indices = [], []
-    cum_prob = 0.0
-    sorted_value, sorted_idx = weighted_scores.softmax(dim=0).sort(descending=True, stable=True)
-    for i in range(len(sorted_idx)):
-        if cum_prob < top_p and len(prob) < top_k:
-            cum_prob += sorted_value[i]
-            prob.append(sorted_value[i])
-            indices.append(sorted_idx[i])
+def _upstream_nucleus_count(probs, top_p, top_k):
+    """Upstream nucleus_sampling's loop: keep while cum_prob (fp32, before adding) < top_p and count < top_k."""
+    cum, n = torch.tensor(0.0), 0
+    for p in probs.sort(descending=True, stable=True).values:
+        if cum < top_p and n < top_k:
+            cum = cum + p
+            n += 1
         else:
             break
-    prob = torch.tensor(prob).to(weighted_scores)
-    indices = torch.tensor(indices, dtype=torch.long)
-    top_ids = int(indices[prob.multinomial(1, replacement=True, generator=g)])
-    rep_num = (torch.tensor(decoded_tokens[-win_size:]) == top_ids).sum().item()
-    if rep_num >= win_size * tau_r:
-        weighted_scores = weighted_scores.clone()
-        weighted_scores[top_ids] = -float("inf")
-        top_ids = int(weighted_scores.softmax(dim=0).multinomial(1, replacement=True, generator=g))
-    return top_ids
+    return n, cum
 
 
-def test_ras_matches_upstream_draw_for_draw():
-    torch.manual_seed(0)
-    params = SamplingParams()
-    g_ours, g_ref = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    history = []
-    for step in range(200):
-        scale = 1.0 + 4.0 * (step % 5)             # from flat to peaked distributions
-        logp = (torch.randn(V) * scale).log_softmax(0)
-        ours = ras_sample(logp, history, params, g_ours)
-        ref = _upstream_ras(logp, history, g_ref)
-        assert ours == ref, f"step {step}"
-        history.append(ours)
+def test_nucleus_keep_matches_upstream_rule():
+    keep = nucleus_keep(torch.tensor([[0.6, 0.3, 0.1], [0.85, 0.1, 0.05], [0.6, 0.3, 0.1], [0.4, 0.35, 0.25]]),
+                        torch.tensor([0.8, 0.8, 1.0, 1.0]), torch.tensor([25, 25, 2, 25]))
+    assert keep.tolist() == [[True, True, False], [True, False, False], [True, True, False], [True, True, True]]
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for i in range(300):
+        probs = (torch.randn(1000, generator=g) * (1.0 + i % 7)).softmax(0)
+        top_p, top_k = (0.8, 0.5, 0.95, 0.99)[i % 4], (25, 5, 100, 1000)[i % 4]
+        n, _ = _upstream_nucleus_count(probs, top_p, top_k)
+        sorted_p = probs.sort(descending=True, stable=True).values[None]
+        cum = sorted_p.cumsum(-1)[0]
+        if (cum[max(n - 2, 0):n] - top_p).abs().min() < 1e-5:
+            continue                                   # a rounding tie: fp32 sums in a different order may differ
+        assert int(nucleus_keep(sorted_p, torch.tensor([top_p]), torch.tensor([top_k])).sum()) == n, i
+        checked += 1
+    assert checked > 270
+
+
+def _small_logits(probs: dict[int, float], v: int = 64) -> torch.Tensor:
+    x = torch.full((v,), float("-inf"))
+    for i, p in probs.items():
+        x[i] = torch.tensor(p).log()
+    return x
+
+
+def _frequencies(logits, history, params, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    counts = {}
+    for _ in range(n):
+        t = ras_sample(logits, history, params, g)
+        counts[t] = counts.get(t, 0) + 1
+    return {t: c / n for t, c in counts.items()}
+
+
+def _close(freq, expect, n):
+    assert set(freq) == set(expect), (freq, expect)
+    for t, p in expect.items():
+        assert abs(freq[t] - p) < 4.5 * (p * (1 - p) / n) ** 0.5 + 1e-9, (t, freq[t], p)
+
+
+def test_nucleus_draw_frequencies():
+    n = 3000
+    logits = _small_logits({10: 0.6, 20: 0.3, 30: 0.1})
+    _close(_frequencies(logits, [], SamplingParams(), n), {10: 2 / 3, 20: 1 / 3}, n)    # renormalised nucleus
+    _close(_frequencies(logits, [], SamplingParams(top_p=1.0), n), {10: 0.6, 20: 0.3, 30: 0.1}, n)
+    _close(_frequencies(logits, [], SamplingParams(top_p=1.0, top_k=2), n), {10: 2 / 3, 20: 1 / 3}, n)
+
+
+def test_repeat_resample_frequencies():
+    n = 3000
+    logits = _small_logits({5: 0.97, 7: 0.0225, 9: 0.0075})     # the nucleus is {5}
+    _close(_frequencies(logits, [1, 2], SamplingParams(), n), {5: 1.0}, n)
+    # 5 in the window: masked, drawn from the full softmax of the rest (7 : 9 = 3 : 1)
+    _close(_frequencies(logits, [1, 5, 2], SamplingParams(), n), {7: 0.75, 9: 0.25}, n)
+
+
+def test_two_uniforms_per_step_from_the_request_generator():
+    pol = TokenPolicy(5, SamplingParams(seed=42, min_tokens=0))
+    for s in range(7):
+        pol.step(torch.randn(V, generator=torch.Generator().manual_seed(s)))
+    ref = torch.Generator().manual_seed(42)
+    for _ in range(7):
+        torch.rand(2, generator=ref)
+    assert torch.equal(pol.generator.get_state(), ref.get_state())
 
 
 def test_nucleus_keeps_top_p_and_top_k():
@@ -193,6 +237,106 @@ def test_policy_rejects_bad_input():
         TokenPolicy(0, SamplingParams())
     with pytest.raises(InputError, match="6761"):
         TokenPolicy(2).step(torch.zeros(100))
+
+
+# ---------------------------------------------------------------- sample_batch
+
+MIXED = [dict(text_len=5, params=SamplingParams(seed=1)),
+         dict(text_len=5, params=SamplingParams(seed=2, top_p=0.5, top_k=5, min_tokens=3)),
+         dict(text_len=3, params=SamplingParams(greedy=True, max_tokens=40)),
+         dict(text_len=5, params=SamplingParams(seed=4, top_p=1.0, top_k=100, win_size=4, tau_r=0.5)),
+         dict(text_len=1, params=SamplingParams(seed=5, force_tokens=30)),
+         dict(text_len=8, params=SamplingParams(seed=6, min_tokens=10, max_tokens=25), mask_all_stops_before_min=True)]
+
+
+def _mixed_logits(row: int, step: int) -> torch.Tensor:
+    """Per (row, step) logits: random, some rows peaked on id 42 (RAS repeats), some stop-id mass."""
+    g = torch.Generator().manual_seed(1000 * row + step)
+    x = torch.randn(V, generator=g) * (1.0 + row)
+    if row in (0, 5):
+        x[42] += 40.0                                  # nucleus = {42}: the repeat rule must resample
+    x[6561:6563] += 6.0 if step > 15 else 0.0         # 6561 (masked before min_len) and eos 6562
+    return x
+
+
+def _run_alone(i):
+    pol = TokenPolicy(**MIXED[i])
+    emitted = []
+    for s in range(100):
+        tok, done = pol.step(_mixed_logits(i, s))
+        emitted.append(tok)
+        if done:
+            return pol, emitted
+    raise AssertionError("did not finish")
+
+
+def test_batched_equals_each_row_alone():
+    pols = [TokenPolicy(**kw) for kw in MIXED]
+    emitted = [[] for _ in pols]
+    steps = [0] * len(pols)
+    while True:
+        live = [i for i, p in enumerate(pols) if not p.finished]
+        if not live:
+            break
+        logits = torch.stack([_mixed_logits(i, steps[i]) for i in live])
+        for i, (tok, done) in zip(live, sample_batch(logits, [pols[i] for i in live])):
+            emitted[i].append(tok)
+            steps[i] += 1
+            assert done == pols[i].finished
+    assert len(set(steps)) > 2                         # rows left the batch at different steps
+    for i, pol in enumerate(pols):
+        alone, alone_emitted = _run_alone(i)
+        assert emitted[i] == alone_emitted and pol.history == alone.history, i
+        if pol.params.seed is not None:                # same stream: two uniforms per step
+            assert torch.equal(pol.generator.get_state(), alone.generator.get_state()), i
+    assert len(pols[4].output) == 30 and 10 <= len(pols[5].output) <= 25
+    for i in (0, 5):                                   # 42 at most once in any win_size=10 window
+        h = pols[i].history
+        assert h.count(42) >= 2 and all(h[j:j + 10].count(42) <= 1 for j in range(len(h))), h
+    # greedy row = argmax of the masked logits
+    g_pol = TokenPolicy(**MIXED[2])
+    for s, tok in enumerate(pols[2].history):
+        x = _mixed_logits(2, s)
+        if s < g_pol.min_len:
+            x[6561] = float("-inf")
+        assert tok == int(x.argmax())
+
+
+def test_one_host_sync_per_batch(monkeypatch):
+    calls = {}
+
+    def counting(name):
+        orig = getattr(torch.Tensor, name)
+
+        def wrapper(self, *a, **k):
+            calls[name] = calls.get(name, 0) + 1
+            return orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+    for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu"):
+        counting(name)
+    pols = [TokenPolicy(**kw) for kw in MIXED]
+    for p in pols:
+        p.history = [42, 7, 42]
+    out = sample_batch(torch.stack([_mixed_logits(i, 20) for i in range(len(pols))]), pols)
+    assert len(out) == 6
+    assert calls == {"tolist": 1}
+
+
+def test_sample_batch_rejects_bad_input():
+    with pytest.raises(InputError, match="logits must be"):
+        sample_batch(torch.zeros(3, V), [TokenPolicy(2), TokenPolicy(2)])
+    with pytest.raises(InputError, match="6761"):
+        sample_ids(torch.zeros(2, 100), [TokenPolicy(2), TokenPolicy(2)])
+    with pytest.raises(InputError, match="speech_token_size"):
+        sample_ids(torch.zeros(2, 64), [TokenPolicy(2, speech_token_size=60, num_special=4),
+                                        TokenPolicy(2, speech_token_size=61, num_special=3)])
+    done = TokenPolicy(2, SamplingParams(force_tokens=1, seed=0))
+    done.step(torch.zeros(V))
+    fresh = TokenPolicy(2, SamplingParams(seed=0))
+    with pytest.raises(InputError, match="finished"):
+        sample_batch(torch.zeros(2, V), [fresh, done])
+    assert fresh.num_sampled == 0 and fresh.generator is None      # nothing drawn before the check failed
+    assert sample_batch(torch.zeros(0, V), []) == []
 
 
 # ---------------------------------------------------------------- generate on the tiny LM
