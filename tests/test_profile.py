@@ -58,7 +58,8 @@ def test_tiny_profile_loads():
     assert p.model == "tiny" and p.dtype == "float32" and p.model_config().name == "tiny"
     assert [b.key for b in p.buckets("dit", "stream")] == [
         "dit/stream/b2xt64", "dit/stream/b2xt128", "dit/stream/b4xt64", "dit/stream/b2xt192",
-        "dit/stream/b4xt128", "dit/stream/b2xt288", "dit/stream/b4xt192", "dit/stream/b4xt288"]
+        "dit/stream/b4xt128", "dit/stream/b2xt288", "dit/stream/b4xt192", "dit/stream/b2xt432", "dit/stream/b4xt288",
+        "dit/stream/b2xt648", "dit/stream/b4xt432", "dit/stream/b4xt648"]
     assert [b.key for b in p.buckets("ar", "decode")] == ["ar/decode/b1xt512", "ar/decode/b2xt512",
                                                            "ar/decode/b4xt512"]
     assert [b.key for b in p.buckets("ar", "prefill")] == ["ar/prefill/b1xt64", "ar/prefill/b1xt128",
