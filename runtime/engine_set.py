@@ -109,9 +109,28 @@ class GraphedEagerSet:
                 example_from_templates(tpl, ["mel", "sine_noise"], {}, device), progress)
             self.tables[("hift", "offline")] = BucketTable(buckets, waste)
 
+        buckets = [b for b in profile.buckets("hift", "stream") if not b.dynamic]
+        self.stream_decoder = None
+        if buckets:  # streaming HiFT windows: the conv stack captured per bucket (non-final windows)
+            from ..runtime.cuda_graphs import GraphCache
+            from .stage_runner import BucketedStreamDecoder
+
+            cache = GraphCache(lambda m, src: hift.decode(m, src, finalize=False), device)
+            spf = hift.samples_per_frame
+            for b in sorted(buckets, key=lambda b: -b.cost):
+                cache.capture(b.key, (torch.full((b.batch, hift.cfg.in_channels, b.length), -4.0, device=device),
+                                      torch.zeros(b.batch, 1, b.length * spf, device=device)))
+            self.stream_decoder = BucketedStreamDecoder(
+                hift, lambda bucket, m, src: cache.run(bucket.key, m, src).clone(), BucketTable(buckets, waste),
+                self.stats)
+
     stage = LoadedEngineSet.stage
 
 
 def attach_cuda_graphs(pipeline, profile, progress: bool = False) -> GraphedEagerSet:
-    """Route DiT and offline HiFT calls through CUDA graphs of the eager modules (one per static bucket)."""
-    return _install(pipeline, GraphedEagerSet(pipeline, profile, progress))
+    """Route DiT calls, offline HiFT calls and streaming HiFT windows through CUDA graphs of the eager modules (one
+    per static bucket of `profile`)."""
+    es = _install(pipeline, GraphedEagerSet(pipeline, profile, progress))
+    if es.stream_decoder is not None:
+        pipeline.models.hift.stream_decoder = es.stream_decoder
+    return es

@@ -446,6 +446,11 @@ class HiFT(nn.Module):
         """Source for f0 [B, F] whose frame 0 is absolute frame 0 (phase from 0, noise from `start_frame`)."""
         return self.source_from_phase(f0, self.cumulative_phase(f0), self.noise_slice(start_frame, f0.shape[1]))
 
+    def decode_output_samples(self, frames: int, finalize: bool) -> int:
+        """Samples `decode` returns for a window of `frames` mel frames."""
+        spf = self.samples_per_frame
+        return frames * spf if finalize else (frames - self.conv_pre_look_right - 1) * spf
+
     def decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         """mel [B, 80, T] + source [B, 1, T * 480] -> wav [B, T * 480] (finalize) or [B, (T - 5) * 480] (not: the
         last 4 frames are conv_pre look-ahead only and the last 480 samples are cut)."""

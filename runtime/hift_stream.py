@@ -186,7 +186,8 @@ def push_batch(streams: list[HiFTStream], chunks: list[torch.Tensor], finalize_f
         f0, cum = zip(*(j.stream._f0(j.lo, j.hi) for j in group))
         noise = torch.cat([hift.noise_slice(j.lo, j.hi - j.lo) for j in group])
         source = hift.source_from_phase(torch.cat(f0), torch.cat(cum), noise)
-        wav = hift.decode(mel, source, group[0].finalize)
+        decoder = getattr(hift, "stream_decoder", None)  # bucketed CUDA graphs when attached (stage_runner.py)
+        wav = (decoder or hift.decode)(mel, source, group[0].finalize)
         return [wav[r:r + 1, j.skip:] for r, j in enumerate(group)]
     _run_grouped(dec_jobs, run_decode)
 

@@ -138,3 +138,37 @@ class BucketedHiFT:
             tail = h.decode(mels[i][None, :, t - ctx:], src[:, :, (t - ctx) * spf:t * spf], finalize=True)[:, -spf:]
             out[i] = torch.cat([out[i][:-spf], tail[0]])
         return out
+
+
+class BucketedStreamDecoder:
+    """Streaming HiFT windows (the conv stack of `HiFT.decode`) over static buckets, e.g. CUDA graphs.
+
+    Non-final windows are right-padded to the bucket (zeros; unused batch rows zero) and cropped: padding is exact
+    there because a non-final decode's output stops 5 frames before the window end (4 conv_pre look-ahead frames and the
+    480-sample cut), so no kept sample sees a padded frame. Final windows end at their own iSTFT edge and run eagerly."""
+
+    def __init__(self, hift, run, table: BucketTable, stats: ShapeStats | None = None):
+        self.hift = hift
+        self.run = run  # run(bucket, mel [B, 80, L], source [B, 1, L * 480]) -> wav [B, (L - 5) * 480]
+        self.table = table
+        self.stats = stats or ShapeStats()
+
+    def __call__(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool) -> torch.Tensor:
+        b, _, n = mel.shape
+        t0 = time.perf_counter()
+        bucket = None if finalize else self.table.select(b, n)
+        if bucket is None:
+            out = self.hift.decode(mel, source, finalize)
+            self.stats.record("hift", "stream", b, n, None, time.perf_counter() - t0,
+                              reason="final window (own iSTFT edge)" if finalize else self.table.miss_reason(b, n))
+            return out
+        spf = self.hift.samples_per_frame
+        L = bucket.run_length(n)
+        mel_p = mel.new_zeros(bucket.batch, mel.shape[1], L)
+        mel_p[:b, :, :n] = mel
+        src_p = source.new_zeros(bucket.batch, 1, L * spf)
+        src_p[:b, :, :n * spf] = source
+        keep = self.hift.decode_output_samples(n, finalize=False)
+        out = self.run(bucket, mel_p, src_p)[:b, :keep]
+        self.stats.record("hift", "stream", b, n, bucket, time.perf_counter() - t0)
+        return out
