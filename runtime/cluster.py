@@ -35,10 +35,9 @@ import numpy as np
 import torch
 
 from .cluster_config import ClusterConfig, StageConfig, load_cluster_config
-from .errors import InputError, RejectedError, RequestTooLongError
+from .errors import InputError, RejectedError
 from .frontend import LMRequestInputs, SavedSpeaker
 from .request import Request, RequestMetrics, prepare_inputs
-from .sampling import TokenPolicy
 from .scheduler import RequestHandle, Scheduler, SchedulerConfig
 from .token2wav import HOP_SCALE, LOOKAHEAD, TOKEN_HOP, TOKEN_MAX_HOP, first_hop
 
@@ -100,36 +99,22 @@ class ARStage(Scheduler):
     def submit_inputs(self, req: Request, inputs: LMRequestInputs) -> RequestHandle:
         return self.submit(_stage_request(req, inputs))
 
-    def _run_frontend(self, r) -> None:  # the frontend ran remotely: only build the LM input here
-        try:
-            if r.dead:
-                return
-            inputs = r.req.inputs
-            if inputs is None:
-                raise InputError(f"request {r.req.request_id}: the AR stage takes requests from submit_inputs")
-            t0 = time.perf_counter()
-            dev = self.device
-            with torch.inference_mode():
-                r.lm_input = self.lm.build_lm_input(inputs.text_ids.to(dev), inputs.prompt_speech_tokens.to(dev))
-            r.policy = TokenPolicy(inputs.text_len, r.req.sampling, self.lm.config.speech_token_size)
-            need = r.lm_input.shape[0] + r.policy.max_len
-            if need > self.ar_max_len:
-                raise RequestTooLongError(
-                    f"request {r.req.request_id} needs up to {need} LM positions ({r.lm_input.shape[0]} input + "
-                    f"{r.policy.max_len} generated) but the AR replica's KV-cache slots hold {self.ar_max_len}: "
-                    f"shorten the text or the prompt, set max_tokens, or raise scheduler.ar_max_len of the AR stage")
-            r.flush = hop_flush_points(int(inputs.flow_prompt_tokens.numel())) if r.req.stream else None
-            r.next_flush = next(r.flush) if r.flush is not None else None
-            r.sent = 0
-            r.metrics.t_tokenizer = time.perf_counter() - t0
-            with self._ar_cond:
-                self._ar_waiting.append(r)
-                self._ar_cond.notify_all()
-        except BaseException as e:
-            self._finish(r, e)
-        finally:
-            with self._lock:
-                self._frontend_pending -= 1
+    _kv_slots_name = "the AR replica's KV-cache slots"
+    _kv_len_setting = "scheduler.ar_max_len of the AR stage"
+
+    def _prepare(self, r) -> None:  # the frontend ran remotely: only build the LM input here
+        inputs = r.req.inputs
+        if inputs is None:
+            raise InputError(f"request {r.req.request_id}: the AR stage takes requests from submit_inputs")
+        t0 = time.perf_counter()
+        dev = self.device
+        with torch.inference_mode():
+            r.lm_input = self.lm.build_lm_input(inputs.text_ids.to(dev), inputs.prompt_speech_tokens.to(dev))
+        self._prepare_policy(r, inputs)
+        r.flush = hop_flush_points(int(inputs.flow_prompt_tokens.numel())) if r.req.stream else None
+        r.next_flush = next(r.flush) if r.flush is not None else None
+        r.sent = 0
+        r.metrics.t_tokenizer = time.perf_counter() - t0
 
     def _final_job(self, r):
         return r  # no DiT here: `_sample` finishes the request once its last tokens are out

@@ -50,7 +50,6 @@ class Pipeline:
     def run(self, req: Request, metrics: RequestMetrics | None = None) -> Iterator[np.ndarray]:
         """Yield float32 PCM chunks (one chunk when offline); fills `metrics` as it goes."""
         m = metrics or RequestMetrics(request_id=req.request_id, stream=req.stream)
-        sr = self.sample_rate
         t0 = time.perf_counter()
         inputs = prepare_inputs(self.frontend, req, self.default_speaker)
         m.t_tokenizer = time.perf_counter() - t0
@@ -80,7 +79,6 @@ class Pipeline:
             yield self._emit(t2w.offline(tok_t, *prompt), m)
         m.t_dit, m.t_vocoder = t2w.take_timings()
         m.total = time.perf_counter() - m.t_submit
-        _ = sr
 
     def _emit(self, wav: torch.Tensor, m: RequestMetrics) -> np.ndarray:
         out = wav.detach().float().cpu().numpy().reshape(-1)

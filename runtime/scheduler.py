@@ -458,26 +458,14 @@ class Scheduler:
 
     # ================================================================== frontend
     def _run_frontend(self, r: _Req) -> None:
+        self._frontend_job(r, self._prepare)
+
+    def _frontend_job(self, r: _Req, prepare) -> None:
+        """Run `prepare(r)` in the frontend pool, then queue the request for AR admission; failures fail r alone."""
         try:
             if r.dead:
                 return
-            t0 = time.perf_counter()
-            inputs = prepare_inputs(self.pipeline.frontend, r.req, self.pipeline.default_speaker)
-            r.metrics.t_tokenizer = time.perf_counter() - t0
-            dev = self.device
-            with torch.inference_mode():
-                r.lm_input = self.lm.build_lm_input(inputs.text_ids.to(dev), inputs.prompt_speech_tokens.to(dev))
-            r.prompt = (inputs.flow_prompt_tokens.to(dev), inputs.flow_prompt_mel.to(dev), inputs.embedding.to(dev))
-            self.pipeline._check_noise(inputs, r.req)
-            r.policy = TokenPolicy(inputs.text_len, r.req.sampling, self.lm.config.speech_token_size)
-            need = r.lm_input.shape[0] + r.policy.max_len
-            if need > self.ar_max_len:
-                raise RequestTooLongError(
-                    f"request {r.req.request_id} needs up to {need} LM positions ({r.lm_input.shape[0]} input + "
-                    f"{r.policy.max_len} generated) but the KV-cache slots hold {self.ar_max_len}: shorten the text "
-                    f"or the prompt, set max_tokens, or raise SchedulerConfig.ar_max_len")
-            if r.req.stream:
-                r.state = self.t2w.start(*r.prompt)
+            prepare(r)
             with self._ar_cond:
                 self._ar_waiting.append(r)
                 self._ar_cond.notify_all()
@@ -486,6 +474,33 @@ class Scheduler:
         finally:
             with self._lock:
                 self._frontend_pending -= 1
+
+    def _prepare(self, r: _Req) -> None:
+        t0 = time.perf_counter()
+        inputs = prepare_inputs(self.pipeline.frontend, r.req, self.pipeline.default_speaker)
+        r.metrics.t_tokenizer = time.perf_counter() - t0
+        dev = self.device
+        with torch.inference_mode():
+            r.lm_input = self.lm.build_lm_input(inputs.text_ids.to(dev), inputs.prompt_speech_tokens.to(dev))
+        r.prompt = (inputs.flow_prompt_tokens.to(dev), inputs.flow_prompt_mel.to(dev), inputs.embedding.to(dev))
+        self.pipeline._check_noise(inputs, r.req)
+        self._prepare_policy(r, inputs)
+        if r.req.stream:
+            r.state = self.t2w.start(*r.prompt)
+
+    # where the KV-length error sends the user (the cluster's AR stage words it for its YAML)
+    _kv_slots_name = "the KV-cache slots"
+    _kv_len_setting = "SchedulerConfig.ar_max_len"
+
+    def _prepare_policy(self, r: _Req, inputs) -> None:
+        """The request's TokenPolicy, and the check that its longest output fits a KV-cache slot."""
+        r.policy = TokenPolicy(inputs.text_len, r.req.sampling, self.lm.config.speech_token_size)
+        need = r.lm_input.shape[0] + r.policy.max_len
+        if need > self.ar_max_len:
+            raise RequestTooLongError(
+                f"request {r.req.request_id} needs up to {need} LM positions ({r.lm_input.shape[0]} input + "
+                f"{r.policy.max_len} generated) but {self._kv_slots_name} hold {self.ar_max_len}: shorten the text "
+                f"or the prompt, set max_tokens, or raise {self._kv_len_setting}")
 
     # ================================================================== AR
     def _ar_loop(self) -> None:

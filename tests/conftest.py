@@ -29,3 +29,21 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def golden_vectors():
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(GOLDEN_DIR, "vectors.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def golden_lm():
+    """The tiny LM with the golden weights."""
+    from cosytrt.runtime.config import config_from_golden_json
+    from cosytrt.runtime.llm import CosyVoice3LM
+
+    m = CosyVoice3LM(config_from_golden_json(os.path.join(GOLDEN_DIR, "config.json")).llm).eval()
+    m.load_checkpoint(os.path.join(GOLDEN_DIR, "llm.pt"))
+    return m

@@ -11,24 +11,20 @@ from cosytrt.build import trtllm
 from cosytrt.build.hf_export import (export_merged_hf, merged_id_to_speech_token, merged_prompt_ids,
                                      padded_vocab_size, read_metadata, speech_token_to_merged_id)
 from cosytrt.build.trtllm import build_trtllm_engine, trtllm_commands
-from cosytrt.runtime.config import config_from_golden_json
 from cosytrt.runtime.errors import BackendUnavailableError, InputError, ModelDirError
-from cosytrt.runtime.llm import CosyVoice3LM
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def vectors():
-    return load_file(os.path.join(GOLDEN, "vectors.safetensors"))
+def vectors(golden_vectors):
+    return golden_vectors
 
 
 @pytest.fixture(scope="module")
-def lm():
-    m = CosyVoice3LM(config_from_golden_json(os.path.join(GOLDEN, "config.json")).llm).eval()
-    m.load_checkpoint(os.path.join(GOLDEN, "llm.pt"))
-    return m
+def lm(golden_lm):
+    return golden_lm
 
 
 @pytest.fixture(scope="module")

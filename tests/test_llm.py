@@ -4,7 +4,6 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from cosytrt.runtime.config import config_from_golden_json, full_config
 from cosytrt.runtime.errors import CheckpointError, InputError
@@ -15,8 +14,8 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def vectors():
-    return load_file(os.path.join(GOLDEN, "vectors.safetensors"))
+def vectors(golden_vectors):
+    return golden_vectors
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,8 @@ import os
 import pytest
 import torch
 
-from cosytrt.runtime.config import SILENT_TOKENS, config_from_golden_json
+from cosytrt.runtime.config import SILENT_TOKENS
 from cosytrt.runtime.errors import InputError
-from cosytrt.runtime.llm import CosyVoice3LM
 from cosytrt.runtime.sampling import (MAX_SILENT_RUN, SamplingParams, TokenPolicy, generate, nucleus_keep, ras_sample,
                                       sample_batch, sample_ids)
 
@@ -342,10 +341,8 @@ def test_sample_batch_rejects_bad_input():
 # ---------------------------------------------------------------- generate on the tiny LM
 
 @pytest.fixture(scope="module")
-def lm():
-    m = CosyVoice3LM(config_from_golden_json(os.path.join(GOLDEN, "config.json")).llm).eval()
-    m.load_checkpoint(os.path.join(GOLDEN, "llm.pt"))
-    return m
+def lm(golden_lm):
+    return golden_lm
 
 
 @pytest.fixture(scope="module")
