@@ -195,6 +195,13 @@ def _hann(n_fft: int) -> torch.Tensor:
     return torch.hann_window(n_fft, periodic=True, dtype=torch.float64)
 
 
+def _dft_angles(n_fft: int) -> torch.Tensor:
+    """2 pi k n / n_fft for the onesided bins k and samples n: [n_fft // 2 + 1, n_fft], float64."""
+    n = torch.arange(n_fft, dtype=torch.float64)
+    k = torch.arange(n_fft // 2 + 1, dtype=torch.float64)
+    return 2 * math.pi * k[:, None] * n[None, :] / n_fft
+
+
 class ConvSTFT(nn.Module):
     """torch.stft(center=True, reflect, Hann, onesided) as a strided Conv1d over a windowed DFT basis.
 
@@ -203,9 +210,7 @@ class ConvSTFT(nn.Module):
     def __init__(self, n_fft: int, hop: int):
         super().__init__()
         self.n_fft, self.hop = n_fft, hop
-        n = torch.arange(n_fft, dtype=torch.float64)
-        k = torch.arange(n_fft // 2 + 1, dtype=torch.float64)
-        angle = 2 * math.pi * k[:, None] * n[None, :] / n_fft
+        angle = _dft_angles(n_fft)
         w = _hann(n_fft)
         basis = torch.cat([torch.cos(angle) * w, -torch.sin(angle) * w], dim=0)
         self.register_buffer("basis", basis.unsqueeze(1).float(), persistent=False)
@@ -223,9 +228,7 @@ class ConvISTFT(nn.Module):
     def __init__(self, n_fft: int, hop: int):
         super().__init__()
         self.n_fft, self.hop = n_fft, hop
-        n = torch.arange(n_fft, dtype=torch.float64)
-        k = torch.arange(n_fft // 2 + 1, dtype=torch.float64)
-        angle = 2 * math.pi * k[:, None] * n[None, :] / n_fft
+        angle = _dft_angles(n_fft)
         scale = torch.full((n_fft // 2 + 1, 1), 2.0 / n_fft, dtype=torch.float64)
         scale[0] = 1.0 / n_fft
         if n_fft % 2 == 0:
