@@ -14,15 +14,16 @@ from .cuda_graphs import GraphCache
 
 
 class DecodeGraphs:
-    def __init__(self, lm, batches: list[int], kv_lens: list[int], scratch_slot: int, device):
-        self.lm = lm
+    """`decode(tokens, slots, positions, kv_len=...)` is the LM's decode step, eager or compiled (`compiled.py`)."""
+
+    def __init__(self, decode, batches: list[int], kv_lens: list[int], scratch_slot: int, device):
         self.batches = sorted(set(batches))
         self.kv_lens = sorted(set(kv_lens))
         self.scratch = scratch_slot
         self.device = torch.device(device)
         self.graphs: dict[int, GraphCache] = {}
         for kv in self.kv_lens:
-            cache = GraphCache(lambda t, s, p, kv=kv: lm.decode(t, s, p, kv_len=kv), self.device)
+            cache = GraphCache(lambda t, s, p, kv=kv: decode(t, s, p, kv_len=kv), self.device)
             for B in sorted(self.batches, reverse=True):
                 t = torch.zeros(B, dtype=torch.long, device=self.device)
                 s = torch.full((B,), scratch_slot, dtype=torch.long, device=self.device)

@@ -311,36 +311,40 @@ def crop(out: "torch.Tensor", lengths: Sequence[int], scale: int = 1, clone: boo
 
 
 def group_by_length(lengths: Sequence[int], max_batch: int, max_padding_waste: float = DEFAULT_MAX_PADDING_WASTE,
-                    max_frames: int | None = None) -> list[list[int]]:
+                    max_frames: int | None = None, length_aware: bool = True) -> list[list[int]]:
     """Length-aware grouping (the HiFT batching policy): index groups that may share one right-padded call.
 
     Sort by length (ties by index), then greedily grow the current group while, with the next item added,
     longest * n <= max_padding_waste * sum(len), n <= max_batch and n * longest <= max_frames. An item that
-    alone exceeds max_frames gets a group of its own. Groups come out shortest first."""
+    alone exceeds max_frames gets a group of its own. Groups come out shortest first.
+
+    `length_aware=False` (the policy switched off, for comparisons): arrival order, no padding-waste limit, only
+    max_batch and max_frames."""
     if not _is_int(max_batch) or max_batch < 1:
         raise BucketError(f"max_batch must be a positive integer, got {max_batch!r}")
-    waste = _check_waste(max_padding_waste)
+    waste = _check_waste(max_padding_waste) if length_aware else math.inf
     if max_frames is not None and (not _is_int(max_frames) or max_frames < 1):
         raise BucketError(f"max_frames must be a positive integer or None, got {max_frames!r}")
     for i, n in enumerate(lengths):
         if not _is_int(n) or n < 1:
             raise BucketError(f"group_by_length: length [{i}] must be a positive integer, got {n!r}")
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i)) if length_aware else range(len(lengths))
     groups: list[list[int]] = []
     cur: list[int] = []
-    total = 0
+    total = longest = 0
     for i in order:
         n_i = lengths[i]
         if cur:
             k = len(cur) + 1
-            padded = n_i * k  # ascending order: the new item is the longest
+            padded = max(longest, n_i) * k
             fits = (k <= max_batch and padded <= waste * (total + n_i) + _EPS
                     and (max_frames is None or padded <= max_frames))
             if not fits:
                 groups.append(cur)
-                cur, total = [], 0
+                cur, total, longest = [], 0, 0
         cur.append(i)
         total += n_i
+        longest = max(longest, n_i)
     if cur:
         groups.append(cur)
     return groups

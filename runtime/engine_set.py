@@ -53,12 +53,14 @@ def attach_engine_set(pipeline, folder: str) -> LoadedEngineSet:
     return _install(pipeline, LoadedEngineSet(folder, pipeline.models.weights_hash, str(pipeline.device)))
 
 
-def _install(pipeline, es):
-    """Point the pipeline's DiT calls and offline HiFT calls at the set's bucketed runners."""
+def _install(pipeline, es, eager_dit=None):
+    """Point the pipeline's DiT calls and offline HiFT calls at the set's bucketed runners (`eager_dit`: what runs
+    shapes no bucket covers; default the flow's eager DiT)."""
     from .stage_runner import BucketedHiFT
 
     runners, tables = es.stage("dit")
-    pipeline.token2wav.estimator = BucketedDiT(pipeline.models.flow.estimator, runners, tables, es.stats)
+    eager_dit = pipeline.models.flow.estimator if eager_dit is None else eager_dit
+    pipeline.token2wav.estimator = BucketedDiT(eager_dit, runners, tables, es.stats)
     runners, tables = es.stage("hift")
     if runners:
         pipeline.token2wav.hift_runner = BucketedHiFT(pipeline.models.hift, runners, tables, es.stats)
@@ -67,9 +69,10 @@ def _install(pipeline, es):
 
 
 class GraphedEagerSet:
-    """No engine files: the eager DiT and HiFT captured as CUDA graphs per static bucket of a profile."""
+    """No engine files: the eager DiT and HiFT captured as CUDA graphs per static bucket of a profile (`compile`: the
+    DiT compiled by torch.compile first, see `compiled.py`; HiFT stays eager)."""
 
-    def __init__(self, pipeline, profile, progress: bool = False):
+    def __init__(self, pipeline, profile, progress: bool = False, compile: bool = False):
         from ..build.export_dit import INPUT_NAMES as DIT_INPUTS, OUTPUT_NAME as DIT_OUTPUT
         from ..engines.base import EngineSpec
         from ..engines.cudagraph import CudaGraphRunner, example_from_templates
@@ -85,6 +88,11 @@ class GraphedEagerSet:
                    "spks": ["B", c.spk_dim], "cond": ["B", c.mel_dim, "T"]}
         self.stats = ShapeStats()
         self.manifest = None
+        self.compiled_dit = None
+        if compile:
+            from .compiled import CompiledDiT
+
+            self.compiled_dit = CompiledDiT.of(dit)
         self.runners, self.tables = {}, {}
         waste = profile.max_padding_waste
         for mode in ("stream", "offline"):
@@ -93,7 +101,7 @@ class GraphedEagerSet:
                 continue
             spec = EngineSpec("dit", mode, "cudagraph", "", list(DIT_INPUTS), [DIT_OUTPUT], [b.key for b in buckets],
                               dtype=dname, device=device)
-            fn = FixedModeDiT(dit, mode == "stream")
+            fn = FixedModeDiT(dit, mode == "stream") if not compile else self.compiled_dit.fixed(mode == "stream")
             self.runners[("dit", mode)] = CudaGraphRunner(
                 fn, spec, device, buckets, example_from_templates(dit_tpl, list(DIT_INPUTS), {n: dtype for n in DIT_INPUTS},
                                                               device), progress)
@@ -127,10 +135,11 @@ class GraphedEagerSet:
     stage = LoadedEngineSet.stage
 
 
-def attach_cuda_graphs(pipeline, profile, progress: bool = False) -> GraphedEagerSet:
+def attach_cuda_graphs(pipeline, profile, progress: bool = False, compile: bool = False) -> GraphedEagerSet:
     """Route DiT calls, offline HiFT calls and streaming HiFT windows through CUDA graphs of the eager modules (one
-    per static bucket of `profile`)."""
-    es = _install(pipeline, GraphedEagerSet(pipeline, profile, progress))
+    per static bucket of `profile`); `compile`: graphs of the torch.compile'd DiT (uncovered shapes run it too)."""
+    graphed = GraphedEagerSet(pipeline, profile, progress, compile)
+    es = _install(pipeline, graphed, graphed.compiled_dit)
     if es.stream_decoder is not None:
         pipeline.models.hift.stream_decoder = es.stream_decoder
     return es

@@ -64,6 +64,12 @@ class SchedulerConfig:
     max_padding_waste: float = 1.5    # padded work / real work allowed when grouping DiT and HiFT rows
     frontend_workers: int = 2
     cuda_graphs: bool = True          # on CUDA: capture the AR decode step per batch bucket and KV-length rung
+    compile: bool = False             # torch.compile the AR prefill and decode step (before the CUDA-graph capture)
+    # The batching policies, each switchable off to measure what it buys (`trtbuild bench --suite features`):
+    continuous_batching: bool = True  # off: admit new requests only when no request is decoding (static batches)
+    dit_chunk_aligned: bool = True    # off: one request per DiT call, dispatched at once (no cross-request batches)
+    hift_length_aware: bool = True    # off: offline HiFT batches in arrival order, no padding-waste limit
+    async_d2h: bool = True            # off (CUDA): each chunk's device-to-host copy blocks the HiFT worker
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
 
     def __post_init__(self):
@@ -287,6 +293,11 @@ class Scheduler:
             self.ar_max_len = cfg.ar_max_len
         use_graphs = cfg.cuda_graphs and torch.device(self.device).type == "cuda"
         self.slots = KVSlots(self.lm, cfg.ar_max_batch, self.ar_max_len, scratch=use_graphs)
+        self._decode, self._prefill = self.lm.decode, self.lm.prefill
+        if cfg.compile:
+            from .compiled import compile_fn
+
+            self._decode, self._prefill = compile_fn(self.lm.decode), compile_fn(self.lm.prefill)
         self.decode_graphs = None
         if use_graphs:
             from .ar_graphs import DecodeGraphs
@@ -297,7 +308,9 @@ class Scheduler:
                 rungs.append(kv)
                 kv *= 2
             rungs.append(self.ar_max_len)
-            self.decode_graphs = DecodeGraphs(self.lm, batches, rungs, self.slots.scratch_slot, self.device)
+            self.decode_graphs = DecodeGraphs(self._decode, batches, rungs, self.slots.scratch_slot, self.device)
+        if cfg.compile:
+            self._warm_compiled()
         if torch.device(self.device).type == "cuda":
             from .hift_stream import warm_decode_windows
 
@@ -332,6 +345,21 @@ class Scheduler:
                          for name, fn in (("ar", self._ar_loop), ("dit", self._dit_loop), ("hift", self._hift_loop))]
         for t in self._threads:
             t.start()
+
+    def _warm_compiled(self) -> None:
+        """Compile now, not under load: the compiled prefill (and, without decode graphs, decode) specializes batch 1
+        and a KV slice spanning the whole cache, so run each specialization once into free slots (no request owns
+        one yet, and prefill / decode overwrite what they touch)."""
+        dev, n = self.device, min(2, self.slots.slots)
+        with torch.inference_mode():
+            for b in range(1, n + 1):
+                embeds = torch.zeros(b, 8, self.lm.config.qwen.hidden_size, device=dev, dtype=self.lm.dtype)
+                rows = torch.arange(b, device=dev)
+                self._prefill(embeds, torch.full((b,), 8, device=dev), rows)
+                if self.decode_graphs is None:
+                    for kv_len in {min(_KV_LEN_STEP, self.ar_max_len), self.ar_max_len}:
+                        self._decode(torch.zeros(b, dtype=torch.long, device=dev), rows,
+                                     torch.full((b,), 8, device=dev), kv_len=kv_len)
 
     # ================================================================== public API
     def submit(self, req: Request) -> RequestHandle:
@@ -542,6 +570,8 @@ class Scheduler:
         """Waiting requests that get a slot now, within the prefill token budget (always at least one)."""
         out, longest = [], 0
         self._drop_dead()
+        if self._running and not self.config.continuous_batching:
+            return out
         while self._ar_waiting and self.slots.free:
             r = self._ar_waiting[0]
             if r.dead:
@@ -562,7 +592,7 @@ class Scheduler:
         embeds = torch.zeros(len(rows), width, hidden, device=self.device, dtype=self.lm.dtype)
         for i, r in enumerate(rows):
             embeds[i, :lengths[i]] = r.lm_input.to(self.lm.dtype)
-        return self.lm.prefill(embeds, torch.tensor(lengths, device=self.device),
+        return self._prefill(embeds, torch.tensor(lengths, device=self.device),
                                torch.tensor([r.slot for r in rows], device=self.device))
 
     def _decode_call(self, rows: list[_Req]) -> torch.Tensor:
@@ -573,7 +603,7 @@ class Scheduler:
                                       torch.tensor([r.slot for r in rows], device=dev),
                                       torch.tensor([r.pos for r in rows], device=dev), need)
         kv_len = min(self.ar_max_len, -(-need // _KV_LEN_STEP) * _KV_LEN_STEP)
-        return self.lm.decode(torch.tensor([r.policy.next_input for r in rows], device=dev),
+        return self._decode(torch.tensor([r.policy.next_input for r in rows], device=dev),
                               torch.tensor([r.slot for r in rows], device=dev),
                               torch.tensor([r.pos for r in rows], device=dev), kv_len=kv_len)
 
@@ -717,6 +747,10 @@ class Scheduler:
                     self._dit_cond.wait()
                     continue
                 oldest = ready[0]
+                if not cfg.dit_chunk_aligned:
+                    self._dit_queue = [j for j in self._dit_queue if j is not oldest]
+                    self._dit_busy = True
+                    return [oldest]
                 same = [j for j in ready if j.kind == oldest.kind]
                 groups = group_by_length([j.frames for j in same], cfg.dit_max_requests, cfg.max_padding_waste)
                 group = [same[i] for i in next(g for g in groups if 0 in g)]
@@ -837,7 +871,8 @@ class Scheduler:
             lengths = [j.mel.shape[2] for j in offline]
             # an engine set may route offline HiFT through `token2wav.hift_runner` (same inference_batch API)
             vocoder = getattr(self.t2w, "hift_runner", None) or self.hift
-            for idx in group_by_length(lengths, cfg.hift_max_batch, cfg.max_padding_waste, cfg.hift_max_frames):
+            for idx in group_by_length(lengths, cfg.hift_max_batch, cfg.max_padding_waste, cfg.hift_max_frames,
+                                       length_aware=cfg.hift_length_aware):
                 self._vocode(lambda g: vocoder.inference_batch([j.mel for j in g], finalize=True),
                              [offline[i] for i in idx])
 
@@ -854,7 +889,7 @@ class Scheduler:
 
     # ================================================================== output
     def _output(self, r: _Req, wav: torch.Tensor, final: bool, t_launch: float, rows: int) -> None:
-        if not self._cuda:
+        if not self._cuda or not self.config.async_d2h:
             r.metrics.t_vocoder += (time.perf_counter() - t_launch) / rows
             self._deliver(r, wav.detach().float().cpu().numpy().reshape(-1), final)
             return

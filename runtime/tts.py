@@ -51,10 +51,13 @@ class TTS:
     @classmethod
     def load(cls, model: str = "tiny", engines: str | None = None, device: str = "cpu",
              dtype: torch.dtype | None = None, scheduler: SchedulerConfig | None = None,
-             cuda_graphs: bool | str = True) -> "TTS":
+             cuda_graphs: bool | str = True, compile: bool = False) -> "TTS":
         """`cuda_graphs` (CUDA only): capture the eager DiT / offline HiFT per bucket of a profile when no engine set
         is given (True: `h200-graphs` for full-size models, `tiny` otherwise; or a profile name/path). AR decode graphs
-        are the scheduler's (SchedulerConfig.cuda_graphs)."""
+        are the scheduler's (SchedulerConfig.cuda_graphs). `compile`: torch.compile the AR prefill / decode step and
+        (without an engine set) the DiT; on CUDA the compiled functions are what the graphs capture."""
+        import dataclasses
+
         pipeline = Pipeline.load(model, device=device, dtype=dtype)
         if engines is not None:
             from .engine_set import attach_engine_set
@@ -66,7 +69,13 @@ class TTS:
 
             name = cuda_graphs if isinstance(cuda_graphs, str) else (
                 "h200-graphs" if pipeline.models.config.flow.dit.dim >= 1024 else "tiny")
-            attach_cuda_graphs(pipeline, load_profile(name))
+            attach_cuda_graphs(pipeline, load_profile(name), compile=compile)
+        elif compile:
+            from .compiled import attach_compiled
+
+            attach_compiled(pipeline)
+        if compile:
+            scheduler = dataclasses.replace(scheduler or SchedulerConfig(), compile=True)
         return cls(pipeline, engines, scheduler)
 
     @property

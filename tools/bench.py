@@ -24,14 +24,23 @@ H200_BF16_FLOPS = 790e12
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--suite", default="micro,parity,e2e,serving", help="comma list of micro, parity, e2e, serving")
+    p.add_argument("--suite", default="micro,parity,e2e,serving,features",
+                   help="comma list of micro, parity, e2e, serving, features")
     p.add_argument("--out", required=True, help="folder for results.json (and plots)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", default="full", help="'full' (random full-size weights) or 'tiny'")
     p.add_argument("--dtype", default="bfloat16", help="LM and DiT dtype (HiFT stays float32)")
-    p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (serving: the quick cells)")
+    p.add_argument("--cells", default=None, choices=["full", "quick", "smoke"],
+                   help="serving cell set (default: full, or quick with --quick; smoke: a CPU check of the harness)")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop starting new sections after this many seconds")
     p.add_argument("--graph-profile", default="h200-graphs", help="bucket profile of the CUDA graphs (serving)")
+    p.add_argument("--variants", default="compiled,graphs,eager",
+                   help="serving variants (the first runs the whole matrix, the others the comparison cells)")
+    p.add_argument("--no-compile", action="store_true", help="micro: skip the torch.compile variants")
+    p.add_argument("--aoti", action="store_true", help="micro: also build and time an AOTInductor DiT on CUDA")
+    p.add_argument("--compile-cache", default=None,
+                   help="file of torch.compile artifacts: loaded first if it exists, (re)written at the end")
 
 
 def _log(msg: str) -> None:
@@ -112,11 +121,23 @@ class Bench:
             self.results[name] = {"error": repr(e)}
         _log(f"done {name} in {time.perf_counter() - t:.1f}s")
         self.save()
+        if self.args.compile_cache:  # after every section: a run cut short still leaves its compiles behind
+            from ..runtime.compiled import save_compile_cache
+
+            save_compile_cache(self.args.compile_cache)
 
 
 # ------------------------------------------------------------------ micro-benchmarks
 
-def bench_ar(llm, device, quick: bool) -> list[dict]:
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
+    """Decode ms per step per batch through the scheduler's path (slot-indexed KV cache, 300 positions filled, KV
+    rung 1024): eager, CUDA graph of the eager step, CUDA graph of the torch.compile'd step. Prefill eager vs
+    compiled. `compiled_max_abs_err`: compiled vs eager logits."""
+    from ..runtime.compiled import compile_fn
     from ..runtime.cuda_graphs import GraphCache
 
     q = llm.config.qwen
@@ -124,36 +145,81 @@ def bench_ar(llm, device, quick: bool) -> list[dict]:
     # decode reads the backbone + llm_decoder once per step (embed_tokens rows are gathered, not read)
     step_bytes = (params - q.vocab_size * q.hidden_size) * 2
     rows = []
-    kv_len = 1024
+    kv_len, filled = 1024, 300
     batches = [1, 8, 32] if quick else [1, 8, 32, 64]
-    llm.setup_cache(max(batches), kv_len, device=device)
+    llm.setup_cache(max(batches), 2048, device=device)
+    decode_c = compile_fn(llm.decode) if compile else None
     for B in batches:
         tokens = torch.randint(0, 6561, (B,), device=device)
-        pos = torch.full((B,), 300, device=device, dtype=torch.long)
-
-        def step():
-            return llm.decode(tokens, None, pos, kv_len=kv_len)
-
+        slots = torch.arange(B, device=device)
+        pos = torch.full((B,), filled, device=device, dtype=torch.long)
+        row = {"stage": "ar_decode", "batch": B, "kv_len": kv_len}
         with torch.inference_mode():
-            eager = time_cuda(step, reps=10)
-            g = GraphCache(lambda t, p: llm.decode(t, None, p, kv_len=kv_len), device)
-            g.capture(B, (tokens, pos))
-            graph = time_cuda(lambda: g.run(B, tokens, pos), reps=20)
-        kv_bytes = 2 * q.num_hidden_layers * B * q.num_key_value_heads * 300 * q.head_dim * 2
-        bound = (step_bytes + kv_bytes) / H200_HBM_BPS * 1e3
-        rows.append({"stage": "ar_decode", "batch": B, "eager_ms": eager, "graph_ms": graph, "bound_ms": bound,
-                     "graph_fraction_of_bound": bound / graph})
-        _log(f"AR decode B={B}: eager {eager:.2f} ms, graph {graph:.2f} ms, bound {bound:.3f} ms")
-    emb = torch.randn(1, 150, q.hidden_size, device=device, dtype=next(llm.parameters()).dtype)
-    with torch.inference_mode():
-        pre = time_cuda(lambda: llm.prefill(emb, torch.tensor([150], device=device), None), reps=5)
-    rows.append({"stage": "ar_prefill", "batch": 1, "tokens": 150, "eager_ms": pre})
-    _log(f"AR prefill 150 tokens: {pre:.2f} ms")
+            ref = llm.decode(tokens, slots, pos, kv_len=kv_len).clone()
+            row["eager_ms"] = time_cuda(lambda: llm.decode(tokens, slots, pos, kv_len=kv_len), reps=10)
+            g = GraphCache(lambda t, s, p: llm.decode(t, s, p, kv_len=kv_len), device)
+            g.capture(B, (tokens, slots, pos))
+            row["graph_ms"] = time_cuda(lambda: g.run(B, tokens, slots, pos), reps=20)
+            del g
+            if decode_c is not None:
+                t0 = time.perf_counter()
+                out = decode_c(tokens, slots, pos, kv_len=kv_len)
+                row["compile_s"] = time.perf_counter() - t0
+                row["compiled_max_abs_err"] = _max_err(out, ref)
+                g = GraphCache(lambda t, s, p: decode_c(t, s, p, kv_len=kv_len), device)
+                g.capture(B, (tokens, slots, pos))
+                row["compiled_graph_ms"] = time_cuda(lambda: g.run(B, tokens, slots, pos), reps=20)
+                row["compiled_graph_max_abs_err"] = _max_err(g.run(B, tokens, slots, pos), ref)
+                del g
+        kv_bytes = 2 * q.num_hidden_layers * B * q.num_key_value_heads * filled * q.head_dim * 2
+        row["bound_ms"] = (step_bytes + kv_bytes) / H200_HBM_BPS * 1e3
+        best = min(v for k, v in row.items() if k.endswith("graph_ms"))
+        row["best_fraction_of_bound"] = row["bound_ms"] / best
+        rows.append(row)
+        _log(f"AR decode B={B}: eager {row['eager_ms']:.2f} ms, graph {row['graph_ms']:.2f} ms, compiled+graph "
+             f"{row.get('compiled_graph_ms', float('nan')):.3f} ms (err {row.get('compiled_max_abs_err', 0):.2e}), "
+             f"bound {row['bound_ms']:.3f} ms")
+    prefill_c = compile_fn(llm.prefill) if compile else None
+    for B, T in ((1, 150), (8, 150)):
+        emb = torch.randn(B, T, q.hidden_size, device=device, dtype=next(llm.parameters()).dtype)
+        lengths = torch.full((B,), T, device=device)
+        slots = torch.arange(B, device=device)
+        row = {"stage": "ar_prefill", "batch": B, "tokens": T}
+        with torch.inference_mode():
+            ref = llm.prefill(emb, lengths, slots).clone()
+            row["eager_ms"] = time_cuda(lambda: llm.prefill(emb, lengths, slots), reps=5)
+            if prefill_c is not None:
+                t0 = time.perf_counter()
+                out = prefill_c(emb, lengths, slots)
+                row["compile_s"] = time.perf_counter() - t0
+                row["compiled_max_abs_err"] = _max_err(out, ref)
+                row["compiled_ms"] = time_cuda(lambda: prefill_c(emb, lengths, slots), reps=5)
+        flops = 2 * params * B * T
+        row["bound_ms"] = max(flops / H200_BF16_FLOPS, step_bytes / H200_HBM_BPS) * 1e3
+        rows.append(row)
+        _log(f"AR prefill {B}x{T}: eager {row['eager_ms']:.2f} ms, compiled {row.get('compiled_ms', float('nan')):.2f}"
+             f" ms, bound {row['bound_ms']:.3f} ms")
     return rows
 
 
-def bench_dit(flow, device, dtype, quick: bool) -> list[dict]:
+def _aoti_dit(dit, dtype, device, out_dir: str):
+    """The offline DiT as an AOTInductor package on CUDA (dynamic batch and frames), loaded for CUDA-graph capture."""
+    from ..build.stage_exports import dit_export
+
+    path = os.path.join(out_dir, "dit_offline_cuda.pt2")
+    t0 = time.perf_counter()
+    dit_export(dit, False, dtype, device).to_aoti(path, 64, 16, 2048)
+    build_s = time.perf_counter() - t0
+    model = torch._inductor.aoti_load_package(path, run_single_threaded=True)
+    _log(f"AOTInductor DiT (offline) built in {build_s:.0f}s")
+    return model, build_s
+
+
+def bench_dit(flow, device, dtype, quick: bool, compile: bool = True, aoti_dir: str | None = None) -> list[dict]:
+    """ms per DiT forward (one Euler step) per (CFG rows, frames) and mask: eager, CUDA graph of eager, CUDA graph
+    of torch.compile, and (offline mask, `aoti_dir`) CUDA graph of an AOTInductor package."""
     from ..build.export_dit import example_inputs
+    from ..runtime.compiled import CompiledDiT
     from ..runtime.cuda_graphs import GraphCache
     from ..runtime.dit import FixedModeDiT
 
@@ -161,24 +227,45 @@ def bench_dit(flow, device, dtype, quick: bool) -> list[dict]:
     params = sum(p.numel() for p in dit.parameters())
     shapes = [(2, 200), (16, 200), (2, 1000), (32, 500)] if quick else [(2, 200), (8, 200), (16, 200), (2, 1000),
                                                                         (16, 1000), (32, 500), (64, 300)]
+    compiled = CompiledDiT.of(dit) if compile else None
+    aoti = None
+    if aoti_dir is not None:
+        try:
+            aoti, aoti_build_s = _aoti_dit(dit, dtype, device, aoti_dir)
+        except Exception as e:  # noqa: BLE001 - the other variants still run
+            _log(f"AOTInductor DiT build failed: {e!r}")
     rows = []
     for streaming in (False, True):
-        mod = FixedModeDiT(dit, streaming)
-        g = GraphCache(mod, device)
+        variants = {"graph": FixedModeDiT(dit, streaming)}
+        if compiled is not None:
+            variants["compiled_graph"] = compiled.fixed(streaming)
+        if aoti is not None and not streaming:
+            variants["aoti_graph"] = aoti
         for B, T in shapes:
             args = example_inputs(dit, B, T, dtype=dtype, device=device)
+            row = {"stage": "dit", "streaming": streaming, "rows": B, "frames": T}
             with torch.inference_mode():
-                eager = time_cuda(lambda: mod(*args), reps=5)
-                g.capture((B, T), args)
-                graph = time_cuda(lambda: g.run((B, T), *args), reps=10)
+                ref = variants["graph"](*args).clone()
+                row["eager_ms"] = time_cuda(lambda: variants["graph"](*args), reps=5)
+                for name, fn in variants.items():
+                    t0 = time.perf_counter()
+                    g = GraphCache(fn, device)
+                    g.capture((B, T), args)
+                    if name != "graph":
+                        row[f"{name}_setup_s"] = time.perf_counter() - t0
+                        row[f"{name}_max_abs_err"] = _max_err(g.run((B, T), *args), ref)
+                    row[f"{name}_ms"] = time_cuda(lambda: g.run((B, T), *args), reps=10)
+                    del g
             flops = 2 * params * B * T + 4 * B * T * T * dit.cfg.dim * dit.cfg.depth
-            bound = max(flops / H200_BF16_FLOPS, params * 2 / H200_HBM_BPS) * 1e3
-            rows.append({"stage": "dit", "streaming": streaming, "rows": B, "frames": T, "eager_ms": eager,
-                         "graph_ms": graph, "bound_ms": bound, "graph_fraction_of_bound": bound / graph})
-            _log(f"DiT {'stream' if streaming else 'offline'} {B}x{T}: eager {eager:.2f} ms, graph {graph:.2f} ms, "
-                 f"bound {bound:.3f} ms")
-        del g
+            row["bound_ms"] = max(flops / H200_BF16_FLOPS, params * 2 / H200_HBM_BPS) * 1e3
+            best = min(v for k, v in row.items() if k.endswith("graph_ms"))
+            row["best_fraction_of_bound"] = row["bound_ms"] / best
+            rows.append(row)
+            _log(f"DiT {'stream' if streaming else 'offline'} {B}x{T}: " + ", ".join(
+                f"{k[:-3]} {v:.2f} ms" for k, v in row.items() if k.endswith("_ms")))
         torch.cuda.empty_cache()
+    if aoti is not None:
+        rows.append({"stage": "dit_aoti_build", "seconds": aoti_build_s})
     return rows
 
 
@@ -295,18 +382,38 @@ def _pipeline_with_random_frontend(models, Pipeline):
 
 
 def run(args) -> int:
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        from ..runtime.errors import CosytrtError
+    from ..runtime.compiled import load_compile_cache, save_compile_cache
+    from ..runtime.errors import InputError
 
-        raise CosytrtError("trtbuild bench needs a CUDA GPU (--device cuda)")
+    suites = set(args.suite.split(","))
+    unknown = suites - {"micro", "parity", "e2e", "serving", "features"}
+    if unknown:
+        raise InputError(f"unknown bench suite(s) {sorted(unknown)}: use micro, parity, e2e, serving, features")
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise InputError("trtbuild bench --device cuda: no CUDA GPU here")
+    if not cuda and suites & {"micro", "parity"}:
+        raise InputError("the micro and parity suites time CUDA graphs: they need --device cuda")
+    variants = args.variants.split(",")
+    bad = set(variants) - {"compiled", "graphs", "eager"}
+    if bad:
+        raise InputError(f"unknown serving variant(s) {sorted(bad)}: use compiled, graphs, eager")
+    cells = args.cells or ("quick" if args.quick else "full")
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     b = Bench(args)
+    if args.compile_cache and os.path.isfile(args.compile_cache):
+        _log(f"loading compile cache {args.compile_cache}: {load_compile_cache(args.compile_cache)}")
     _log(f"building {args.model} models on {args.device}")
     cfg, llm, flow, hift = full_models(args.device, dtype, args.model)
-    suites = set(args.suite.split(","))
+    compile = not args.no_compile
     if "micro" in suites:
-        b.section("ar", lambda: bench_ar(llm, args.device, args.quick))
-        b.section("dit", lambda: bench_dit(flow, args.device, dtype, args.quick))
+        b.section("ar", lambda: bench_ar(llm, args.device, args.quick, compile))
+        aoti_dir = None
+        if args.aoti:  # the package holds the weights (hundreds of MB): keep it out of --out
+            import tempfile
+
+            aoti_dir = tempfile.mkdtemp(prefix="cosytrt-aoti-")
+        b.section("dit", lambda: bench_dit(flow, args.device, dtype, args.quick, compile, aoti_dir))
         b.section("hift", lambda: bench_hift(hift, args.device, args.quick))
     if "parity" in suites:
         b.section("graph_parity", lambda: graph_parity(cfg, llm, flow, hift, args.device, args.graph_profile))
@@ -315,7 +422,13 @@ def run(args) -> int:
     if "serving" in suites:
         from .bench_serving import bench_serving
 
-        b.section("serving", lambda: bench_serving(cfg, llm, flow, hift, args.device, args.quick, b))
+        b.section("serving", lambda: bench_serving(cfg, llm, flow, hift, args.device, b, variants, cells))
+    if "features" in suites:
+        from .bench_serving import bench_features
+
+        b.section("features", lambda: bench_features(cfg, llm, flow, hift, args.device, b, variants[0], cells))
+    if args.compile_cache:
+        _log(f"saved compile cache {args.compile_cache}: {save_compile_cache(args.compile_cache) / 1e6:.1f} MB")
     b.results["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
     b.save()
     _log(f"wrote {os.path.join(args.out, 'results.json')}")

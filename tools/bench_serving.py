@@ -1,82 +1,176 @@
-"""The serving matrix through the scheduler (part of `trtbuild bench --suite serving`)."""
+"""The serving matrix and the scheduler-feature comparison through the scheduler (`trtbuild bench --suite
+serving,features`).
+
+Variants (same models, same process, so ratios compare like with like):
+- `eager`: the scheduler with every stage eager (no CUDA graphs, no compile).
+- `graphs`: AR decode CUDA graphs per (batch bucket, KV rung) + DiT / offline HiFT / streaming HiFT windows captured
+  per bucket of the graph profile (eager modules).
+- `compiled`: the same graphs, captured from torch.compile'd AR decode / prefill and DiT (`runtime/compiled.py`).
+
+Cells: text short / medium / long (125 / 375 / 1000 forced speech tokens = 5 / 15 / 40 s of audio; `mixed`
+alternates short and long) x concurrency x stream / offline x reference audio (prompt audio through the frontend for
+every request) or a saved speaker. A cell submits its requests at once, or spread evenly over `arrival_s` seconds.
+"""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from ..runtime.metrics import aggregate
 
-TOKENS = {"short": 125, "medium": 375, "long": 1000}  # ~5 s, 15 s, 40 s of audio at 25 Hz
+TOKENS = {"short": (125,), "medium": (375,), "long": (1000,), "mixed": (125, 1000)}  # 25 tokens = 1 s of audio
+VARIANTS = ("compiled", "graphs", "eager")
+FEATURES = ("continuous_batching", "dit_chunk_aligned", "hift_length_aware", "async_d2h")
 
 
-def _cells(quick: bool, variant: str) -> list[tuple]:
-    """(text, concurrency, stream, reference audio) cells for one variant."""
-    if variant == "eager":
-        return [("short", 1, True, False), ("short", 1, False, False), ("short", 32, True, False),
-                ("short", 32, False, False)]
-    cells = [("short", 1, True, False), ("short", 1, False, False), ("short", 1, True, True),
-             ("short", 8, True, False), ("short", 32, True, False), ("short", 32, False, False),
-             ("short", 64, False, False), ("medium", 1, True, False), ("medium", 32, True, False),
-             ("medium", 64, False, False)]
-    if not quick:
-        cells += [("short", 8, False, False), ("short", 64, True, False), ("medium", 8, True, False),
-                  ("long", 1, True, False), ("long", 8, False, False)]
-    return cells
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    text: str
+    concurrency: int
+    stream: bool
+    reference_audio: bool = False
+    arrival_s: float = 0.0  # submit the requests evenly over this many seconds (0: all at once)
 
 
-def run_cell(tts, text: str, conc: int, stream: bool, ref_audio: bool, prompt_wav) -> dict:
+def full_matrix() -> list[Cell]:
+    return [Cell(text, c, stream, ref) for text in ("short", "medium", "long") for c in (1, 8, 32, 64)
+            for stream in (True, False) for ref in (False, True)]
+
+
+def comparison_cells() -> list[Cell]:
+    """The cells every variant runs (the ratios in BENCHMARKS.md)."""
+    return [Cell("short", 1, True), Cell("short", 1, False), Cell("short", 32, True), Cell("short", 32, False),
+            Cell("medium", 64, False)]
+
+
+def quick_cells() -> list[Cell]:
+    return comparison_cells() + [Cell("short", 1, True, True), Cell("short", 8, True), Cell("medium", 1, True),
+                                 Cell("medium", 32, True), Cell("short", 64, False)]
+
+
+def smoke_cells() -> list[Cell]:
+    """A CPU check of the harness itself (tiny model): seconds, not minutes."""
+    return [Cell("short", 2, True), Cell("short", 2, False, True, arrival_s=0.1)]
+
+
+CELL_SETS = {"full": full_matrix, "quick": quick_cells, "smoke": smoke_cells}
+
+
+def feature_cells() -> list[Cell]:
+    """Where each policy matters: a streaming wave arriving over a second (continuous batching, chunk-aligned DiT,
+    async copies) and an offline wave of mixed lengths (length-aware HiFT)."""
+    return [Cell("short", 32, True, arrival_s=1.0), Cell("mixed", 64, False, arrival_s=1.0)]
+
+
+def run_cell(tts, cell: Cell, prompt_wav) -> dict:
     from ..runtime.request import Request
     from ..runtime.sampling import SamplingParams
 
-    n = TOKENS[text]
+    lengths = TOKENS[cell.text]
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     handles = []
-    for i in range(conc):
-        kw = dict(prompt_wav=prompt_wav, prompt_sr=16000, prompt_text="a prompt of three seconds") if ref_audio else {}
-        req = Request(text="a" * 40, stream=stream, sampling=SamplingParams(seed=i, force_tokens=n), **kw)
+    for i in range(cell.concurrency):
+        if cell.arrival_s and i:
+            time.sleep(max(0.0, t0 + cell.arrival_s * i / cell.concurrency - time.perf_counter()))
+        kw = dict(prompt_wav=prompt_wav, prompt_sr=16000, prompt_text="a prompt of three seconds") \
+            if cell.reference_audio else {}
+        n = lengths[i % len(lengths)]
+        req = Request(text="a" * 40, stream=cell.stream, sampling=SamplingParams(seed=i, force_tokens=n), **kw)
         handles.append(tts.submit(req))
     audio = 0.0
     for h in handles:
         audio += h.result(timeout=600).size / 24000
     wall = time.perf_counter() - t0
     agg = aggregate([h.metrics for h in handles])
-    return {"text": text, "tokens": n, "concurrency": conc, "stream": stream, "reference_audio": ref_audio,
-            "wall_s": wall, "audio_s": audio, "throughput_audio_s_per_s": audio / wall,
-            "ttfa": agg["ttfa"], "inter_chunk": agg["inter_chunk"], "rtf": agg["rtf"], "total": agg["total"],
+    return {**dataclasses.asdict(cell), "tokens": list(lengths), "wall_s": wall, "audio_s": audio,
+            "throughput_audio_s_per_s": audio / wall, "ttfa": agg["ttfa"], "inter_chunk": agg["inter_chunk"],
+            "rtf": agg["rtf"], "total": agg["total"],
             "T_tokenizer": agg["T_tokenizer"]["mean"], "T_AR": agg["T_AR"]["mean"], "T_DiT": agg["T_DiT"]["mean"],
             "T_vocoder": agg["T_vocoder"]["mean"], "T_queue": agg["T_queue"]["mean"],
             "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
 
 
-def bench_serving(cfg, llm, flow, hift, device, quick: bool, bench) -> dict:
+def scheduler_config(variant: str, **features):
+    from ..runtime.scheduler import SchedulerConfig
+
+    return SchedulerConfig(max_in_flight=128, ar_max_batch=64, dit_max_requests=8, hift_max_batch=16,
+                           cuda_graphs=variant != "eager", compile=variant == "compiled", ar_max_len=2048, **features)
+
+
+def make_pipeline(models, variant: str, graph_profile: str):
     from ..runtime.engine_set import attach_cuda_graphs
-    from ..runtime.model import CosyVoice3Models
     from ..runtime.pipeline import Pipeline
     from ..runtime.profile import load_profile
-    from ..runtime.request import default_voice_wav
-    from ..runtime.scheduler import SchedulerConfig
+    from .bench import _pipeline_with_random_frontend
+
+    pipe = _pipeline_with_random_frontend(models, Pipeline)
+    if variant == "eager":
+        return pipe
+    if pipe.device.type == "cuda":
+        attach_cuda_graphs(pipe, load_profile(graph_profile), compile=variant == "compiled")
+    elif variant == "compiled":
+        from ..runtime.compiled import attach_compiled
+
+        attach_compiled(pipe)
+    else:
+        from ..runtime.errors import InputError
+
+        raise InputError("the 'graphs' serving variant needs CUDA")
+    return pipe
+
+
+def _run_cells(tts, cells, label: str, out: list, bench, prompt) -> None:
+    from .bench import _log
+
+    for cell in cells:
+        if bench.over_budget():
+            _log(f"{label}: time budget spent")
+            return
+        try:
+            r = run_cell(tts, cell, prompt)
+        except Exception as e:  # noqa: BLE001
+            r = {**dataclasses.asdict(cell), "error": repr(e)}
+        r["variant"] = label
+        out.append(r)
+        if "error" not in r:
+            _log(f"{label} {cell}: TTFA p50 {r['ttfa']['p50']:.3f}s p95 {r['ttfa']['p95']:.3f}s, "
+                 f"RTF p50 {r['rtf']['p50']:.3f}, {r['throughput_audio_s_per_s']:.1f} audio s/s")
+        else:
+            _log(f"{label} {cell}: {r['error']}")
+        bench.save()
+
+
+def _start(pipe, sched_cfg):
     from ..runtime.tts import TTS
-    from .bench import _log, _pipeline_with_random_frontend
+
+    tts = TTS(pipe, scheduler=sched_cfg)
+    tts.synthesize("a" * 40, seed=0, force_tokens=50)  # starts the scheduler (captures decode graphs), warms up
+    tts.synthesize("a" * 40, seed=0, force_tokens=50, stream=True)
+    return tts
+
+
+def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells: str = "full") -> dict:
+    """The matrix: the first variant runs the cell set `cells` (full / quick / smoke), the others the comparison
+    cells (smoke: the smoke cells too)."""
+    from ..runtime.model import CosyVoice3Models
+    from ..runtime.request import default_voice_wav
+    from .bench import _log
 
     models = CosyVoice3Models(cfg, llm, flow, hift, "random-full", "", "random")
     prompt = default_voice_wav(16000, 3.0)
     out: dict = {"cells": []}
-    for variant in ("graphs", "eager"):
+    bench.results["serving"] = out
+    for k, variant in enumerate(variants):
         if bench.over_budget():
             _log(f"serving: skip variant {variant} (time budget)")
             continue
-        pipe = _pipeline_with_random_frontend(models, Pipeline)
         t = time.perf_counter()
         try:
-            if variant == "graphs":
-                attach_cuda_graphs(pipe, load_profile(bench.args.graph_profile))
-            sched = SchedulerConfig(max_in_flight=128, ar_max_batch=64, dit_max_requests=8, hift_max_batch=16,
-                                    cuda_graphs=variant == "graphs", ar_max_len=2048)
-            tts = TTS(pipe, scheduler=sched)
-            tts.synthesize("a" * 40, seed=0, force_tokens=50)  # start the scheduler (captures decode graphs), warm
+            tts = _start(make_pipeline(models, variant, bench.args.graph_profile), scheduler_config(variant))
         except Exception as e:  # noqa: BLE001
             import traceback
 
@@ -85,26 +179,36 @@ def bench_serving(cfg, llm, flow, hift, device, quick: bool, bench) -> dict:
             continue
         out[f"{variant}_setup_s"] = time.perf_counter() - t
         _log(f"serving {variant}: setup {out[f'{variant}_setup_s']:.1f}s")
-        for cell in _cells(quick, variant):
-            if bench.over_budget():
-                _log("serving: time budget spent")
-                break
-            try:
-                r = run_cell(tts, *cell, prompt_wav=prompt)
-            except Exception as e:  # noqa: BLE001
-                r = {"cell": list(cell), "error": repr(e)}
-            r["variant"] = variant
-            out["cells"].append(r)
-            if "error" not in r:
-                _log(f"serving {variant} {cell}: TTFA p50 {r['ttfa']['p50']:.3f}s p95 {r['ttfa']['p95']:.3f}s, "
-                     f"RTF p50 {r['rtf']['p50']:.3f}, {r['throughput_audio_s_per_s']:.1f} audio s/s")
-            else:
-                _log(f"serving {variant} {cell}: {r['error']}")
-            bench.results["serving"] = out
-            bench.save()
-        out[f"{variant}_stats"] = _jsonable(tts.metrics().get("scheduler", tts.metrics()))
+        todo = CELL_SETS[cells]() if k == 0 or cells == "smoke" else comparison_cells()
+        _run_cells(tts, todo, variant, out["cells"], bench, prompt)
+        out[f"{variant}_stats"] = _jsonable(tts.metrics())
         tts.close()
-        del tts, pipe
+        del tts
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_features(cfg, llm, flow, hift, device, bench, variant: str = "compiled", cells: str = "full") -> dict:
+    """Each batching policy off vs all on, same variant, same cells, one process (`cells="smoke"`: the smoke
+    cells)."""
+    from ..runtime.model import CosyVoice3Models
+    from ..runtime.request import default_voice_wav
+    from .bench import _log
+
+    models = CosyVoice3Models(cfg, llm, flow, hift, "random-full", "", "random")
+    prompt = default_voice_wav(16000, 3.0)
+    pipe = make_pipeline(models, variant, bench.args.graph_profile)
+    out: dict = {"variant": variant, "cells": []}
+    bench.results["features"] = out
+    for off in (None,) + FEATURES:
+        if bench.over_budget():
+            _log(f"features: skip {off} off (time budget)")
+            continue
+        label = "all on" if off is None else f"{off} off"
+        tts = _start(pipe, scheduler_config(variant, **({} if off is None else {off: False})))
+        _run_cells(tts, smoke_cells() if cells == "smoke" else feature_cells(), label, out["cells"], bench, prompt)
+        tts.close()
+        del tts
         torch.cuda.empty_cache()
     return out
 

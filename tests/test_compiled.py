@@ -1,0 +1,105 @@
+"""torch.compile of the AR prefill / decode step and the DiT (runtime/compiled.py), on the CPU with the tiny model:
+same numbers as eager (Inductor's CPU kernels reorder float32 sums: <= 1e-4 here), one compile per function and
+specialization, a scheduler that compiles at start-up, and a TTS whose audio matches the eager one."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cosytrt.build.export_dit import example_inputs
+from cosytrt.runtime.compiled import CompiledDiT, compile_fn, load_compile_cache, save_compile_cache
+from cosytrt.runtime.errors import InputError
+from cosytrt.runtime.scheduler import Scheduler, SchedulerConfig
+from cosytrt.runtime.tts import TTS
+
+ATOL = 1e-4
+BATCHED_ATOL = 2e-3  # golden HiFT wav tolerance (also what batched, i.e. differently summed, calls get)
+
+
+@pytest.fixture(scope="module")
+def eager_tts():
+    t = TTS.load("tiny")
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def compiled_tts():
+    t = TTS.load("tiny", compile=True)
+    yield t
+    t.close()
+
+
+def test_compiled_decode_and_prefill_match_eager(golden_lm):
+    lm = golden_lm
+    lm.setup_cache(4, 512)
+    decode, prefill = compile_fn(lm.decode), compile_fn(lm.prefill)
+    assert compile_fn(lm.decode) is decode  # one compiled function per model and method
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for b, t in ((1, 9), (3, 17)):
+            embeds = torch.randn(b, t, lm.config.qwen.hidden_size, generator=g)
+            lengths = torch.tensor([t - i for i in range(b)])
+            slots = torch.arange(b)
+            ref = lm.prefill(embeds, lengths, slots)
+            k_ref = lm.backbone.layers[0].self_attn.kv_cache.k.clone()
+            out = prefill(embeds, lengths, slots)
+            assert (out - ref).abs().max() <= ATOL
+            assert (lm.backbone.layers[0].self_attn.kv_cache.k - k_ref).abs().max() <= ATOL
+            for kv_len in (256, 512):  # a rung and the whole cache (a dynamo specialization)
+                tokens, pos = torch.randint(0, 6561, (b,), generator=g), lengths.clone()
+                ref = lm.decode(tokens, slots, pos, kv_len=kv_len)
+                out = decode(tokens, slots, pos, kv_len=kv_len)
+                assert (out - ref).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_compiled_dit_matches_eager(streaming, eager_tts):
+    dit = eager_tts.pipeline.models.flow.estimator
+    compiled = CompiledDiT.of(dit)
+    assert CompiledDiT.of(dit) is compiled
+    with torch.inference_mode():
+        for b, t in ((2, 60), (4, 97)):  # two shapes, one compile (dynamic B and T)
+            args = example_inputs(dit, b, t, seed=b)
+            ref = dit(*args, streaming=streaming)
+            assert (compiled(*args, streaming=streaming) - ref).abs().max() <= ATOL
+            assert (compiled.fixed(streaming)(*args) - ref).abs().max() <= ATOL
+
+
+def test_scheduler_compiles_at_start(eager_tts):
+    """Batch 1 / batch 2 prefill and decode (rung and whole cache) are compiled in the constructor, so serving
+    triggers no compile: the dynamo frame counter does not move while requests run."""
+    import torch._dynamo.utils as dynamo_utils
+
+    sched = Scheduler(eager_tts.pipeline, SchedulerConfig(compile=True, ar_max_batch=4, ar_max_len=512))
+    try:
+        before = dynamo_utils.counters["stats"]["unique_graphs"]
+        from cosytrt.runtime.tts import make_request
+
+        hs = [sched.submit(make_request(f"Text {i}.", seed=i, force_tokens=20 + 5 * i)) for i in range(3)]
+        for h in hs:
+            h.result(timeout=120)
+        assert dynamo_utils.counters["stats"]["unique_graphs"] == before
+    finally:
+        sched.close()
+
+
+def test_compiled_tts_matches_eager(eager_tts, compiled_tts):
+    for kw in (dict(seed=3, force_tokens=60), dict(seed=4, force_tokens=45)):
+        ref = eager_tts.synthesize("Compiled or not.", **kw)
+        out = compiled_tts.synthesize("Compiled or not.", **kw)
+        assert out.shape == ref.shape and np.abs(out - ref).max() <= BATCHED_ATOL
+        ref = np.concatenate(list(eager_tts.stream("Compiled or not.", **kw)))
+        out = np.concatenate(list(compiled_tts.stream("Compiled or not.", **kw)))
+        assert out.shape == ref.shape and np.abs(out - ref).max() <= BATCHED_ATOL
+    assert compiled_tts.scheduler.config.compile and not eager_tts.scheduler.config.compile
+
+
+def test_compile_cache_roundtrip(compiled_tts, tmp_path):
+    compiled_tts.synthesize("Warm.", seed=0, force_tokens=10)  # something was compiled in this process
+    path = str(tmp_path / "cache.bin")
+    assert save_compile_cache(path) > 0
+    assert load_compile_cache(path)
+    with pytest.raises(InputError, match="compile cache not found"):
+        load_compile_cache(str(tmp_path / "missing.bin"))

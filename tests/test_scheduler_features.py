@@ -1,0 +1,119 @@
+"""The batching policies switched off one at a time (what `trtbuild bench --suite features` compares): each switch
+changes how calls are batched, never the audio (tokens identical, audio within the batched-GEMM float noise)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from cosytrt.runtime.buckets import group_by_length
+from cosytrt.runtime.request import default_voice_wav
+from cosytrt.runtime.scheduler import Scheduler, SchedulerConfig
+from cosytrt.runtime.tts import TTS, make_request
+
+BATCHED_ATOL = 2e-3  # golden HiFT wav tolerance (batched DiT / HiFT calls are not bit-exact)
+
+
+@pytest.fixture(scope="module")
+def tts(one_torch_thread):
+    t = TTS.load("tiny")
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def speaker(tts):
+    return tts.make_speaker(default_voice_wav(16000, 1.0), "Short voice.", 16000)
+
+
+def run_all(tts, cfg: SchedulerConfig, reqs) -> tuple[list[np.ndarray], dict]:
+    sched = Scheduler(tts.pipeline, cfg)
+    try:
+        handles = [sched.submit(r) for r in reqs]
+        wavs = [h.result(timeout=120) for h in handles]
+        return wavs, sched.stats()
+    finally:
+        sched.close()
+
+
+def lockstep(speaker, n=4, stream=True):
+    """n requests with the same prompt and length: their hops fall in the same AR steps."""
+    return [make_request("Lockstep text.", speaker=speaker, seed=i, stream=stream, force_tokens=60) for i in range(n)]
+
+
+def assert_same_audio(a, b):
+    assert [w.shape for w in a] == [w.shape for w in b]
+    for x, y in zip(a, b):
+        assert np.abs(x - y).max() <= BATCHED_ATOL
+
+
+def test_continuous_batching_off_admits_only_between_batches(tts, speaker):
+    """Three requests arriving while a long one decodes join it at the next steps (on), or wait until it has finished
+    and then run as one static batch (off)."""
+    def staggered(cfg):
+        sched = Scheduler(tts.pipeline, cfg)
+        try:
+            first = sched.submit(make_request("First, long.", speaker=speaker, seed=1, force_tokens=300))
+            end = time.monotonic() + 60
+            while sched.stats()["ar"]["decode_steps"] < 5:
+                assert time.monotonic() < end
+                time.sleep(0.002)
+            late = [sched.submit(make_request("Late.", speaker=speaker, seed=2 + i, force_tokens=40)) for i in range(3)]
+            wavs = [h.result(timeout=120) for h in [first] + late]
+            return wavs, sched.stats(), first.metrics, late[0].metrics
+        finally:
+            sched.close()
+
+    on, st_on, _, _ = staggered(SchedulerConfig())
+    off, st_off, m_first, m_late = staggered(SchedulerConfig(continuous_batching=False))
+    assert st_on["ar"]["max_decode_batch"] == 4
+    assert st_off["ar"]["max_decode_batch"] == 3 and st_off["ar"]["prefill_calls"] == 2
+    # off: the late requests waited in the AR queue for the long one's 299 decode steps, then took 39 together
+    assert st_off["ar"]["decode_steps"] == 299 + 39
+    assert m_late.t_queue > 0.5 * m_first.t_ar
+    assert_same_audio(on, off)
+
+
+def test_dit_chunk_aligned_off_runs_one_request_per_call(tts, speaker):
+    reqs = lockstep(speaker)
+    on, st_on = run_all(tts, SchedulerConfig(dit_max_wait_ms=50), reqs)
+    off, st_off = run_all(tts, SchedulerConfig(dit_max_wait_ms=50, dit_chunk_aligned=False), lockstep(speaker))
+    assert st_on["dit"]["max_batch"] == 4 and st_on["dit"]["calls"] < st_off["dit"]["calls"]
+    assert st_off["dit"]["max_batch"] == 1 and st_off["dit"]["calls"] == st_off["dit"]["rows"]
+    assert_same_audio(on, off)
+
+
+def test_group_by_length_in_arrival_order_when_not_length_aware():
+    lengths = [100, 900, 120, 880, 110]
+    assert group_by_length(lengths, 8) == [[0, 4, 2], [3, 1]]                   # sorted, waste <= 1.5
+    assert group_by_length(lengths, 8, length_aware=False) == [[0, 1, 2, 3, 4]]  # arrival order, any waste
+    assert group_by_length(lengths, 2, length_aware=False) == [[0, 1], [2, 3], [4]]
+    # the frames cap still holds: a third row next to the 900 (or 880) one would pad to > 2000 frames
+    assert group_by_length(lengths, 8, max_frames=2000, length_aware=False) == [[0, 1], [2, 3], [4]]
+
+
+def test_hift_length_aware_switch_reaches_the_grouping(tts, speaker, monkeypatch):
+    """The offline HiFT grouping gets the switch (its effect on the groups is the unit test above)."""
+    import cosytrt.runtime.scheduler as scheduler_module
+
+    seen = []
+
+    def spy(*args, **kw):
+        if "length_aware" in kw:  # the HiFT call (the DiT grouping is always length-aware)
+            seen.append(kw["length_aware"])
+        return group_by_length(*args, **kw)
+
+    monkeypatch.setattr(scheduler_module, "group_by_length", spy)
+    for flag in (True, False):
+        seen.clear()
+        run_all(tts, SchedulerConfig(hift_length_aware=flag), lockstep(speaker, 2, stream=False))
+        assert seen and set(seen) == {flag}
+
+
+def test_async_d2h_off_is_the_synchronous_copy(tts, speaker):
+    """On the CPU every copy is synchronous; the switch must still validate and leave the audio unchanged."""
+    reqs = lockstep(speaker, 2)
+    on, _ = run_all(tts, SchedulerConfig(), reqs)
+    off, _ = run_all(tts, SchedulerConfig(async_d2h=False), lockstep(speaker, 2))
+    assert_same_audio(on, off)
