@@ -91,11 +91,13 @@ class Bench:
                 "dtype": args.dtype}
         if torch.cuda.is_available():
             meta["gpu"] = torch.cuda.get_device_name(0)
-        try:
-            meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                            text=True).stdout.strip()
-        except OSError:
-            pass
+        meta["commit"] = os.environ.get("COSYTRT_COMMIT", "")  # set by the caller where the tree has no .git
+        if not meta["commit"]:
+            try:
+                meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                text=True).stdout.strip()
+            except OSError:
+                pass
         return meta
 
     def over_budget(self) -> bool:
