@@ -13,7 +13,7 @@ if ls compile_cache/cc.bin.gz.part-* >/dev/null 2>&1; then
   cat compile_cache/cc.bin.gz.part-* | gunzip > /tmp/cc.bin && echo "restored compile cache: $(du -h /tmp/cc.bin)"
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
-cd /tmp && python3 -m cosytrt.tools.bench --out "$OUT" --compile-cache /tmp/cc.bin "$@" 2>&1 | tee "$OUT/log.txt"
+cd /tmp && python3 -X faulthandler -m cosytrt.tools.bench --out "$OUT" --compile-cache /tmp/cc.bin "$@" 2>&1 | tee "$OUT/log.txt"
 rc=$?
 if [ -f /tmp/cc.bin ]; then
   mkdir -p "$OUT/cc" && gzip -c /tmp/cc.bin | split -b 15M - "$OUT/cc/cc.bin.gz.part-" && ls -la "$OUT/cc"

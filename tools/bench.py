@@ -25,7 +25,7 @@ H200_BF16_FLOPS = 790e12
 
 def add_arguments(p) -> None:
     p.add_argument("--suite", default="micro,parity,e2e,serving,features",
-                   help="comma list of micro, parity, e2e, serving, features")
+                   help="comma list of micro (= ar, dit, hift), parity, e2e, serving, features")
     p.add_argument("--out", required=True, help="folder for results.json (and plots)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", default="full", help="'full' (random full-size weights) or 'tiny'")
@@ -388,14 +388,17 @@ def run(args) -> int:
     from ..runtime.errors import InputError
 
     suites = set(args.suite.split(","))
-    unknown = suites - {"micro", "parity", "e2e", "serving", "features"}
+    if "micro" in suites:
+        suites |= {"ar", "dit", "hift"}
+    unknown = suites - {"micro", "ar", "dit", "hift", "parity", "e2e", "serving", "features"}
     if unknown:
-        raise InputError(f"unknown bench suite(s) {sorted(unknown)}: use micro, parity, e2e, serving, features")
+        raise InputError(f"unknown bench suite(s) {sorted(unknown)}: use micro (= ar, dit, hift), parity, e2e, "
+                         "serving, features")
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise InputError("trtbuild bench --device cuda: no CUDA GPU here")
-    if not cuda and suites & {"micro", "parity"}:
-        raise InputError("the micro and parity suites time CUDA graphs: they need --device cuda")
+    if not cuda and suites & {"ar", "dit", "hift", "parity"}:
+        raise InputError("the micro (ar, dit, hift) and parity suites time CUDA graphs: they need --device cuda")
     variants = args.variants.split(",")
     bad = set(variants) - {"compiled", "graphs", "eager"}
     if bad:
@@ -408,27 +411,26 @@ def run(args) -> int:
     _log(f"building {args.model} models on {args.device}")
     cfg, llm, flow, hift = full_models(args.device, dtype, args.model)
     compile = not args.no_compile
-    if "micro" in suites:
+    if "ar" in suites:
         b.section("ar", lambda: bench_ar(llm, args.device, args.quick, compile))
+    if "dit" in suites:
         aoti_dir = None
         if args.aoti:  # the package holds the weights (hundreds of MB): keep it out of --out
             import tempfile
 
             aoti_dir = tempfile.mkdtemp(prefix="cosytrt-aoti-")
         b.section("dit", lambda: bench_dit(flow, args.device, dtype, args.quick, compile, aoti_dir))
+    if "hift" in suites:
         b.section("hift", lambda: bench_hift(hift, args.device, args.quick))
     if "parity" in suites:
         b.section("graph_parity", lambda: graph_parity(cfg, llm, flow, hift, args.device, args.graph_profile))
     if "e2e" in suites:
         b.section("e2e", lambda: bench_e2e(cfg, llm, flow, hift, args.device, args.quick))
-    if "serving" in suites:
+    if suites & {"serving", "features"}:
         from .bench_serving import bench_serving
 
-        b.section("serving", lambda: bench_serving(cfg, llm, flow, hift, args.device, b, variants, cells))
-    if "features" in suites:
-        from .bench_serving import bench_features
-
-        b.section("features", lambda: bench_features(cfg, llm, flow, hift, args.device, b, variants[0], cells))
+        b.section("serving", lambda: bench_serving(cfg, llm, flow, hift, args.device, b, variants, cells,
+                                                   features="features" in suites))
     if args.compile_cache:
         _log(f"saved compile cache {args.compile_cache}: {save_compile_cache(args.compile_cache) / 1e6:.1f} MB")
     b.results["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None

@@ -149,13 +149,16 @@ def _start(pipe, sched_cfg):
 
     tts = TTS(pipe, scheduler=sched_cfg)
     tts.synthesize("a" * 40, seed=0, force_tokens=50)  # starts the scheduler (captures decode graphs), warms up
-    tts.synthesize("a" * 40, seed=0, force_tokens=50, stream=True)
+    list(tts.stream("a" * 40, seed=0, force_tokens=50))
     return tts
 
 
-def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells: str = "full") -> dict:
-    """The matrix: the first variant runs the cell set `cells` (full / quick / smoke), the others the comparison
-    cells (smoke: the smoke cells too)."""
+def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells: str = "full",
+                  features: bool = False) -> dict:
+    """The comparison cells for every variant (the others first, the primary `variants[0]` last), then, on the
+    primary variant's pipeline, the feature off/on comparison (`features`, results under "features") and the rest
+    of the cell set `cells` (full / quick / smoke). Ratio-critical cells come first, so a run cut short by
+    --budget-s keeps them."""
     from ..runtime.model import CosyVoice3Models
     from ..runtime.request import default_voice_wav
     from .bench import _log
@@ -164,13 +167,16 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
     prompt = default_voice_wav(16000, 3.0)
     out: dict = {"cells": []}
     bench.results["serving"] = out
-    for k, variant in enumerate(variants):
+    primary = variants[0]
+    first = smoke_cells() if cells == "smoke" else comparison_cells()
+    for variant in list(variants[1:]) + [primary]:
         if bench.over_budget():
             _log(f"serving: skip variant {variant} (time budget)")
             continue
         t = time.perf_counter()
         try:
-            tts = _start(make_pipeline(models, variant, bench.args.graph_profile), scheduler_config(variant))
+            pipe = make_pipeline(models, variant, bench.args.graph_profile)
+            tts = _start(pipe, scheduler_config(variant))
         except Exception as e:  # noqa: BLE001
             import traceback
 
@@ -179,27 +185,24 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
             continue
         out[f"{variant}_setup_s"] = time.perf_counter() - t
         _log(f"serving {variant}: setup {out[f'{variant}_setup_s']:.1f}s")
-        todo = CELL_SETS[cells]() if k == 0 or cells == "smoke" else comparison_cells()
-        _run_cells(tts, todo, variant, out["cells"], bench, prompt)
+        _run_cells(tts, first, variant, out["cells"], bench, prompt)
+        if variant == primary:
+            if features:
+                bench.results["features"] = _features(pipe, variant, cells, bench, prompt)
+            rest = [c for c in CELL_SETS[cells]() if c not in first]
+            _run_cells(tts, rest, variant, out["cells"], bench, prompt)
         out[f"{variant}_stats"] = _jsonable(tts.metrics())
         tts.close()
-        del tts
+        del tts, pipe
         torch.cuda.empty_cache()
     return out
 
 
-def bench_features(cfg, llm, flow, hift, device, bench, variant: str = "compiled", cells: str = "full") -> dict:
-    """Each batching policy off vs all on, same variant, same cells, one process (`cells="smoke"`: the smoke
-    cells)."""
-    from ..runtime.model import CosyVoice3Models
-    from ..runtime.request import default_voice_wav
+def _features(pipe, variant: str, cells: str, bench, prompt) -> dict:
+    """Each batching policy off vs all on: same pipeline (same graphs), a fresh scheduler per setting."""
     from .bench import _log
 
-    models = CosyVoice3Models(cfg, llm, flow, hift, "random-full", "", "random")
-    prompt = default_voice_wav(16000, 3.0)
-    pipe = make_pipeline(models, variant, bench.args.graph_profile)
     out: dict = {"variant": variant, "cells": []}
-    bench.results["features"] = out
     for off in (None,) + FEATURES:
         if bench.over_budget():
             _log(f"features: skip {off} off (time budget)")
@@ -208,8 +211,6 @@ def bench_features(cfg, llm, flow, hift, device, bench, variant: str = "compiled
         tts = _start(pipe, scheduler_config(variant, **({} if off is None else {off: False})))
         _run_cells(tts, smoke_cells() if cells == "smoke" else feature_cells(), label, out["cells"], bench, prompt)
         tts.close()
-        del tts
-        torch.cuda.empty_cache()
     return out
 
 
