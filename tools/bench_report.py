@@ -22,20 +22,35 @@ def _md(headers, rows) -> str:
     return "\n".join(out)
 
 
+def _ms(r: dict, key: str):
+    return r.get(key)
+
+
 def tables(res: dict) -> str:
     parts = []
-    if isinstance(res.get("ar"), list):
-        rows = [[r["batch"], r.get("tokens", ""), r["eager_ms"], r.get("graph_ms"), r.get("bound_ms"),
-                 r.get("graph_fraction_of_bound")] for r in res["ar"]]
-        parts.append("**AR (Qwen2 0.5B, bf16)** — decode ms per step (KV length 1024, 300 positions filled) and "
-                     "prefill\n\n" + _md(["batch", "prefill tokens", "eager ms", "CUDA graph ms", "HBM bound ms",
-                                          "bound / graph"], rows))
-    if isinstance(res.get("dit"), list):
-        rows = [["stream" if r["streaming"] else "offline", r["rows"], r["frames"], r["eager_ms"], r["graph_ms"],
-                 r["eager_ms"] / r["graph_ms"], r["bound_ms"], r["graph_fraction_of_bound"]] for r in res["dit"]]
-        parts.append("**DiT estimator (bf16), one forward = one Euler step**\n\n" + _md(
-            ["mask", "CFG rows", "frames", "eager ms", "CUDA graph ms", "eager / graph", "roofline ms",
-             "bound / graph"], rows))
+    ar = res.get("ar")
+    if isinstance(ar, list):
+        dec = [r for r in ar if r.get("stage") == "ar_decode"]
+        rows = [[r["batch"], r["eager_ms"], r.get("graph_ms"), r.get("compiled_graph_ms"), r.get("bound_ms"),
+                 r.get("best_fraction_of_bound"), r.get("compiled_max_abs_err")] for r in dec]
+        parts.append(f"**AR decode (Qwen2 0.5B, bf16)**, ms per step, slot-indexed KV cache, KV rung "
+                     f"{dec[0].get('kv_len', 1024) if dec else ''}\n\n" + _md(
+                         ["batch", "eager", "CUDA graph", "compiled + graph", "HBM bound", "bound / best",
+                          "compiled max abs err (logits)"], rows))
+        pre = [r for r in ar if r.get("stage") == "ar_prefill"]
+        if pre:
+            rows = [[r["batch"], r["tokens"], r["eager_ms"], r.get("compiled_ms"), r.get("bound_ms"),
+                     r.get("compiled_max_abs_err")] for r in pre]
+            parts.append("**AR prefill**, ms per call\n\n" + _md(
+                ["batch", "tokens", "eager", "compiled", "bound", "compiled max abs err (logits)"], rows))
+    dit = res.get("dit")
+    if isinstance(dit, list):
+        rows = [["stream" if r["streaming"] else "offline", r["rows"], r["frames"], r["eager_ms"], r.get("graph_ms"),
+                 r.get("compiled_graph_ms"), r.get("aoti_graph_ms"), r["bound_ms"], r.get("best_fraction_of_bound"),
+                 r.get("compiled_graph_max_abs_err")] for r in dit if r.get("stage") == "dit"]
+        parts.append("**DiT estimator (bf16), one forward = one Euler step**, ms\n\n" + _md(
+            ["mask", "CFG rows", "frames", "eager", "CUDA graph", "compiled + graph", "AOTI + graph", "roofline",
+             "bound / best", "compiled max abs err"], rows))
     if isinstance(res.get("hift"), list):
         rows = [[r["batch"], r["frames"], r["eager_ms"], r.get("graph_ms"), r["ms_per_audio_s"]] for r in res["hift"]]
         parts.append("**HiFT (fp32, f0 predictor fp64), finalize**\n\n" + _md(
@@ -47,19 +62,69 @@ def tables(res: dict) -> str:
             ["mode", "audio s", "TTFA s", "total s", "RTF", "T_AR", "T_DiT", "T_vocoder"], rows))
     srv = res.get("serving")
     if isinstance(srv, dict) and srv.get("cells"):
-        rows = []
-        for r in srv["cells"]:
-            if "error" in r:
-                rows.append([r.get("variant"), *r.get("cell", []), "error: " + r["error"][:60]])
+        parts.append("**Serving matrix (scheduler; full-size architecture, random weights, forced token counts)**"
+                     "\n\n" + _cell_table(srv["cells"], "variant"))
+    feat = res.get("features")
+    if isinstance(feat, dict) and feat.get("cells"):
+        parts.append(f"**Scheduler features off vs on ({feat.get('variant')} variant)**\n\n"
+                     + _cell_table(feat["cells"], "setting"))
+    return "\n\n".join(parts)
+
+
+def _cell_table(cells: list, first: str) -> str:
+    rows = []
+    for r in cells:
+        label = [r.get("variant"), r.get("text"), r.get("concurrency"), "stream" if r.get("stream") else "offline",
+                 "yes" if r.get("reference_audio") else "no", r.get("arrival_s") or 0]
+        if "error" in r:
+            rows.append(label + ["error: " + r["error"][:60]])
+            continue
+        rows.append(label + [r["ttfa"]["p50"], r["ttfa"]["p95"], r["ttfa"]["p99"], r["inter_chunk"]["p50"],
+                             r["inter_chunk"]["p95"], r["rtf"]["p50"], r["rtf"]["p95"], r["total"]["p50"],
+                             r["total"]["p99"], r["throughput_audio_s_per_s"], r["T_tokenizer"], r["T_AR"], r["T_DiT"],
+                             r["T_vocoder"], r["T_queue"], r["peak_gpu_gb"]])
+    return _md([first, "text", "conc.", "mode", "ref audio", "arrival s", "TTFA p50", "TTFA p95", "TTFA p99",
+                "inter-chunk p50", "inter-chunk p95", "RTF p50", "RTF p95", "e2e p50", "e2e p99", "audio s/s",
+                "T_tok", "T_AR", "T_DiT", "T_voc", "T_queue", "peak GB"], rows)
+
+
+def ratios(res: dict) -> str:
+    """Variant and feature ratios measured in the same run (same cells, same process)."""
+    srv = res.get("serving") or {}
+    by = {(c["variant"], c["text"], c["concurrency"], c["stream"], c["reference_audio"]): c
+          for c in srv.get("cells", []) if "error" not in c}
+    rows = []
+    variants = sorted({k[0] for k in by})
+    for base in ("eager", "graphs"):
+        for v in variants:
+            if v == base:
                 continue
-            rows.append([r["variant"], r["text"], r["concurrency"], "stream" if r["stream"] else "offline",
-                         "yes" if r["reference_audio"] else "no", r["ttfa"]["p50"], r["ttfa"]["p95"], r["ttfa"]["p99"],
-                         r["inter_chunk"]["p50"], r["rtf"]["p50"], r["rtf"]["p95"], r["throughput_audio_s_per_s"],
-                         r["T_AR"], r["T_DiT"], r["T_vocoder"], r["T_queue"], r["peak_gpu_gb"]])
-        parts.append("**Serving matrix (scheduler; full-size architecture, random weights, forced token counts)**\n\n"
-                     + _md(["variant", "text", "conc.", "mode", "ref audio", "TTFA p50", "TTFA p95", "TTFA p99",
-                            "inter-chunk p50", "RTF p50", "RTF p95", "audio s/s", "T_AR", "T_DiT", "T_vocoder",
-                            "T_queue", "peak GB"], rows))
+            for (var, text, conc, stream, ref), c in sorted(by.items(), key=lambda kv: str(kv[0])):
+                b = by.get((base, text, conc, stream, ref))
+                if var != v or b is None:
+                    continue
+                rows.append([f"{v} / {base}", text, conc, "stream" if stream else "offline",
+                             b["ttfa"]["p50"] / c["ttfa"]["p50"],
+                             c["throughput_audio_s_per_s"] / b["throughput_audio_s_per_s"]])
+    parts = []
+    if rows:
+        parts.append("**Variant ratios (same run)**: TTFA p50 speed-up and throughput gain\n\n" + _md(
+            ["variant / base", "text", "conc.", "mode", "TTFA p50 base / variant", "throughput variant / base"], rows))
+    feat = res.get("features") or {}
+    cells = [c for c in feat.get("cells", []) if "error" not in c]
+    on = {(c["text"], c["concurrency"], c["stream"]): c for c in cells if c["variant"] == "all on"}
+    rows = []
+    for c in cells:
+        b = on.get((c["text"], c["concurrency"], c["stream"]))
+        if c["variant"] == "all on" or b is None:
+            continue
+        rows.append([c["variant"], c["text"], c["concurrency"], "stream" if c["stream"] else "offline",
+                     c["ttfa"]["p95"] / b["ttfa"]["p95"], b["throughput_audio_s_per_s"] / c["throughput_audio_s_per_s"],
+                     c["total"]["p50"] / b["total"]["p50"]])
+    if rows:
+        parts.append("**What each feature buys (same run)**: ratio of the feature switched off to all on\n\n" + _md(
+            ["setting", "text", "conc.", "mode", "TTFA p95 off / on", "throughput on / off", "e2e p50 off / on"],
+            rows))
     return "\n\n".join(parts)
 
 
@@ -118,7 +183,7 @@ def main() -> int:
     with open(a.results) as f:
         res = json.load(f)
     os.makedirs(a.out, exist_ok=True)
-    md = tables(res)
+    md = tables(res) + "\n\n" + ratios(res)
     with open(os.path.join(a.out, "bench_tables.md"), "w") as f:
         f.write(md + "\n")
     for p in plots(res, a.out):

@@ -87,7 +87,8 @@ def run_cell(tts, cell: Cell, prompt_wav) -> dict:
     wall = time.perf_counter() - t0
     agg = aggregate([h.metrics for h in handles])
     return {**dataclasses.asdict(cell), "tokens": list(lengths), "wall_s": wall, "audio_s": audio,
-            "throughput_audio_s_per_s": audio / wall, "ttfa": agg["ttfa"], "inter_chunk": agg["inter_chunk"],
+            "throughput_audio_s_per_s": audio / wall, "ttfa": agg["ttfa"],
+            "ttfa_samples": sorted(h.metrics.ttfa for h in handles if h.metrics.ttfa is not None), "inter_chunk": agg["inter_chunk"],
             "rtf": agg["rtf"], "total": agg["total"],
             "T_tokenizer": agg["T_tokenizer"]["mean"], "T_AR": agg["T_AR"]["mean"], "T_DiT": agg["T_DiT"]["mean"],
             "T_vocoder": agg["T_vocoder"]["mean"], "T_queue": agg["T_queue"]["mean"],
