@@ -3,7 +3,9 @@
 # .whl/: soxr, soundfile, kaldi-native-fbank) next to the machine's own torch, restores a carried torch.compile
 # cache if there is one (compile_cache/cc.bin.gz.part-*), runs `python -m cosytrt.tools.bench "$@"` with the
 # results in $OUT, and hands the compile cache back in <= 15 MB parts.
-#   usage (from the repo root there): bash benchmarks/device_run.sh --suite micro --budget-s 400
+# The bench itself is stopped after $BENCH_TIMEOUT_S seconds (default 480), so that the compile cache still gets
+# written back inside the device call's own limit (run 2 of 2026-12-02 lost its cache to a call timeout).
+#   usage (from the repo root there): BENCH_TIMEOUT_S=480 bash benchmarks/device_run.sh --suite micro --budget-s 400
 set -uo pipefail
 export COSYTRT_COMMIT=${COSYTRT_COMMIT:-$(cat benchmarks/COMMIT 2>/dev/null || echo unknown)}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl dist/*.whl \
@@ -13,9 +15,9 @@ if ls compile_cache/cc.bin.gz.part-* >/dev/null 2>&1; then
   cat compile_cache/cc.bin.gz.part-* | gunzip > /tmp/cc.bin && echo "restored compile cache: $(du -h /tmp/cc.bin)"
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
-cd /tmp && python3 -X faulthandler -m cosytrt.tools.bench --out "$OUT" --compile-cache /tmp/cc.bin "$@" 2>&1 | tee "$OUT/log.txt"
+cd /tmp && timeout "${BENCH_TIMEOUT_S:-480}" python3 -X faulthandler -m cosytrt.tools.bench --out "$OUT" --compile-cache /tmp/cc.bin "$@" 2>&1 | tee "$OUT/log.txt"
 rc=$?
-if [ -f /tmp/cc.bin ]; then
+if [ -s /tmp/cc.bin ]; then
   mkdir -p "$OUT/cc" && gzip -c /tmp/cc.bin | split -b 15M - "$OUT/cc/cc.bin.gz.part-" && ls -la "$OUT/cc"
 fi
 exit $rc

@@ -12,10 +12,13 @@ from .errors import InputError
 class KVSlots:
     def __init__(self, lm, slots: int, max_len: int, scratch: bool = False):
         """`scratch`: one extra slot (index `slots`) that is never handed out — padding rows of captured decode
-        graphs write there."""
+        graphs (and of batch-1 calls of the compiled LM) write there.
+
+        The cache holds one position more than `max_len`: reads of the longest KV length are then a strict slice of
+        the buffer, not the whole of it (torch.compile specializes a whole-buffer slice: one compile fewer)."""
         if not isinstance(slots, int) or slots < 1:
             raise InputError(f"KVSlots: slots must be a positive int, got {slots!r}")
-        lm.setup_cache(slots + (1 if scratch else 0), max_len)
+        lm.setup_cache(slots + (1 if scratch else 0), max_len + 1)
         self.scratch_slot = slots if scratch else None
         self.lm = lm
         self.slots = slots

@@ -46,6 +46,7 @@ from .sampling import TokenPolicy, sample_batch
 from .token2wav import HOP_SCALE, LOOKAHEAD, TOKEN_MAX_HOP, StreamState
 
 _KV_LEN_STEP = 256  # decode attends to the cache rounded up to this many positions
+_MIN_COMPILED_ROWS = 2  # compiled LM calls get >= 2 rows (padding rows -> scratch slot): dynamo specializes batch 1
 
 
 @dataclass
@@ -292,7 +293,7 @@ class Scheduler:
         else:
             self.ar_max_len = cfg.ar_max_len
         use_graphs = cfg.cuda_graphs and torch.device(self.device).type == "cuda"
-        self.slots = KVSlots(self.lm, cfg.ar_max_batch, self.ar_max_len, scratch=use_graphs)
+        self.slots = KVSlots(self.lm, cfg.ar_max_batch, self.ar_max_len, scratch=use_graphs or cfg.compile)
         self._decode, self._prefill = self.lm.decode, self.lm.prefill
         if cfg.compile:
             from .compiled import compile_fn
@@ -303,6 +304,8 @@ class Scheduler:
             from .ar_graphs import DecodeGraphs
 
             batches = [b for b in cfg.ar_graph_batches if b < cfg.ar_max_batch] + [cfg.ar_max_batch]
+            if cfg.compile:  # batch 1 runs in the batch-2 graph (one padding row): no batch-1 compile
+                batches = sorted({max(b, _MIN_COMPILED_ROWS) for b in batches})
             rungs, kv = [], 256
             while kv < self.ar_max_len:
                 rungs.append(kv)
@@ -347,19 +350,16 @@ class Scheduler:
             t.start()
 
     def _warm_compiled(self) -> None:
-        """Compile now, not under load: the compiled prefill (and, without decode graphs, decode) specializes batch 1
-        and a KV slice spanning the whole cache, so run each specialization once into free slots (no request owns
-        one yet, and prefill / decode overwrite what they touch)."""
-        dev, n = self.device, min(2, self.slots.slots)
-        with torch.inference_mode():
-            for b in range(1, n + 1):
-                embeds = torch.zeros(b, 8, self.lm.config.qwen.hidden_size, device=dev, dtype=self.lm.dtype)
-                rows = torch.arange(b, device=dev)
-                self._prefill(embeds, torch.full((b,), 8, device=dev), rows)
-                if self.decode_graphs is None:
-                    for kv_len in {min(_KV_LEN_STEP, self.ar_max_len), self.ar_max_len}:
-                        self._decode(torch.zeros(b, dtype=torch.long, device=dev), rows,
-                                     torch.full((b,), 8, device=dev), kv_len=kv_len)
+        """Compile now, not under load: run the compiled prefill (and, without decode graphs, decode) once at the
+        padded batch size into the scratch slot (decode graphs compile while they are captured)."""
+        dev, n = self.device, _MIN_COMPILED_ROWS
+        with torch.inference_mode():  # as the AR worker's tensors are (dynamo guards on inference-ness)
+            rows = torch.full((n,), self.slots.scratch_slot, device=dev)
+            embeds = torch.zeros(n, 8, self.lm.config.qwen.hidden_size, device=dev, dtype=self.lm.dtype)
+            self._prefill(embeds, torch.full((n,), 8, device=dev), rows)
+            if self.decode_graphs is None:
+                self._decode(torch.zeros(n, dtype=torch.long, device=dev), rows, torch.full((n,), 8, device=dev),
+                             kv_len=min(_KV_LEN_STEP, self.ar_max_len))
 
     # ================================================================== public API
     def submit(self, req: Request) -> RequestHandle:
@@ -586,26 +586,29 @@ class Scheduler:
             longest = n
         return out
 
+    def _padded(self, values: list[list[int]], pad: list[int]) -> list[torch.Tensor]:
+        """Per-row int columns as device tensors; a compiled LM gets padding rows (`pad`: their values; the slot
+        column pads with the scratch slot) up to _MIN_COMPILED_ROWS."""
+        extra = _MIN_COMPILED_ROWS - len(values[0]) if self.config.compile else 0
+        return [torch.tensor(col + [p] * extra, device=self.device) for col, p in zip(values, pad)]
+
     def _prefill_call(self, rows: list[_Req]) -> torch.Tensor:
-        lengths = [r.lm_input.shape[0] for r in rows]
-        width, hidden = max(lengths), rows[0].lm_input.shape[1]
-        embeds = torch.zeros(len(rows), width, hidden, device=self.device, dtype=self.lm.dtype)
+        lengths, slots = self._padded([[r.lm_input.shape[0] for r in rows], [r.slot for r in rows]],
+                                      [1, self.slots.scratch_slot])
+        width, hidden = int(lengths.max()), rows[0].lm_input.shape[1]
+        embeds = torch.zeros(len(lengths), width, hidden, device=self.device, dtype=self.lm.dtype)
         for i, r in enumerate(rows):
-            embeds[i, :lengths[i]] = r.lm_input.to(self.lm.dtype)
-        return self._prefill(embeds, torch.tensor(lengths, device=self.device),
-                               torch.tensor([r.slot for r in rows], device=self.device))
+            embeds[i, :r.lm_input.shape[0]] = r.lm_input.to(self.lm.dtype)
+        return self._prefill(embeds, lengths, slots)[:len(rows)]
 
     def _decode_call(self, rows: list[_Req]) -> torch.Tensor:
-        dev = self.device
         need = max(r.pos for r in rows) + 1
+        cols = [[r.policy.next_input for r in rows], [r.slot for r in rows], [r.pos for r in rows]]
         if self.decode_graphs is not None and self.decode_graphs.fits(len(rows), need):
-            return self.decode_graphs(torch.tensor([r.policy.next_input for r in rows], device=dev),
-                                      torch.tensor([r.slot for r in rows], device=dev),
-                                      torch.tensor([r.pos for r in rows], device=dev), need)
+            return self.decode_graphs(*(torch.tensor(c, device=self.device) for c in cols), need)
         kv_len = min(self.ar_max_len, -(-need // _KV_LEN_STEP) * _KV_LEN_STEP)
-        return self._decode(torch.tensor([r.policy.next_input for r in rows], device=dev),
-                              torch.tensor([r.slot for r in rows], device=dev),
-                              torch.tensor([r.pos for r in rows], device=dev), kv_len=kv_len)
+        tokens, slots, positions = self._padded(cols, [0, self.slots.scratch_slot, 0])
+        return self._decode(tokens, slots, positions, kv_len=kv_len)[:len(rows)]
 
     def _batched(self, call, rows: list[_Req]) -> list[tuple[_Req, torch.Tensor]]:
         """`call(rows)` -> logits [B, V]; if the batch raises, retry row by row so only failing rows fail."""
