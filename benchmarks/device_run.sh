@@ -12,7 +12,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 if ls compile_cache/cc.bin.gz.part-* >/dev/null 2>&1; then
-  cat compile_cache/cc.bin.gz.part-* | gunzip > /tmp/cc.bin && echo "restored compile cache: $(du -h /tmp/cc.bin)"
+  if cat compile_cache/cc.bin.gz.part-* | gunzip > /tmp/cc.bin; then echo "restored compile cache: $(du -h /tmp/cc.bin)"
+  else echo "compile cache parts incomplete: not used"; rm -f /tmp/cc.bin; fi
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
 cd /tmp && timeout "${BENCH_TIMEOUT_S:-480}" python3 -X faulthandler -m cosytrt.tools.bench --out "$OUT" --compile-cache /tmp/cc.bin "$@" 2>&1 | tee "$OUT/log.txt"

@@ -61,6 +61,8 @@ class ServerSettings:
     warmup: bool = True
     warmup_tokens: int = 8
     log_level: str = "info"
+    compile: bool = False          # torch.compile the LM and DiT at start-up (TTS.load(compile=True))
+    compile_cache: str | None = None  # torch.compile artifacts to reuse / write (needs compile)
 
     def __post_init__(self):
         for name in ("max_input_chars", "max_in_flight", "port"):
@@ -930,7 +932,8 @@ def serve(settings: ServerSettings, tts=None) -> int:
 
         t0 = time.perf_counter()
         tts = TTS.load(model=settings.model, engines=settings.engines, device=settings.device,
-                       scheduler=SchedulerConfig(max_in_flight=settings.max_in_flight))
+                       scheduler=SchedulerConfig(max_in_flight=settings.max_in_flight), compile=settings.compile,
+                       compile_cache=settings.compile_cache)
         log.info("loaded model %r in %.1f s", settings.model, time.perf_counter() - t0)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use it", settings.host)

@@ -51,13 +51,24 @@ class TTS:
     @classmethod
     def load(cls, model: str = "tiny", engines: str | None = None, device: str = "cpu",
              dtype: torch.dtype | None = None, scheduler: SchedulerConfig | None = None,
-             cuda_graphs: bool | str = True, compile: bool = False) -> "TTS":
+             cuda_graphs: bool | str = True, compile: bool = False, compile_cache: str | None = None) -> "TTS":
         """`cuda_graphs` (CUDA only): capture the eager DiT / offline HiFT per bucket of a profile when no engine set
         is given (True: `h200-graphs` for full-size models, `tiny` otherwise; or a profile name/path). AR decode graphs
         are the scheduler's (SchedulerConfig.cuda_graphs). `compile`: torch.compile the AR prefill / decode step and
-        (without an engine set) the DiT; on CUDA the compiled functions are what the graphs capture."""
+        (without an engine set) the DiT; on CUDA the compiled functions are what the graphs capture. Everything is
+        compiled here, not at the first request (minutes for the full-size model on a cold cache); `compile_cache`
+        (a file) is loaded first when it exists and (re)written afterwards, so restarts reuse the compiled code."""
         import dataclasses
 
+        if compile_cache is not None:
+            if not compile:
+                raise InputError("compile_cache needs compile=True")
+            import os
+
+            from .compiled import load_compile_cache
+
+            if os.path.isfile(compile_cache):
+                load_compile_cache(compile_cache)
         pipeline = Pipeline.load(model, device=device, dtype=dtype)
         if engines is not None:
             from .engine_set import attach_engine_set
@@ -74,9 +85,18 @@ class TTS:
             from .compiled import attach_compiled
 
             attach_compiled(pipeline)
-        if compile:
-            scheduler = dataclasses.replace(scheduler or SchedulerConfig(), compile=True)
-        return cls(pipeline, engines, scheduler)
+        if not compile:
+            return cls(pipeline, engines, scheduler)
+        tts = cls(pipeline, engines, dataclasses.replace(scheduler or SchedulerConfig(), compile=True))
+        tts.synthesize("Warm up.", seed=0, force_tokens=8)  # starts the scheduler: every compile happens now
+        list(tts.stream("Warm up.", seed=0, force_tokens=8))
+        with tts._lock:  # the warm-up (compile time) is not serving: keep it out of metrics()
+            tts._history.clear()
+        if compile_cache is not None:
+            from .compiled import save_compile_cache
+
+            save_compile_cache(compile_cache)
+        return tts
 
     @property
     def scheduler(self) -> Scheduler:

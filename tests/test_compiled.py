@@ -107,10 +107,18 @@ def test_compiled_tts_matches_eager(eager_tts, compiled_tts):
     assert compiled_tts.scheduler.config.compile and not eager_tts.scheduler.config.compile
 
 
-def test_compile_cache_roundtrip(compiled_tts, tmp_path):
-    compiled_tts.synthesize("Warm.", seed=0, force_tokens=10)  # something was compiled in this process
+def test_compile_cache_file(tmp_path):
+    """TTS.load(compile=True, compile_cache=FILE) compiles at load, with a warm-up that metrics() leaves out, and
+    writes the artifacts to FILE, which load_compile_cache takes back; a cache without compile, or a missing file,
+    is a named error."""
+    import os
+
     path = str(tmp_path / "cache.bin")
-    assert save_compile_cache(path) > 0
-    assert load_compile_cache(path)
+    with TTS.load("tiny", compile=True, compile_cache=path) as tts:
+        assert tts.metrics()["requests"] == 0 and tts.scheduler.stats()["completed"] == 2
+    assert os.path.getsize(path) > 0 and load_compile_cache(path)
+    assert save_compile_cache(str(tmp_path / "again.bin")) > 0
     with pytest.raises(InputError, match="compile cache not found"):
         load_compile_cache(str(tmp_path / "missing.bin"))
+    with pytest.raises(InputError, match="compile_cache needs compile=True"):
+        TTS.load("tiny", compile_cache=path)

@@ -156,19 +156,46 @@ def plots(res: dict, out_dir: str) -> list[str]:
         fig.savefig(p, dpi=110)
         plt.close(fig)
         written.append(p)
-    if isinstance(res.get("dit"), list):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        rows = [r for r in res["dit"] if not r["streaming"]]
-        labels = [f"{r['rows']}x{r['frames']}" for r in rows]
-        x = range(len(rows))
-        ax.bar([i - 0.2 for i in x], [r["eager_ms"] for r in rows], 0.4, label="eager")
-        ax.bar([i + 0.2 for i in x], [r["graph_ms"] for r in rows], 0.4, label="CUDA graph")
-        ax.plot(list(x), [r["bound_ms"] for r in rows], "k_", markersize=20, label="roofline")
-        ax.set_xticks(list(x), labels)
-        ax.set(ylabel="ms per DiT forward", title="DiT (offline mask), H200 bf16")
-        ax.legend()
+    micro = [(name, [r for r in res.get(name) or [] if r.get("stage") == stage])
+             for name, stage in (("ar", "ar_decode"), ("dit", "dit"))]
+    micro = [(name, rows) for name, rows in micro if rows]
+    if micro:
+        fig, axes = plt.subplots(1, len(micro), figsize=(6 * len(micro), 4), squeeze=False)
+        for ax, (name, rows) in zip(axes[0], micro):
+            if name == "dit":
+                rows = [r for r in rows if not r["streaming"]]
+                labels = [f"{r['rows']}x{r['frames']}" for r in rows]
+            else:
+                labels = [f"B={r['batch']}" for r in rows]
+            series = [(k, lab) for k, lab in (("eager_ms", "eager"), ("graph_ms", "CUDA graph"),
+                                              ("compiled_graph_ms", "compiled + graph"),
+                                              ("aoti_graph_ms", "AOTI + graph")) if any(r.get(k) for r in rows)]
+            w = 0.8 / len(series)
+            for j, (k, lab) in enumerate(series):
+                ax.bar([i + (j - (len(series) - 1) / 2) * w for i in range(len(rows))],
+                       [r.get(k) or 0 for r in rows], w, label=lab)
+            ax.plot(range(len(rows)), [r["bound_ms"] for r in rows], "k_", markersize=20, label="roofline")
+            ax.set_xticks(list(range(len(rows))), labels)
+            ax.set_yscale("log")
+            ax.set(ylabel="ms per call (log)", title="AR decode step, bf16" if name == "ar" else
+                   "DiT forward (offline mask), bf16")
+            ax.legend(fontsize=7)
         fig.tight_layout()
-        p = os.path.join(out_dir, "bench_dit.png")
+        p = os.path.join(out_dir, "bench_micro.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    samples = [c for c in cells if c.get("ttfa_samples") and c["concurrency"] >= 8]
+    if samples:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for c in samples:
+            xs = c["ttfa_samples"]
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], drawstyle="steps-post",
+                    label=f"{c['variant']} {c['text']} c{c['concurrency']} {'stream' if c['stream'] else 'offline'}")
+        ax.set(xlabel="time to first audio, s", ylabel="fraction of requests", title="TTFA distribution")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = os.path.join(out_dir, "bench_ttfa.png")
         fig.savefig(p, dpi=110)
         plt.close(fig)
         written.append(p)

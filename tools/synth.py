@@ -21,6 +21,9 @@ def add_arguments(p) -> None:
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of RAS sampling")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on generated speech tokens")
     p.add_argument("--force-tokens", type=int, default=None, help="generate exactly N tokens (benchmarks)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the LM and DiT (slow start, faster runs)")
+    p.add_argument("--compile-cache", default=None, metavar="FILE",
+                   help="with --compile: reuse / write torch.compile's artifacts in FILE")
     p.add_argument("--out", required=True, help="output WAV path")
 
 
@@ -31,7 +34,8 @@ def run(args) -> int:
     from ..runtime.sampling import SamplingParams
     from ..runtime.tts import TTS
 
-    tts = TTS.load(model=args.model, engines=args.engines, device=args.device)
+    tts = TTS.load(model=args.model, engines=args.engines, device=args.device, compile=args.compile,
+                   compile_cache=args.compile_cache)
     if args.save_speaker:
         if not args.prompt_wav:
             from ..runtime.errors import InputError

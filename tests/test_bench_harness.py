@@ -1,0 +1,70 @@
+"""`trtbuild bench` on the CPU: the serving / features harness itself (tiny model, smoke cells), its results JSON
+and the report (tables, same-run ratios, PNGs). GPU numbers come from the device runs in BENCHMARKS.md."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cosytrt.tools import bench_report
+from cosytrt.tools.bench_serving import FEATURES, comparison_cells, full_matrix
+from cosytrt.tools.trtbuild import main
+
+
+def test_full_matrix_is_the_issue_matrix():
+    cells = full_matrix()
+    assert len(cells) == 3 * 4 * 2 * 2 and len(set(cells)) == len(cells)
+    assert {c.text for c in cells} == {"short", "medium", "long"}
+    assert {c.concurrency for c in cells} == {1, 8, 32, 64}
+    assert {(c.stream, c.reference_audio) for c in cells} == {(True, True), (True, False), (False, True),
+                                                              (False, False)}
+    assert set(comparison_cells()) <= set(cells)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, one_torch_thread):
+    out = tmp_path_factory.mktemp("bench")
+    assert main(["bench", "--device", "cpu", "--model", "tiny", "--dtype", "float32", "--suite", "serving,features",
+                 "--cells", "smoke", "--variants", "eager", "--out", str(out)]) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_smoke_run_writes_every_cell_and_feature(smoke):
+    _, res = smoke
+    cells = res["serving"]["cells"]
+    assert [c["variant"] for c in cells] == ["eager", "eager"] and not any("error" in c for c in cells)
+    for c in cells:
+        assert c["audio_s"] == pytest.approx(2 * 125 / 25)  # two requests of 125 forced tokens
+        assert len(c["ttfa_samples"]) == 2 and c["ttfa"]["p50"] > 0 and c["throughput_audio_s_per_s"] > 0
+        for k in ("T_tokenizer", "T_AR", "T_DiT", "T_vocoder", "T_queue"):
+            assert c[k] >= 0
+    assert cells[1]["reference_audio"] and cells[1]["T_tokenizer"] > cells[0]["T_tokenizer"]
+    labels = [c["variant"] for c in res["features"]["cells"]]
+    assert labels == [x for x in ["all on"] + [f"{f} off" for f in FEATURES] for _ in range(2)]
+
+
+def test_report_tables_ratios_and_plots(smoke, tmp_path):
+    out, res = smoke
+    import sys
+
+    argv, sys.argv = sys.argv, ["bench_report", str(out / "results.json"), "--out", str(tmp_path)]
+    try:
+        assert bench_report.main() == 0
+    finally:
+        sys.argv = argv
+    md = (tmp_path / "bench_tables.md").read_text()
+    assert "Serving matrix" in md and "Scheduler features off vs on" in md
+    assert "What each feature buys" in md and md.count("continuous_batching off") >= 3
+    assert (tmp_path / "bench_serving.png").stat().st_size > 0
+
+
+def test_micro_suites_need_cuda(tmp_path, capsys):
+    assert main(["bench", "--device", "cpu", "--model", "tiny", "--suite", "dit", "--out", str(tmp_path)]) == 2
+    assert "need --device cuda" in capsys.readouterr().err
+
+
+def test_unknown_suite_and_variant_are_errors(tmp_path, capsys):
+    assert main(["bench", "--device", "cpu", "--suite", "serve", "--out", str(tmp_path)]) == 2
+    assert "unknown bench suite" in capsys.readouterr().err
+    assert main(["bench", "--device", "cpu", "--suite", "serving", "--variants", "fast", "--out", str(tmp_path)]) == 2
+    assert "unknown serving variant" in capsys.readouterr().err
