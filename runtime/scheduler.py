@@ -589,17 +589,17 @@ class Scheduler:
     def _padded(self, values: list[list[int]], pad: list[int]) -> list[torch.Tensor]:
         """Per-row int columns as device tensors; a compiled LM gets padding rows (`pad`: their values; the slot
         column pads with the scratch slot) up to _MIN_COMPILED_ROWS."""
-        extra = _MIN_COMPILED_ROWS - len(values[0]) if self.config.compile else 0
+        extra = max(0, _MIN_COMPILED_ROWS - len(values[0])) if self.config.compile else 0
         return [torch.tensor(col + [p] * extra, device=self.device) for col, p in zip(values, pad)]
 
     def _prefill_call(self, rows: list[_Req]) -> torch.Tensor:
-        lengths, slots = self._padded([[r.lm_input.shape[0] for r in rows], [r.slot for r in rows]],
-                                      [1, self.slots.scratch_slot])
-        width, hidden = int(lengths.max()), rows[0].lm_input.shape[1]
-        embeds = torch.zeros(len(lengths), width, hidden, device=self.device, dtype=self.lm.dtype)
+        lengths = [r.lm_input.shape[0] for r in rows]
+        lengths_t, slots = self._padded([lengths, [r.slot for r in rows]], [1, self.slots.scratch_slot])
+        width, hidden = max(lengths), rows[0].lm_input.shape[1]
+        embeds = torch.zeros(lengths_t.shape[0], width, hidden, device=self.device, dtype=self.lm.dtype)
         for i, r in enumerate(rows):
-            embeds[i, :r.lm_input.shape[0]] = r.lm_input.to(self.lm.dtype)
-        return self._prefill(embeds, lengths, slots)[:len(rows)]
+            embeds[i, :lengths[i]] = r.lm_input.to(self.lm.dtype)
+        return self._prefill(embeds, lengths_t, slots)[:len(rows)]
 
     def _decode_call(self, rows: list[_Req]) -> torch.Tensor:
         need = max(r.pos for r in rows) + 1

@@ -128,6 +128,16 @@ def ratios(res: dict) -> str:
     return "\n\n".join(parts)
 
 
+def _save(fig, out_dir: str, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plots(res: dict, out_dir: str) -> list[str]:
     import matplotlib
 
@@ -151,11 +161,7 @@ def plots(res: dict, out_dir: str) -> list[str]:
         axes[0].set(xscale="log", xlabel="concurrency", ylabel="RTF p50", title="RTF vs concurrency")
         axes[1].set(xscale="log", xlabel="concurrency", ylabel="audio seconds per second", title="throughput")
         axes[1].legend(fontsize=7)
-        fig.tight_layout()
-        p = os.path.join(out_dir, "bench_serving.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
+        written.append(_save(fig, out_dir, "bench_serving.png"))
     micro = [(name, [r for r in res.get(name) or [] if r.get("stage") == stage])
              for name, stage in (("ar", "ar_decode"), ("dit", "dit"))]
     micro = [(name, rows) for name, rows in micro if rows]
@@ -180,11 +186,7 @@ def plots(res: dict, out_dir: str) -> list[str]:
             ax.set(ylabel="ms per call (log)", title="AR decode step, bf16" if name == "ar" else
                    "DiT forward (offline mask), bf16")
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = os.path.join(out_dir, "bench_micro.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
+        written.append(_save(fig, out_dir, "bench_micro.png"))
     samples = [c for c in cells if c.get("ttfa_samples") and c["concurrency"] >= 8]
     if samples:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -194,11 +196,7 @@ def plots(res: dict, out_dir: str) -> list[str]:
                     label=f"{c['variant']} {c['text']} c{c['concurrency']} {'stream' if c['stream'] else 'offline'}")
         ax.set(xlabel="time to first audio, s", ylabel="fraction of requests", title="TTFA distribution")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = os.path.join(out_dir, "bench_ttfa.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
+        written.append(_save(fig, out_dir, "bench_ttfa.png"))
     return written
 
 
