@@ -68,3 +68,10 @@ def test_unknown_suite_and_variant_are_errors(tmp_path, capsys):
     assert "unknown bench suite" in capsys.readouterr().err
     assert main(["bench", "--device", "cpu", "--suite", "serving", "--variants", "fast", "--out", str(tmp_path)]) == 2
     assert "unknown serving variant" in capsys.readouterr().err
+
+
+def test_features_suite_alone_runs_no_matrix_cells(tmp_path, one_torch_thread):
+    assert main(["bench", "--device", "cpu", "--model", "tiny", "--dtype", "float32", "--suite", "features",
+                 "--cells", "smoke", "--variants", "eager", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["serving"]["cells"] == [] and len(res["features"]["cells"]) == 2 * (1 + len(FEATURES))

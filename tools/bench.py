@@ -126,7 +126,8 @@ class Bench:
         if self.args.compile_cache:  # after every section: a run cut short still leaves its compiles behind
             from ..runtime.compiled import save_compile_cache
 
-            save_compile_cache(self.args.compile_cache)
+            _log(f"saved compile cache {self.args.compile_cache}: "
+                 f"{save_compile_cache(self.args.compile_cache) / 1e6:.1f} MB")
 
 
 # ------------------------------------------------------------------ micro-benchmarks
@@ -384,7 +385,7 @@ def _pipeline_with_random_frontend(models, Pipeline):
 
 
 def run(args) -> int:
-    from ..runtime.compiled import load_compile_cache, save_compile_cache
+    from ..runtime.compiled import load_compile_cache
     from ..runtime.errors import InputError
 
     suites = set(args.suite.split(","))
@@ -430,9 +431,7 @@ def run(args) -> int:
         from .bench_serving import bench_serving
 
         b.section("serving", lambda: bench_serving(cfg, llm, flow, hift, args.device, b, variants, cells,
-                                                   features="features" in suites))
-    if args.compile_cache:
-        _log(f"saved compile cache {args.compile_cache}: {save_compile_cache(args.compile_cache) / 1e6:.1f} MB")
+                                                   matrix="serving" in suites, features="features" in suites))
     b.results["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
     b.save()
     _log(f"wrote {os.path.join(args.out, 'results.json')}")

@@ -88,8 +88,8 @@ def run_cell(tts, cell: Cell, prompt_wav) -> dict:
     agg = aggregate([h.metrics for h in handles])
     return {**dataclasses.asdict(cell), "tokens": list(lengths), "wall_s": wall, "audio_s": audio,
             "throughput_audio_s_per_s": audio / wall, "ttfa": agg["ttfa"],
-            "ttfa_samples": sorted(h.metrics.ttfa for h in handles if h.metrics.ttfa is not None), "inter_chunk": agg["inter_chunk"],
-            "rtf": agg["rtf"], "total": agg["total"],
+            "ttfa_samples": sorted(h.metrics.ttfa for h in handles if h.metrics.ttfa is not None),
+            "inter_chunk": agg["inter_chunk"], "rtf": agg["rtf"], "total": agg["total"],
             "T_tokenizer": agg["T_tokenizer"]["mean"], "T_AR": agg["T_AR"]["mean"], "T_DiT": agg["T_DiT"]["mean"],
             "T_vocoder": agg["T_vocoder"]["mean"], "T_queue": agg["T_queue"]["mean"],
             "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
@@ -155,11 +155,11 @@ def _start(pipe, sched_cfg):
 
 
 def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells: str = "full",
-                  features: bool = False) -> dict:
-    """The comparison cells for every variant (the others first, the primary `variants[0]` last), then, on the
-    primary variant's pipeline, the feature off/on comparison (`features`, results under "features") and the rest
-    of the cell set `cells` (full / quick / smoke). Ratio-critical cells come first, so a run cut short by
-    --budget-s keeps them."""
+                  matrix: bool = True, features: bool = False) -> dict:
+    """`matrix`: the comparison cells for every variant (the others first, the primary `variants[0]` last), then the
+    rest of the cell set `cells` (full / quick / smoke) on the primary. `features`: on the primary variant's
+    pipeline, the feature off/on comparison (results under "features"), before the rest of the matrix.
+    Ratio-critical cells come first, so a run cut short by --budget-s keeps them."""
     from ..runtime.model import CosyVoice3Models
     from ..runtime.request import default_voice_wav
     from .bench import _log
@@ -170,7 +170,7 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
     bench.results["serving"] = out
     primary = variants[0]
     first = smoke_cells() if cells == "smoke" else comparison_cells()
-    for variant in list(variants[1:]) + [primary]:
+    for variant in (list(variants[1:]) if matrix else []) + [primary]:
         if bench.over_budget():
             _log(f"serving: skip variant {variant} (time budget)")
             continue
@@ -186,12 +186,14 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
             continue
         out[f"{variant}_setup_s"] = time.perf_counter() - t
         _log(f"serving {variant}: setup {out[f'{variant}_setup_s']:.1f}s")
-        _run_cells(tts, first, variant, out["cells"], bench, prompt)
+        if matrix:
+            _run_cells(tts, first, variant, out["cells"], bench, prompt)
         if variant == primary:
             if features:
                 bench.results["features"] = _features(pipe, variant, cells, bench, prompt)
-            rest = [c for c in CELL_SETS[cells]() if c not in first]
-            _run_cells(tts, rest, variant, out["cells"], bench, prompt)
+            if matrix:
+                _run_cells(tts, [c for c in CELL_SETS[cells]() if c not in first], variant, out["cells"], bench,
+                           prompt)
         out[f"{variant}_stats"] = _jsonable(tts.metrics())
         tts.close()
         del tts, pipe
