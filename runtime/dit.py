@@ -56,6 +56,26 @@ class TimestepEmbedding(nn.Module):
         return self.time_mlp(emb)
 
 
+@torch.library.custom_op("cosytrt::dit_conv1d", mutates_args=())
+def _opaque_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int) -> torch.Tensor:
+    return F.conv1d(x, weight, bias, groups=groups)
+
+
+@_opaque_conv1d.register_fake
+def _(x, weight, bias, groups):
+    return x.new_empty(x.shape[0], weight.shape[0], x.shape[2] - weight.shape[2] + 1)
+
+
+def _conv1d(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """`conv(x)` (no padding, stride 1). Under torch.compile the convolution is an opaque op: the framework's own
+    shape propagation for convolutions picks a backend from the (symbolic) batch size and so guards on it (seen:
+    `batch >= 16`), which costs a second full compile of the DiT per mode. Export (ONNX, AOTInductor) and eager
+    see the plain convolution."""
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        return _opaque_conv1d(x, conv.weight, conv.bias, conv.groups)
+    return conv(x)
+
+
 class CausalConvPositionEmbedding(nn.Module):
     """Two left-padded grouped convolutions (kernel 31, 16 groups) with Mish."""
 
@@ -67,8 +87,8 @@ class CausalConvPositionEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
         x = x.transpose(1, 2)
-        x = self.conv1(F.pad(x, (self.kernel_size - 1, 0)))
-        x = self.conv2(F.pad(x, (self.kernel_size - 1, 0)))
+        for conv, act in (self.conv1, self.conv2):
+            x = act(_conv1d(conv, F.pad(x, (self.kernel_size - 1, 0))))
         return x.transpose(1, 2)
 
 

@@ -205,20 +205,39 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
     return rows
 
 
-def _aoti_dit(dit, dtype, device, out_dir: str):
-    """The offline DiT as an AOTInductor package on CUDA (dynamic batch and frames), loaded for CUDA-graph capture."""
-    from ..build.stage_exports import dit_export
+def _aoti_dit(model: str, dtype: torch.dtype, device: str, out_dir: str):
+    """The offline DiT as an AOTInductor package on CUDA (dynamic batch and frames), loaded for CUDA-graph capture.
+
+    Built in a child process (same seed, so the same weights as this process's DiT): a crash inside the compiler
+    (run 4 of 2026-12-02 died of a segfault here) then costs this variant, not the whole benchmark, and the child's
+    faulthandler stack lands in the log."""
+    import subprocess
+    import sys
 
     path = os.path.join(out_dir, "dit_offline_cuda.pt2")
     t0 = time.perf_counter()
-    dit_export(dit, False, dtype, device).to_aoti(path, 64, 16, 2048)
+    code = (f"import torch; from cosytrt.tools.bench import build_aoti_dit; "
+            f"build_aoti_dit({model!r}, torch.{str(dtype).split('.')[-1]}, {device!r}, {path!r})")
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True)
     build_s = time.perf_counter() - t0
-    model = torch._inductor.aoti_load_package(path, run_single_threaded=True)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise RuntimeError(f"AOTInductor DiT build exited with {proc.returncode} after {build_s:.0f}s:\n{tail}")
+    loaded = torch._inductor.aoti_load_package(path, run_single_threaded=True)
     _log(f"AOTInductor DiT (offline) built in {build_s:.0f}s")
-    return model, build_s
+    return loaded, build_s
 
 
-def bench_dit(flow, device, dtype, quick: bool, compile: bool = True, aoti_dir: str | None = None) -> list[dict]:
+def build_aoti_dit(model: str, dtype: torch.dtype, device: str, path: str) -> None:
+    """The child process of `_aoti_dit`: the seeded models, the offline DiT exported and packaged at `path`."""
+    from ..build.stage_exports import dit_export
+
+    _cfg, _llm, flow, _hift = full_models(device, dtype, model)
+    dit_export(flow.estimator, False, dtype, device).to_aoti(path, 64, 16, 2048)
+
+
+def bench_dit(flow, device, dtype, quick: bool, compile: bool = True, aoti_dir: str | None = None,
+              model: str = "full") -> list[dict]:
     """ms per DiT forward (one Euler step) per (CFG rows, frames) and mask: eager, CUDA graph of eager, CUDA graph
     of torch.compile, and (offline mask, `aoti_dir`) CUDA graph of an AOTInductor package."""
     from ..build.export_dit import example_inputs
@@ -234,7 +253,7 @@ def bench_dit(flow, device, dtype, quick: bool, compile: bool = True, aoti_dir: 
     aoti = None
     if aoti_dir is not None:
         try:
-            aoti, aoti_build_s = _aoti_dit(dit, dtype, device, aoti_dir)
+            aoti, aoti_build_s = _aoti_dit(model, dtype, device, aoti_dir)
         except Exception as e:  # noqa: BLE001 - the other variants still run
             _log(f"AOTInductor DiT build failed: {e!r}")
     rows = []
@@ -420,7 +439,8 @@ def run(args) -> int:
             import tempfile
 
             aoti_dir = tempfile.mkdtemp(prefix="cosytrt-aoti-")
-        b.section("dit", lambda: bench_dit(flow, args.device, dtype, args.quick, compile, aoti_dir))
+        b.section("dit", lambda: bench_dit(flow, args.device, dtype, args.quick, compile, aoti_dir,
+                                                   args.model))
     if "hift" in suites:
         b.section("hift", lambda: bench_hift(hift, args.device, args.quick))
     if "parity" in suites:

@@ -175,8 +175,10 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
             _log(f"serving: skip variant {variant} (time budget)")
             continue
         t = time.perf_counter()
+        compiles = _dynamo_graphs()
         try:
             pipe = make_pipeline(models, variant, bench.args.graph_profile)
+            t_pipe = time.perf_counter() - t
             tts = _start(pipe, scheduler_config(variant))
         except Exception as e:  # noqa: BLE001
             import traceback
@@ -185,7 +187,11 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
             out[f"{variant}_error"] = repr(e)
             continue
         out[f"{variant}_setup_s"] = time.perf_counter() - t
-        _log(f"serving {variant}: setup {out[f'{variant}_setup_s']:.1f}s")
+        out[f"{variant}_setup"] = {"dit_hift_graphs_s": t_pipe, "scheduler_s": out[f"{variant}_setup_s"] - t_pipe,
+                                   "dynamo_graphs": _dynamo_graphs() - compiles}
+        _log(f"serving {variant}: setup {out[f'{variant}_setup_s']:.1f}s (DiT / HiFT graphs {t_pipe:.1f}s; scheduler "
+             f"with the AR compile, decode graphs and warm-up {out[f'{variant}_setup']['scheduler_s']:.1f}s; "
+             f"{out[f'{variant}_setup']['dynamo_graphs']} graphs compiled)")
         if matrix:
             _run_cells(tts, first, variant, out["cells"], bench, prompt)
         if variant == primary:
@@ -215,6 +221,12 @@ def _features(pipe, variant: str, cells: str, bench, prompt) -> dict:
         _run_cells(tts, smoke_cells() if cells == "smoke" else feature_cells(), label, out["cells"], bench, prompt)
         tts.close()
     return out
+
+
+def _dynamo_graphs() -> int:
+    import torch._dynamo.utils
+
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def _jsonable(d):
