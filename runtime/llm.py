@@ -80,17 +80,61 @@ class KVCache(nn.Module):
         self.v[slots, :, positions] = v[:, :, 0]
 
 
+class FusedLinear(nn.Module):
+    """Several linear maps of the same input as one GEMM (`parts` are concatenated along the output axis): one
+    launch instead of three (q, k, v) or two (gate, up) per layer, which is what a batch-1 decode step pays for."""
+
+    def __init__(self, parts: list[nn.Linear]):
+        super().__init__()
+        self.split_sizes = [p.out_features for p in parts]
+        self.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]))
+        self.bias = None if parts[0].bias is None else nn.Parameter(torch.cat([p.bias.detach() for p in parts]))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.split_sizes, dim=-1)
+
+
+def _keep_checkpoint_keys(module: nn.Module, fused: str, parts: tuple[str, ...]) -> None:
+    """`module.<fused>` (a FusedLinear) reads and writes the released checkpoint's separate `<part>.weight` /
+    `<part>.bias` keys: state_dict() splits it, load_state_dict() concatenates them."""
+
+    def split(mod, state_dict, prefix, _meta):  # this module's keys are the last ones: rewrite them in place
+        sizes = getattr(mod, fused).split_sizes
+        mine = [(k, state_dict.pop(k)) for k in [k for k in state_dict if k.startswith(prefix)]]
+        fused_parts = {k: v.split(sizes) for k, v in mine if k.startswith(f"{prefix}{fused}.")}
+        for k, v in mine:
+            if k not in fused_parts:
+                state_dict[k] = v
+            elif k.endswith(".weight"):  # released order: q.weight, q.bias, k.weight, ...
+                for i, name in enumerate(parts):
+                    for attr in ("weight", "bias"):
+                        got = fused_parts.get(f"{prefix}{fused}.{attr}")
+                        if got is not None:
+                            state_dict[f"{prefix}{name}.{attr}"] = got[i]
+
+    def merge(state_dict, prefix, *_args):
+        for attr in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{attr}" for name in parts]
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{fused}.{attr}"] = torch.cat([state_dict.pop(k) for k in keys])
+
+    module.register_state_dict_post_hook(split)
+    module._register_load_state_dict_pre_hook(merge)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: QwenConfig):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = FusedLinear([nn.Linear(cfg.hidden_size, q_size, bias=True),
+                                     nn.Linear(cfg.hidden_size, kv_size, bias=True),
+                                     nn.Linear(cfg.hidden_size, kv_size, bias=True)])
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.kv_cache: KVCache | None = None
+        _keep_checkpoint_keys(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
 
     def _expand_kv(self, x: torch.Tensor) -> torch.Tensor:
         """[B, kv_heads, S, hd] -> [B, heads, S, hd] (query head h reads kv head h // group)."""
@@ -103,9 +147,10 @@ class Attention(nn.Module):
         fresh K/V under `mask`). `slots` + `positions`: decode one token (T == 1), attend to the slot cache
         (`rows_are_slots`: slots are 0..B-1, so the cache is read as a view instead of gathered)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.qkv_proj(x)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if slots is not None:
             if positions is None:
@@ -120,8 +165,7 @@ class Attention(nn.Module):
                 # One query per row: fold each kv head's query group into the query axis instead of
                 # repeating K/V per query head (same result, no [B, heads, n, hd] copies).
                 group = self.num_heads // self.num_kv_heads
-                out = F.scaled_dot_product_attention(q.reshape(b, self.num_kv_heads, group, self.head_dim),
-                                                     k, v, attn_mask=mask)
+                out = decode_attention(q.reshape(b, self.num_kv_heads, group, self.head_dim), k, v, mask)
                 return self.o_proj(out.reshape(b, 1, self.num_heads * self.head_dim))
         k, v = self._expand_kv(k), self._expand_kv(v)
         if mask is None:
@@ -131,15 +175,34 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
+# Under torch.compile the decode attention is written as multiply-and-sum reductions ("reduce"): Inductor then emits
+# a few Triton reductions that read K and V straight out of the slot cache (the slot gather becomes an indirect load)
+# instead of a gathered copy plus an attention kernel built for long queries. "sdpa" keeps
+# F.scaled_dot_product_attention there too (the benchmark compares both). Eager always uses SDPA: the reduce form
+# would materialize [B, kv_heads, group, n, head_dim] products.
+COMPILED_DECODE_ATTENTION = "reduce"
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, kvh, G, hd] (G query heads per kv head), k / v [B, kvh, n, hd], mask [B, 1, 1, n] (True = attend)."""
+    if COMPILED_DECODE_ATTENTION == "reduce" and torch.compiler.is_compiling():
+        scores = (q.float()[:, :, :, None, :] * k.float()[:, :, None, :, :]).sum(-1) * q.shape[-1] ** -0.5
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)        # [B, kvh, G, n]
+        return (probs[..., None] * v.float()[:, :, None]).sum(-2).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: QwenConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = FusedLinear([nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False),
+                                         nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)])
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        _keep_checkpoint_keys(self, "gate_up_proj", ("gate_proj", "up_proj"))
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -30,7 +30,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import numpy as np
@@ -47,6 +47,9 @@ from .token2wav import HOP_SCALE, LOOKAHEAD, TOKEN_MAX_HOP, StreamState
 
 _KV_LEN_STEP = 256  # decode attends to the cache rounded up to this many positions
 _MIN_COMPILED_ROWS = 2  # compiled LM calls get >= 2 rows (padding rows -> scratch slot): dynamo specializes batch 1
+
+
+POLICIES = ("continuous_batching", "dit_chunk_aligned", "hift_length_aware", "async_d2h")
 
 
 @dataclass
@@ -72,6 +75,8 @@ class SchedulerConfig:
     hift_length_aware: bool = True    # off: offline HiFT batches in arrival order, no padding-waste limit
     async_d2h: bool = True            # off (CUDA): each chunk's device-to-host copy blocks the HiFT worker
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
+    ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
+    ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)
 
     def __post_init__(self):
         if self.on_full not in ("wait", "reject"):
@@ -299,9 +304,9 @@ class Scheduler:
             from .compiled import compile_fn
 
             self._decode, self._prefill = compile_fn(self.lm.decode), compile_fn(self.lm.prefill)
-        self.decode_graphs = None
+        self.decode_graphs = self.prefill_graphs = None
         if use_graphs:
-            from .ar_graphs import DecodeGraphs
+            from .ar_graphs import DecodeGraphs, PrefillGraphs
 
             batches = [b for b in cfg.ar_graph_batches if b < cfg.ar_max_batch] + [cfg.ar_max_batch]
             if cfg.compile:  # batch 1 runs in the batch-2 graph (one padding row): no batch-1 compile
@@ -312,6 +317,13 @@ class Scheduler:
                 kv *= 2
             rungs.append(self.ar_max_len)
             self.decode_graphs = DecodeGraphs(self._decode, batches, rungs, self.slots.scratch_slot, self.device)
+            rows = [b for b in cfg.ar_prefill_graph_batches if b <= cfg.ar_max_batch]
+            if cfg.compile:
+                rows = sorted({max(b, _MIN_COMPILED_ROWS) for b in rows})
+            self.prefill_graphs = PrefillGraphs(
+                self._prefill, rows, [t for t in cfg.ar_prefill_graph_lengths if t <= self.ar_max_len],
+                cfg.ar_max_prefill_tokens, self.lm.config.qwen.hidden_size, self.lm.dtype, self.slots.scratch_slot,
+                self.device)
         if cfg.compile:
             self._warm_compiled()
         if torch.device(self.device).type == "cuda":
@@ -401,6 +413,19 @@ class Scheduler:
             raise err from None
         return handle
 
+    def set_policies(self, **flags: bool) -> None:
+        """Switch batching policies of a running scheduler (`continuous_batching`, `dit_chunk_aligned`,
+        `hift_length_aware`, `async_d2h`): each worker reads the config once per decision, so the change applies from
+        the next admission / DiT group / HiFT group / chunk copy on. Lets a benchmark compare the policies on one
+        scheduler, with the same graphs and caches."""
+        bad = sorted(set(flags) - set(POLICIES))
+        if bad:
+            raise InputError(f"set_policies: unknown polic{'y' if len(bad) == 1 else 'ies'} {bad}; use {POLICIES}")
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise InputError(f"set_policies: {name} must be True or False, got {value!r}")
+        self.config = replace(self.config, **flags)
+
     def stats(self) -> dict:
         with self._lock:
             out = {"in_flight": self._in_flight, "closing": self._closing, **self._counts}
@@ -410,6 +435,7 @@ class Scheduler:
                          "hift": len(self._hift_queue), "output": len(self._transfers)}
         out["ar"] = {"slots": self.slots.slots, "free_slots": self.slots.free, "max_len": self.ar_max_len,
                      "decode_graph_replays": self.decode_graphs.replays if self.decode_graphs else 0,
+                     "prefill_graph_replays": self.prefill_graphs.replays if self.prefill_graphs else 0,
                      "slot_allocations": self.slots.allocations,
                      **{k[3:]: v for k, v in stage.items() if k.startswith("ar_")}}
         for s in ("dit", "hift"):
@@ -599,6 +625,8 @@ class Scheduler:
         embeds = torch.zeros(lengths_t.shape[0], width, hidden, device=self.device, dtype=self.lm.dtype)
         for i, r in enumerate(rows):
             embeds[i, :lengths[i]] = r.lm_input.to(self.lm.dtype)
+        if self.prefill_graphs is not None and self.prefill_graphs.bucket(len(lengths_t), width) is not None:
+            return self.prefill_graphs(embeds, lengths_t, slots)[:len(rows)]
         return self._prefill(embeds, lengths_t, slots)[:len(rows)]
 
     def _decode_call(self, rows: list[_Req]) -> torch.Tensor:
@@ -622,7 +650,7 @@ class Scheduler:
         out = []
         for r in rows:
             try:
-                out.append((r, call([r])[0]))
+                out.append((r, call([r])[0].clone()))  # a graph's output buffer is reused by the next call
             except Exception as e:
                 self._fail_ar(r, e)
         return out
@@ -739,9 +767,9 @@ class Scheduler:
                         self._dit_busy = False
 
     def _next_dit_group(self) -> list[_DitJob]:
-        cfg = self.config
         with self._dit_cond:
             while True:
+                cfg = self.config  # per decision: `set_policies` may switch it while this worker waits
                 if self._stop:
                     raise _Stop
                 self._dit_queue = [j for j in self._dit_queue if not j.r.dead]
@@ -834,9 +862,9 @@ class Scheduler:
         return bool(self._dit_busy or self._dit_queue)
 
     def _next_hift_jobs(self) -> list[_HiftJob]:
-        cfg = self.config
         with self._hift_cond:
             while True:
+                cfg = self.config  # per decision (see _next_dit_group)
                 self._drain_transfers()
                 if self._stop:
                     raise _Stop

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cosytrt.runtime.buckets import group_by_length
+from cosytrt.runtime.errors import InputError
 from cosytrt.runtime.request import default_voice_wav
 from cosytrt.runtime.scheduler import Scheduler, SchedulerConfig
 from cosytrt.runtime.tts import TTS, make_request
@@ -117,3 +118,29 @@ def test_async_d2h_off_is_the_synchronous_copy(tts, speaker):
     on, _ = run_all(tts, SchedulerConfig(), reqs)
     off, _ = run_all(tts, SchedulerConfig(async_d2h=False), lockstep(speaker, 2))
     assert_same_audio(on, off)
+
+
+def test_set_policies_on_a_running_scheduler(tts, speaker):
+    """Switched on a live scheduler, a policy applies from the next decision: DiT batching off -> one request per
+    call for the next wave, on again -> batched again. Unknown names and non-bools are refused."""
+    sched = Scheduler(tts.pipeline, SchedulerConfig(dit_max_wait_ms=50))
+    try:
+        def wave():
+            before = sched.stats()["dit"]
+            [h.result(timeout=120) for h in [sched.submit(r) for r in lockstep(speaker)]]
+            after = sched.stats()["dit"]
+            return after["calls"] - before["calls"], after["rows"] - before["rows"]
+
+        calls_on, rows_on = wave()
+        sched.set_policies(dit_chunk_aligned=False)
+        assert sched.config.dit_chunk_aligned is False and sched.config.dit_max_wait_ms == 50
+        calls_off, rows_off = wave()
+        sched.set_policies(dit_chunk_aligned=True)
+        calls_again, _ = wave()
+        assert calls_off == rows_off and calls_on < rows_on and calls_again < calls_off
+        with pytest.raises(InputError, match=r"unknown policy \['batching'\]"):
+            sched.set_policies(batching=False)
+        with pytest.raises(InputError, match="async_d2h must be True or False"):
+            sched.set_policies(async_d2h=1)
+    finally:
+        sched.close()

@@ -136,6 +136,46 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
+def kernel_table(fn, steps: int = 5, top: int = 12) -> dict:
+    """GPU kernels of `steps` calls of `fn` (torch.profiler, no CUDA graph): launches and kernel time per call,
+    and the `top` kernels by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                fn()
+            torch.cuda.synchronize()
+    per: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = per.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time
+    rows = sorted(({"name": n, "calls": c / steps, "us": t / steps} for n, (c, t) in per.items()),
+                  key=lambda r: -r["us"])
+    return {"kernel_us": sum(r["us"] for r in rows), "launches": sum(r["calls"] for r in rows), "top": rows[:top]}
+
+
+def _sdpa_decode_graph(fn, device, B: int, args: tuple, kv_len: int, ref) -> tuple[float, float]:
+    """`fn` (a torch.compile of the LM's decode, separate from the scheduler's) traced with SDPA decode attention
+    (`llm.COMPILED_DECODE_ATTENTION = "sdpa"`) in a CUDA graph: ms per step and max abs error vs eager; the same-run
+    baseline of the default attention."""
+    from ..runtime import llm as llm_module
+    from ..runtime.cuda_graphs import GraphCache
+
+    default = llm_module.COMPILED_DECODE_ATTENTION
+    llm_module.COMPILED_DECODE_ATTENTION = "sdpa"
+    try:
+        g = GraphCache(lambda t, s, p: fn(t, s, p, kv_len=kv_len), device)
+        g.capture(B, args)
+        return time_cuda(lambda: g.run(B, *args), reps=20), _max_err(g.run(B, *args), ref)
+    finally:
+        llm_module.COMPILED_DECODE_ATTENTION = default
+
+
 def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
     """Decode ms per step per batch through the scheduler's path (slot-indexed KV cache, 300 positions filled, KV
     rung 1024): eager, CUDA graph of the eager step, CUDA graph of the torch.compile'd step. Prefill eager vs
@@ -149,9 +189,17 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
     step_bytes = (params - q.vocab_size * q.hidden_size) * 2
     rows = []
     kv_len, filled = 1024, 300
-    batches = [1, 8, 32] if quick else [1, 8, 32, 64]
-    llm.setup_cache(max(batches), 2048, device=device)
+    # batch 2 is one request in the compiled scheduler (a padding row: dynamo specializes batch 1, see compiled.py)
+    batches = [2, 8, 32] if quick else [2, 8, 32, 64]
+    # the serving scheduler's cache (same shapes, so this section's compiles are the ones serving reuses, also
+    # through the compile cache in a later run)
+    from ..runtime.kv_slots import KVSlots
+    from .bench_serving import scheduler_config
+
+    serving = scheduler_config("compiled")
+    KVSlots(llm, serving.ar_max_batch, serving.ar_max_len, scratch=True)
     decode_c = compile_fn(llm.decode) if compile else None
+    decode_sdpa = torch.compile(llm.decode, dynamic=True, fullgraph=True) if compile else None
     for B in batches:
         tokens = torch.randint(0, 6561, (B,), device=device)
         slots = torch.arange(B, device=device)
@@ -174,16 +222,27 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
                 row["compiled_graph_ms"] = time_cuda(lambda: g.run(B, tokens, slots, pos), reps=20)
                 row["compiled_graph_max_abs_err"] = _max_err(g.run(B, tokens, slots, pos), ref)
                 del g
+                if B in (2, max(batches)):  # where the GPU time of a step goes (kernels, no graph)
+                    try:
+                        row["kernels"] = kernel_table(lambda: decode_c(tokens, slots, pos, kv_len=kv_len))
+                    except Exception as e:  # noqa: BLE001 - a profiler problem must not cost the timings
+                        row["kernels"] = {"error": repr(e), "kernel_us": float("nan"), "launches": 0, "top": []}
+                    _log(f"AR decode B={B} compiled, kernels per step: {row['kernels']['kernel_us']:.0f} us in "
+                         f"{row['kernels']['launches']} launches; top: " + "; ".join(
+                             f"{k['name'][:60]} x{k['calls']} {k['us']:.0f}us" for k in row["kernels"]["top"][:6]))
+                row["compiled_sdpa_graph_ms"], row["compiled_sdpa_max_abs_err"] = _sdpa_decode_graph(
+                    decode_sdpa, device, B, (tokens, slots, pos), kv_len, ref)
         kv_bytes = 2 * q.num_hidden_layers * B * q.num_key_value_heads * filled * q.head_dim * 2
         row["bound_ms"] = (step_bytes + kv_bytes) / H200_HBM_BPS * 1e3
         best = min(v for k, v in row.items() if k.endswith("graph_ms"))
         row["best_fraction_of_bound"] = row["bound_ms"] / best
         rows.append(row)
         _log(f"AR decode B={B}: eager {row['eager_ms']:.2f} ms, graph {row['graph_ms']:.2f} ms, compiled+graph "
-             f"{row.get('compiled_graph_ms', float('nan')):.3f} ms (err {row.get('compiled_max_abs_err', 0):.2e}), "
+             f"{row.get('compiled_graph_ms', float('nan')):.3f} ms (err {row.get('compiled_max_abs_err', 0):.2e}; "
+             f"with SDPA decode attention {row.get('compiled_sdpa_graph_ms', float('nan')):.3f} ms), "
              f"bound {row['bound_ms']:.3f} ms")
     prefill_c = compile_fn(llm.prefill) if compile else None
-    for B, T in ((1, 150), (8, 150)):
+    for B, T in ((2, 150), (8, 150)):  # 2 rows: what one request runs as in the compiled scheduler (+1 padding row)
         emb = torch.randn(B, T, q.hidden_size, device=device, dtype=next(llm.parameters()).dtype)
         lengths = torch.full((B,), T, device=device)
         slots = torch.arange(B, device=device)
@@ -197,47 +256,64 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
                 row["compile_s"] = time.perf_counter() - t0
                 row["compiled_max_abs_err"] = _max_err(out, ref)
                 row["compiled_ms"] = time_cuda(lambda: prefill_c(emb, lengths, slots), reps=5)
+            for name, fn in (("graph", llm.prefill), ("compiled_graph", prefill_c)):  # the scheduler's PrefillGraphs
+                if fn is not None:
+                    g = GraphCache(fn, device)
+                    g.capture(B, (emb, lengths, slots))
+                    row[f"{name}_ms"] = time_cuda(lambda: g.run(B, emb, lengths, slots), reps=10)
+                    row[f"{name}_max_abs_err"] = _max_err(g.run(B, emb, lengths, slots), ref)
+                    del g
         flops = 2 * params * B * T
         row["bound_ms"] = max(flops / H200_BF16_FLOPS, step_bytes / H200_HBM_BPS) * 1e3
         rows.append(row)
-        _log(f"AR prefill {B}x{T}: eager {row['eager_ms']:.2f} ms, compiled {row.get('compiled_ms', float('nan')):.2f}"
-             f" ms, bound {row['bound_ms']:.3f} ms")
+        _log(f"AR prefill {B}x{T}: " + ", ".join(f"{k[:-3]} {v:.2f} ms" for k, v in row.items() if k.endswith("_ms")))
     return rows
 
 
-def _aoti_dit(model: str, dtype: torch.dtype, device: str, out_dir: str):
-    """The offline DiT as an AOTInductor package on CUDA (dynamic batch and frames), loaded for CUDA-graph capture.
+class AotiBuild:
+    """The offline DiT built as an AOTInductor package on CUDA (dynamic batch and frames) in a child process, started
+    when the run starts so the compile overlaps the other sections; `result()` waits and loads it for CUDA-graph
+    capture.
 
-    Built in a child process (same seed, so the same weights as this process's DiT): a crash inside the compiler
-    (run 4 of 2026-12-02 died of a segfault here) then costs this variant, not the whole benchmark, and the child's
-    faulthandler stack lands in the log."""
-    import subprocess
-    import sys
+    The child rebuilds the same seeded models (same weights as this process's DiT). A crash inside the compiler
+    (run 4 of 2026-12-02 died of a segfault while building this) then costs this variant, not the whole run, and the
+    child's faulthandler stack lands in the error."""
 
-    path = os.path.join(out_dir, "dit_offline_cuda.pt2")
-    t0 = time.perf_counter()
-    code = (f"import torch; from cosytrt.tools.bench import build_aoti_dit; "
-            f"build_aoti_dit({model!r}, torch.{str(dtype).split('.')[-1]}, {device!r}, {path!r})")
-    proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True)
-    build_s = time.perf_counter() - t0
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        raise RuntimeError(f"AOTInductor DiT build exited with {proc.returncode} after {build_s:.0f}s:\n{tail}")
-    loaded = torch._inductor.aoti_load_package(path, run_single_threaded=True)
-    _log(f"AOTInductor DiT (offline) built in {build_s:.0f}s")
-    return loaded, build_s
+    def __init__(self, model: str, dtype: torch.dtype, device: str, out_dir: str):
+        import subprocess
+        import sys
+
+        self.path = os.path.join(out_dir, "dit_offline_cuda.pt2")
+        self.log = os.path.join(out_dir, "build.log")
+        self.t0 = time.perf_counter()
+        code = (f"import torch; from cosytrt.tools.bench import build_aoti_dit; "
+                f"build_aoti_dit({model!r}, torch.{str(dtype).split('.')[-1]}, {device!r}, {self.path!r})")
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", code], stdout=log,
+                                         stderr=subprocess.STDOUT)
+
+    def result(self):
+        """(loaded package, build seconds); raises RuntimeError with the child's output tail if it failed."""
+        rc = self.proc.wait()
+        build_s = time.perf_counter() - self.t0
+        if rc != 0:
+            with open(self.log) as f:
+                tail = f.read()[-3000:]
+            raise RuntimeError(f"AOTInductor DiT build exited with {rc} after {build_s:.0f}s:\n{tail}")
+        loaded = torch._inductor.aoti_load_package(self.path, run_single_threaded=True)
+        _log(f"AOTInductor DiT (offline) ready after {build_s:.0f}s")
+        return loaded, build_s
 
 
 def build_aoti_dit(model: str, dtype: torch.dtype, device: str, path: str) -> None:
-    """The child process of `_aoti_dit`: the seeded models, the offline DiT exported and packaged at `path`."""
+    """The child process of `AotiBuild`: the seeded models, the offline DiT exported and packaged at `path`."""
     from ..build.stage_exports import dit_export
 
     _cfg, _llm, flow, _hift = full_models(device, dtype, model)
     dit_export(flow.estimator, False, dtype, device).to_aoti(path, 64, 16, 2048)
 
 
-def bench_dit(flow, device, dtype, quick: bool, compile: bool = True, aoti_dir: str | None = None,
-              model: str = "full") -> list[dict]:
+def bench_dit(flow, device, dtype, quick: bool, compile: bool = True, aoti: AotiBuild | None = None) -> list[dict]:
     """ms per DiT forward (one Euler step) per (CFG rows, frames) and mask: eager, CUDA graph of eager, CUDA graph
     of torch.compile, and (offline mask, `aoti_dir`) CUDA graph of an AOTInductor package."""
     from ..build.export_dit import example_inputs
@@ -250,12 +326,12 @@ def bench_dit(flow, device, dtype, quick: bool, compile: bool = True, aoti_dir: 
     shapes = [(2, 200), (16, 200), (2, 1000), (32, 500)] if quick else [(2, 200), (8, 200), (16, 200), (2, 1000),
                                                                         (16, 1000), (32, 500), (64, 300)]
     compiled = CompiledDiT.of(dit) if compile else None
-    aoti = None
-    if aoti_dir is not None:
+    if aoti is not None:
         try:
-            aoti, aoti_build_s = _aoti_dit(model, dtype, device, aoti_dir)
+            aoti, aoti_build_s = aoti.result()
         except Exception as e:  # noqa: BLE001 - the other variants still run
             _log(f"AOTInductor DiT build failed: {e!r}")
+            aoti = None
     rows = []
     for streaming in (False, True):
         variants = {"graph": FixedModeDiT(dit, streaming)}
@@ -431,16 +507,17 @@ def run(args) -> int:
     _log(f"building {args.model} models on {args.device}")
     cfg, llm, flow, hift = full_models(args.device, dtype, args.model)
     compile = not args.no_compile
+    aoti = None
+    if "dit" in suites and args.aoti:  # started first: its compile overlaps the sections before the DiT one
+        import tempfile
+
+        # the package holds the weights (hundreds of MB): keep it out of --out
+        aoti = AotiBuild(args.model, dtype, args.device, tempfile.mkdtemp(prefix="cosytrt-aoti-"))
+        _log(f"building the AOTInductor DiT in a child process (log: {aoti.log})")
     if "ar" in suites:
         b.section("ar", lambda: bench_ar(llm, args.device, args.quick, compile))
     if "dit" in suites:
-        aoti_dir = None
-        if args.aoti:  # the package holds the weights (hundreds of MB): keep it out of --out
-            import tempfile
-
-            aoti_dir = tempfile.mkdtemp(prefix="cosytrt-aoti-")
-        b.section("dit", lambda: bench_dit(flow, args.device, dtype, args.quick, compile, aoti_dir,
-                                                   args.model))
+        b.section("dit", lambda: bench_dit(flow, args.device, dtype, args.quick, compile, aoti))
     if "hift" in suites:
         b.section("hift", lambda: bench_hift(hift, args.device, args.quick))
     if "parity" in suites:

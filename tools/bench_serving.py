@@ -19,10 +19,10 @@ import time
 import torch
 
 from ..runtime.metrics import aggregate
+from ..runtime.scheduler import POLICIES as FEATURES
 
 TOKENS = {"short": (125,), "medium": (375,), "long": (1000,), "mixed": (125, 1000)}  # 25 tokens = 1 s of audio
 VARIANTS = ("compiled", "graphs", "eager")
-FEATURES = ("continuous_batching", "dit_chunk_aligned", "hift_length_aware", "async_d2h")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +95,11 @@ def run_cell(tts, cell: Cell, prompt_wav) -> dict:
             "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
 
 
-def scheduler_config(variant: str, **features):
+def scheduler_config(variant: str):
     from ..runtime.scheduler import SchedulerConfig
 
     return SchedulerConfig(max_in_flight=128, ar_max_batch=64, dit_max_requests=8, hift_max_batch=16,
-                           cuda_graphs=variant != "eager", compile=variant == "compiled", ar_max_len=2048, **features)
+                           cuda_graphs=variant != "eager", compile=variant == "compiled", ar_max_len=2048)
 
 
 def make_pipeline(models, variant: str, graph_profile: str):
@@ -196,7 +196,7 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
             _run_cells(tts, first, variant, out["cells"], bench, prompt)
         if variant == primary:
             if features:
-                bench.results["features"] = _features(pipe, variant, cells, bench, prompt)
+                bench.results["features"] = _features(tts, variant, cells, bench, prompt)
             if matrix:
                 _run_cells(tts, [c for c in CELL_SETS[cells]() if c not in first], variant, out["cells"], bench,
                            prompt)
@@ -207,19 +207,23 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
     return out
 
 
-def _features(pipe, variant: str, cells: str, bench, prompt) -> dict:
-    """Each batching policy off vs all on: same pipeline (same graphs), a fresh scheduler per setting."""
+def _features(tts, variant: str, cells: str, bench, prompt) -> dict:
+    """Each batching policy off vs all on, switched on the running scheduler (`Scheduler.set_policies`): same
+    graphs, same caches, no second scheduler."""
     from .bench import _log
 
     out: dict = {"variant": variant, "cells": []}
-    for off in (None,) + FEATURES:
-        if bench.over_budget():
-            _log(f"features: skip {off} off (time budget)")
-            continue
-        label = "all on" if off is None else f"{off} off"
-        tts = _start(pipe, scheduler_config(variant, **({} if off is None else {off: False})))
-        _run_cells(tts, smoke_cells() if cells == "smoke" else feature_cells(), label, out["cells"], bench, prompt)
-        tts.close()
+    try:
+        for off in (None,) + FEATURES:
+            if bench.over_budget():
+                _log(f"features: skip {off} off (time budget)")
+                continue
+            tts.scheduler.set_policies(**{f: f != off for f in FEATURES})
+            label = "all on" if off is None else f"{off} off"
+            _run_cells(tts, smoke_cells() if cells == "smoke" else feature_cells(), label, out["cells"], bench,
+                       prompt)
+    finally:
+        tts.scheduler.set_policies(**{f: True for f in FEATURES})
     return out
 
 

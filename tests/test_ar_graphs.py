@@ -1,0 +1,76 @@
+"""The AR graph runners' padding rules (runtime/ar_graphs.py), on the CPU: the CUDA graph itself is replaced by a
+direct call, so what is checked is what the runners feed the captured function (bucket choice, padding rows into
+the scratch slot, zero positions past each row's length) and that real rows come out as the unpadded call's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosytrt.runtime import ar_graphs
+from cosytrt.runtime.ar_graphs import DecodeGraphs, PrefillGraphs
+
+ATOL = 1e-5
+
+
+class DirectCall:
+    """Stands in for GraphCache: `capture` records the key and the static input shapes, `run` calls fn."""
+
+    def __init__(self, fn, device, warmup: int = 2):
+        self.fn, self.shapes = fn, {}
+
+    def capture(self, key, example_inputs):
+        self.shapes[key] = [tuple(x.shape) for x in example_inputs]
+
+    def run(self, key, *inputs):
+        assert [tuple(x.shape) for x in inputs] == self.shapes[key]  # exactly the captured shapes
+        return self.fn(*inputs)
+
+
+@pytest.fixture
+def lm(golden_lm, monkeypatch):
+    monkeypatch.setattr(ar_graphs, "GraphCache", DirectCall)
+    golden_lm.setup_cache(5, 257)  # 4 slots + the scratch slot 4
+    return golden_lm
+
+
+def test_prefill_graphs_bucket_choice():
+    pg = PrefillGraphs.__new__(PrefillGraphs)
+    pg.keys = sorted(((B, T) for B in (1, 2, 4, 8) for T in (64, 128, 256, 512) if B * T <= 1024),
+                     key=lambda k: -k[0] * k[1])
+    assert pg.bucket(1, 150) == (1, 256)
+    assert pg.bucket(3, 64) == (4, 64)
+    assert pg.bucket(3, 65) == (4, 128)
+    assert pg.bucket(2, 300) == (2, 512)
+    assert pg.bucket(4, 300) is None      # 4 x 512 is over the token limit: no graph (eager prefill)
+    assert pg.bucket(9, 10) is None
+
+
+def test_prefill_graphs_pad_rows_and_positions(lm):
+    hidden = lm.config.qwen.hidden_size
+    pg = PrefillGraphs(lm.prefill, [1, 2, 4], [16, 32], 128, hidden, torch.float32, 4, "cpu")
+    assert set(pg.cache.shapes) == {(1, 16), (1, 32), (2, 16), (2, 32), (4, 16), (4, 32)}
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(3, 20, hidden, generator=g)
+    lengths, slots = torch.tensor([20, 13, 7]), torch.tensor([2, 0, 1])
+    with torch.inference_mode():
+        ref = lm.prefill(embeds, lengths, slots)
+        k_ref = lm.backbone.layers[1].self_attn.kv_cache.k.clone()
+        lm.backbone.layers[1].self_attn.kv_cache.k.zero_()
+        out = pg(embeds, lengths, slots)  # runs as (4 rows, 32 positions)
+    assert out.shape == ref.shape and (out - ref).abs().max() <= ATOL
+    assert pg.replays == 1
+    k = lm.backbone.layers[1].self_attn.kv_cache.k
+    for row, slot in enumerate(slots.tolist()):
+        n = int(lengths[row])
+        assert (k[slot, :, :n] - k_ref[slot, :, :n]).abs().max() <= ATOL  # real positions as unpadded
+
+
+def test_decode_graphs_pad_rows_into_scratch_slot(lm):
+    dg = DecodeGraphs(lm.decode, [2, 4], [64, 128], 4, "cpu")
+    assert set(dg.graphs) == {64, 128} and set(dg.graphs[64].shapes) == {2, 4}
+    tokens, slots, pos = torch.tensor([5, 9, 11]), torch.tensor([0, 1, 2]), torch.tensor([3, 70, 8])
+    with torch.inference_mode():
+        ref = lm.decode(tokens, slots, pos, kv_len=128)
+        out = dg(tokens, slots, pos, need_kv=71)  # 3 rows -> batch 4, 71 positions -> rung 128
+    assert out.shape == ref.shape and (out - ref).abs().max() <= ATOL
+    assert dg.fits(4, 128) and not dg.fits(5, 10) and not dg.fits(2, 129)
