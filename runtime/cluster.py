@@ -110,6 +110,7 @@ class ARStage(Scheduler):
         dev = self.device
         with torch.inference_mode():
             r.lm_input = self.lm.build_lm_input(inputs.text_ids.to(dev), inputs.prompt_speech_tokens.to(dev))
+        self._fence_inputs(r)
         self._prepare_policy(r, inputs)
         r.flush = hop_flush_points(int(inputs.flow_prompt_tokens.numel())) if r.req.stream else None
         r.next_flush = next(r.flush) if r.flush is not None else None

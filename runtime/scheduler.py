@@ -224,6 +224,7 @@ class _Req:
         self.handle = handle
         self.metrics = handle.metrics
         self.lm_input: torch.Tensor | None = None
+        self.inputs_ready = None                  # CUDA: event after the frontend thread built lm_input / prompt
         self.prompt: tuple | None = None          # flow prompt (tokens [P], mel [2P, 80], embedding [192])
         self.policy: TokenPolicy | None = None
         self.state: StreamState | None = None     # streaming requests only
@@ -239,7 +240,7 @@ class _Req:
 @dataclass
 class _DitJob:
     r: _Req
-    tokens: torch.Tensor   # generated tokens for this call [N]
+    tokens: torch.Tensor   # generated tokens for this call [N], on the host (the DiT worker moves them)
     streaming: bool
     finalize: bool
     mel_from: int          # new mel starts at this output frame (2 * stream offset)
@@ -356,6 +357,11 @@ class Scheduler:
 
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        # The AR worker runs on its own stream: its per-step host sync (the sampled tokens) then waits for its own
+        # kernels only, not for DiT / HiFT batches queued by the other workers, and its graphs overlap theirs on the
+        # GPU. Its only device inputs from other threads are lm_input (fenced by `inputs_ready`); what it hands on
+        # (DiT job tokens) stays on the host.
+        self._ar_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._threads = [threading.Thread(target=self._guard, args=(fn,), name=f"cosytrt-{name}", daemon=True)
                          for name, fn in (("ar", self._ar_loop), ("dit", self._dit_loop), ("hift", self._hift_loop))]
         for t in self._threads:
@@ -537,10 +543,18 @@ class Scheduler:
         with torch.inference_mode():
             r.lm_input = self.lm.build_lm_input(inputs.text_ids.to(dev), inputs.prompt_speech_tokens.to(dev))
         r.prompt = (inputs.flow_prompt_tokens.to(dev), inputs.flow_prompt_mel.to(dev), inputs.embedding.to(dev))
+        self._fence_inputs(r)
         self.pipeline._check_noise(inputs, r.req)
         self._prepare_policy(r, inputs)
         if r.req.stream:
             r.state = self.t2w.start(*r.prompt)
+
+    def _fence_inputs(self, r: _Req) -> None:
+        """CUDA: mark the end of this (frontend) thread's work on the request's device inputs; the AR stream waits
+        for it before the prefill."""
+        if self._cuda:
+            r.inputs_ready = torch.cuda.Event()
+            r.inputs_ready.record()
 
     # where the KV-length error sends the user (the cluster's AR stage words it for its YAML)
     _kv_slots_name = "the KV-cache slots"
@@ -558,7 +572,7 @@ class Scheduler:
 
     # ================================================================== AR
     def _ar_loop(self) -> None:
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.cuda.stream(self._ar_stream):  # stream None (CPU): no-op
             while True:
                 with self._ar_cond:
                     while not self._stop and not self._ar_waiting and not self._running:
@@ -664,6 +678,9 @@ class Scheduler:
     def _ar_prefill(self, rows: list[_Req], jobs: list) -> None:
         t0 = time.perf_counter()
         for r in rows:
+            if r.inputs_ready is not None:
+                torch.cuda.current_stream().wait_event(r.inputs_ready)
+        for r in rows:
             r.metrics.t_queue = max(0.0, t0 - r.metrics.t_submit - r.metrics.t_tokenizer)
         results = self._batched(self._prefill_call, rows)
         for r, _ in results:
@@ -733,7 +750,7 @@ class Scheduler:
         """A non-final streaming call; advances the hop schedule as `Token2Wav.step` does."""
         st = r.state
         upto = st.offset + st.hop
-        tokens = torch.tensor(r.tokens[:upto + LOOKAHEAD], dtype=torch.long, device=self.device)
+        tokens = torch.tensor(r.tokens[:upto + LOOKAHEAD], dtype=torch.long)
         job = _DitJob(r, tokens, True, False, 2 * st.offset, 2 * (r.prompt[0].numel() + upto), time.perf_counter())
         st.offset = upto
         st.base_hop = min(TOKEN_MAX_HOP, st.base_hop * HOP_SCALE)
@@ -743,7 +760,7 @@ class Scheduler:
     def _final_job(self, r: _Req) -> _DitJob:
         """The last call: all tokens, full attention, finalize (streaming: keep the mel past the last hop)."""
         n = len(r.tokens)
-        tokens = torch.tensor(r.tokens, dtype=torch.long, device=self.device)
+        tokens = torch.tensor(r.tokens, dtype=torch.long)
         mel_from = 0
         if r.state is not None:
             mel_from = 2 * r.state.offset
@@ -805,7 +822,7 @@ class Scheduler:
         streaming, finalize = group[0].kind
         est = self._estimator(streaming)
         kw = {} if est is None else {"estimator": est}
-        rows = [FlowInput(j.tokens, *j.r.prompt, finalize=finalize) for j in group]
+        rows = [FlowInput(j.tokens.to(self.device), *j.r.prompt, finalize=finalize) for j in group]
         return self.flow.inference_batch(rows, streaming=streaming, finalize=finalize, **kw)
 
     def _run_dit(self, group: list[_DitJob]) -> None:

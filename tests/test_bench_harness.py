@@ -75,3 +75,21 @@ def test_features_suite_alone_runs_no_matrix_cells(tmp_path, one_torch_thread):
                  "--cells", "smoke", "--variants", "eager", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["serving"]["cells"] == [] and len(res["features"]["cells"]) == 2 * (1 + len(FEATURES))
+
+
+def test_report_of_ar_micro_rows(tmp_path):
+    """The AR micro rows as the GPU run writes them (decode with its kernel table, prefill with graph columns)."""
+    kernels = {"kernel_us": 812.0, "launches": 290.0,
+               "top": [{"name": "triton_red_fused_mul_sum_0", "calls": 24.0, "us": 150.5},
+                       {"name": "sm90_xmma_gemm_bf16bf16", "calls": 96.0, "us": 420.25}]}
+    res = {"ar": [{"stage": "ar_decode", "batch": 2, "kv_len": 1024, "eager_ms": 15.0, "graph_ms": 3.0,
+                   "compiled_sdpa_graph_ms": 1.7, "compiled_graph_ms": 1.2, "bound_ms": 0.15,
+                   "best_fraction_of_bound": 0.125, "compiled_max_abs_err": 0.03, "kernels": kernels},
+                  {"stage": "ar_prefill", "batch": 2, "tokens": 150, "eager_ms": 14.0, "graph_ms": 2.5,
+                   "compiled_ms": 7.0, "compiled_graph_ms": 1.1, "bound_ms": 0.4, "compiled_max_abs_err": 0.02}]}
+    md = bench_report.tables(res)
+    assert "| 2 | 15 | 3 | 1.7 | 1.2 |" in md.replace(".0 |", " |")
+    assert "AR decode kernels, batch 2** (compiled, no graph; per step: 290 launches, 812 us" in md
+    assert "triton_red_fused_mul_sum_0" in md
+    assert "compiled + graph | bound" in md  # the prefill table has the graph columns
+    assert bench_report.plots(res, str(tmp_path)) == [str(tmp_path / "bench_micro.png")]

@@ -31,18 +31,26 @@ def tables(res: dict) -> str:
     ar = res.get("ar")
     if isinstance(ar, list):
         dec = [r for r in ar if r.get("stage") == "ar_decode"]
-        rows = [[r["batch"], r["eager_ms"], r.get("graph_ms"), r.get("compiled_graph_ms"), r.get("bound_ms"),
-                 r.get("best_fraction_of_bound"), r.get("compiled_max_abs_err")] for r in dec]
+        rows = [[r["batch"], r["eager_ms"], r.get("graph_ms"), r.get("compiled_sdpa_graph_ms"),
+                 r.get("compiled_graph_ms"), r.get("bound_ms"), r.get("best_fraction_of_bound"),
+                 r.get("compiled_max_abs_err")] for r in dec]
         parts.append(f"**AR decode (Qwen2 0.5B, bf16)**, ms per step, slot-indexed KV cache, KV rung "
                      f"{dec[0].get('kv_len', 1024) if dec else ''}\n\n" + _md(
-                         ["batch", "eager", "CUDA graph", "compiled + graph", "HBM bound", "bound / best",
-                          "compiled max abs err (logits)"], rows))
+                         ["batch", "eager", "CUDA graph", "compiled + graph, SDPA attention",
+                          "compiled + graph", "HBM bound", "bound / best", "compiled max abs err (logits)"], rows))
+        for r in dec:
+            k = r.get("kernels")
+            if isinstance(k, dict) and k.get("top"):
+                parts.append(f"**AR decode kernels, batch {r['batch']}** (compiled, no graph; per step: "
+                             f"{k['launches']:.0f} launches, {k['kernel_us']:.0f} us of kernel time)\n\n" + _md(
+                                 ["kernel", "calls", "us"], [[t["name"][:90], t["calls"], t["us"]] for t in k["top"]]))
         pre = [r for r in ar if r.get("stage") == "ar_prefill"]
         if pre:
-            rows = [[r["batch"], r["tokens"], r["eager_ms"], r.get("compiled_ms"), r.get("bound_ms"),
-                     r.get("compiled_max_abs_err")] for r in pre]
+            rows = [[r["batch"], r["tokens"], r["eager_ms"], r.get("graph_ms"), r.get("compiled_ms"),
+                     r.get("compiled_graph_ms"), r.get("bound_ms"), r.get("compiled_max_abs_err")] for r in pre]
             parts.append("**AR prefill**, ms per call\n\n" + _md(
-                ["batch", "tokens", "eager", "compiled", "bound", "compiled max abs err (logits)"], rows))
+                ["batch", "tokens", "eager", "CUDA graph", "compiled", "compiled + graph", "bound",
+                 "compiled max abs err (logits)"], rows))
     dit = res.get("dit")
     if isinstance(dit, list):
         rows = [["stream" if r["streaming"] else "offline", r["rows"], r["frames"], r["eager_ms"], r.get("graph_ms"),
