@@ -8,7 +8,8 @@ eager module's graph; BENCHMARKS.md).
 
 Shapes are dynamic (`dynamic=True`), so a new batch size or length reuses the compiled code. Dynamo still
 specializes batch 1 and a slice spanning a whole buffer; the scheduler avoids both (batch-1 LM calls get a padding
-row, the KV cache has a spare position), so the LM compiles once for prefill and once for decode. The DiT compiles
+row, the KV cache has a spare position), so the LM compiles once for prefill and twice for decode (<= 2 rows and more:
+the decode attention takes another form for small batches, `llm.decode_attention`). The DiT compiles
 once per attention mode (its convolutions are opaque to the compiler: `dit._conv1d`). On CUDA the
 compiled function is then captured once per bucket in a CUDA graph, exactly like the eager one (`GraphCache`), so a
 replay costs one launch.

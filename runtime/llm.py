@@ -175,17 +175,19 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
-# Under torch.compile the decode attention is written as multiply-and-sum reductions ("reduce"): Inductor then emits
-# a few Triton reductions that read K and V straight out of the slot cache (the slot gather becomes an indirect load)
-# instead of a gathered copy plus an attention kernel built for long queries. "sdpa" keeps
-# F.scaled_dot_product_attention there too (the benchmark compares both). Eager always uses SDPA: the reduce form
-# would materialize [B, kv_heads, group, n, head_dim] products.
-COMPILED_DECODE_ATTENTION = "reduce"
+# Under torch.compile, decode steps of at most REDUCE_ATTENTION_MAX_ROWS rows write the attention as multiply-and-sum
+# reductions: Inductor emits a few Triton reductions that read K and V straight out of the slot cache (the gather
+# becomes an indirect load) instead of a gathered copy plus an attention kernel built for long queries. H200, full
+# size, KV rung 1024 (BENCHMARKS.md, run 8): batch 2 1.18 ms vs 1.45 ms with SDPA, but batch 8 2.12 vs 1.52 and batch
+# 32 4.98 vs 1.81 (the fused softmax re-reads K per pass), so larger batches keep SDPA. The branch is on the
+# (symbolic) batch size: dynamo compiles the decode step twice (<= 2 rows, more). Eager always uses SDPA: the reduce
+# form would materialize [B, kv_heads, group, n, head_dim] products.
+REDUCE_ATTENTION_MAX_ROWS = 2
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q [B, kvh, G, hd] (G query heads per kv head), k / v [B, kvh, n, hd], mask [B, 1, 1, n] (True = attend)."""
-    if COMPILED_DECODE_ATTENTION == "reduce" and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and q.shape[0] <= REDUCE_ATTENTION_MAX_ROWS:
         scores = (q.float()[:, :, :, None, :] * k.float()[:, :, None, :, :]).sum(-1) * q.shape[-1] ** -0.5
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)        # [B, kvh, G, n]
         return (probs[..., None] * v.float()[:, :, None]).sum(-2).to(q.dtype)

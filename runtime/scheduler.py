@@ -368,16 +368,19 @@ class Scheduler:
             t.start()
 
     def _warm_compiled(self) -> None:
-        """Compile now, not under load: run the compiled prefill (and, without decode graphs, decode) once at the
-        padded batch size into the scratch slot (decode graphs compile while they are captured)."""
+        """Compile now, not under load: run the compiled prefill (and, without decode graphs, the decode step at
+        the smallest padded batch and one row more: the two decode specializations, see `llm.decode_attention`) into
+        the scratch slot (decode graphs compile while they are captured)."""
         dev, n = self.device, _MIN_COMPILED_ROWS
         with torch.inference_mode():  # as the AR worker's tensors are (dynamo guards on inference-ness)
             rows = torch.full((n,), self.slots.scratch_slot, device=dev)
             embeds = torch.zeros(n, 8, self.lm.config.qwen.hidden_size, device=dev, dtype=self.lm.dtype)
             self._prefill(embeds, torch.full((n,), 8, device=dev), rows)
             if self.decode_graphs is None:
-                self._decode(torch.zeros(n, dtype=torch.long, device=dev), rows, torch.full((n,), 8, device=dev),
-                             kv_len=min(_KV_LEN_STEP, self.ar_max_len))
+                for b in (n, n + 1):
+                    self._decode(torch.zeros(b, dtype=torch.long, device=dev),
+                                 torch.full((b,), self.slots.scratch_slot, device=dev),
+                                 torch.full((b,), 8, device=dev), kv_len=min(_KV_LEN_STEP, self.ar_max_len))
 
     # ================================================================== public API
     def submit(self, req: Request) -> RequestHandle:

@@ -161,19 +161,19 @@ def kernel_table(fn, steps: int = 5, top: int = 12) -> dict:
 
 def _sdpa_decode_graph(fn, device, B: int, args: tuple, kv_len: int, ref) -> tuple[float, float]:
     """`fn` (a torch.compile of the LM's decode, separate from the scheduler's) traced with SDPA decode attention
-    (`llm.COMPILED_DECODE_ATTENTION = "sdpa"`) in a CUDA graph: ms per step and max abs error vs eager; the same-run
-    baseline of the default attention."""
+    at every batch (`llm.REDUCE_ATTENTION_MAX_ROWS = 0`) in a CUDA graph: ms per step and max abs error vs eager;
+    the same-run baseline of the reduce form that small batches use."""
     from ..runtime import llm as llm_module
     from ..runtime.cuda_graphs import GraphCache
 
-    default = llm_module.COMPILED_DECODE_ATTENTION
-    llm_module.COMPILED_DECODE_ATTENTION = "sdpa"
+    default = llm_module.REDUCE_ATTENTION_MAX_ROWS
+    llm_module.REDUCE_ATTENTION_MAX_ROWS = 0
     try:
         g = GraphCache(lambda t, s, p: fn(t, s, p, kv_len=kv_len), device)
         g.capture(B, args)
         return time_cuda(lambda: g.run(B, *args), reps=20), _max_err(g.run(B, *args), ref)
     finally:
-        llm_module.COMPILED_DECODE_ATTENTION = default
+        llm_module.REDUCE_ATTENTION_MAX_ROWS = default
 
 
 def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
@@ -182,6 +182,7 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
     compiled. `compiled_max_abs_err`: compiled vs eager logits."""
     from ..runtime.compiled import compile_fn
     from ..runtime.cuda_graphs import GraphCache
+    from ..runtime.llm import REDUCE_ATTENTION_MAX_ROWS
 
     q = llm.config.qwen
     params = sum(p.numel() for p in llm.parameters()) - llm.speech_embedding.weight.numel()
@@ -230,8 +231,9 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
                     _log(f"AR decode B={B} compiled, kernels per step: {row['kernels']['kernel_us']:.0f} us in "
                          f"{row['kernels']['launches']} launches; top: " + "; ".join(
                              f"{k['name'][:60]} x{k['calls']} {k['us']:.0f}us" for k in row["kernels"]["top"][:6]))
-                row["compiled_sdpa_graph_ms"], row["compiled_sdpa_max_abs_err"] = _sdpa_decode_graph(
-                    decode_sdpa, device, B, (tokens, slots, pos), kv_len, ref)
+                if B <= REDUCE_ATTENTION_MAX_ROWS:  # larger batches use SDPA already
+                    row["compiled_sdpa_graph_ms"], row["compiled_sdpa_max_abs_err"] = _sdpa_decode_graph(
+                        decode_sdpa, device, B, (tokens, slots, pos), kv_len, ref)
         kv_bytes = 2 * q.num_hidden_layers * B * q.num_key_value_heads * filled * q.head_dim * 2
         row["bound_ms"] = (step_bytes + kv_bytes) / H200_HBM_BPS * 1e3
         best = min(v for k, v in row.items() if k.endswith("graph_ms"))

@@ -23,6 +23,7 @@ from ..runtime.scheduler import POLICIES as FEATURES
 
 TOKENS = {"short": (125,), "medium": (375,), "long": (1000,), "mixed": (125, 1000)}  # 25 tokens = 1 s of audio
 VARIANTS = ("compiled", "graphs", "eager")
+CELL_TIMEOUT_S = 120.0  # a request of a cell not done by then fails the cell (recorded) and the run goes on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,7 @@ def run_cell(tts, cell: Cell, prompt_wav) -> dict:
         handles.append(tts.submit(req))
     audio = 0.0
     for h in handles:
-        audio += h.result(timeout=600).size / 24000
+        audio += h.result(timeout=CELL_TIMEOUT_S).size / 24000
     wall = time.perf_counter() - t0
     agg = aggregate([h.metrics for h in handles])
     return {**dataclasses.asdict(cell), "tokens": list(lengths), "wall_s": wall, "audio_s": audio,
@@ -134,6 +135,10 @@ def _run_cells(tts, cells, label: str, out: list, bench, prompt) -> None:
         try:
             r = run_cell(tts, cell, prompt)
         except Exception as e:  # noqa: BLE001
+            import faulthandler
+            import sys
+
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)  # where the workers are (a stuck cell)
             r = {**dataclasses.asdict(cell), "error": repr(e)}
         r["variant"] = label
         out.append(r)
