@@ -25,7 +25,7 @@ class GraphCache:
         return key in self.graphs
 
     def capture(self, key, example_inputs: tuple) -> None:
-        static_in = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs)
+        static_in = static_copies(example_inputs)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -42,11 +42,22 @@ class GraphCache:
 
     def run(self, key, *inputs):
         graph, static_in, static_out = self.graphs[key]
-        for dst, src in zip(static_in, inputs):
-            if isinstance(dst, torch.Tensor):
-                dst.copy_(src, non_blocking=True)
+        with torch.inference_mode():  # the static inputs are inference tensors
+            for dst, src in zip(static_in, inputs):
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(src, non_blocking=True)
         graph.replay()
         return static_out
+
+
+def static_copies(inputs: tuple) -> tuple:
+    """The static input buffers of a graph: clones of the example inputs made under inference mode, like every tensor
+    the scheduler's workers pass. A torch.compile'd function guards on whether its inputs are inference tensors, so
+    buffers made outside inference mode would leave the workers' first uncaptured call (a shape no bucket holds) to
+    compile the function again: a minute for the full-size DiT on the H200, a stall of every request in flight
+    (BENCHMARKS.md, runs 7 and 9)."""
+    with torch.inference_mode():
+        return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
 
 
 def graphs_available(device) -> bool:

@@ -129,3 +129,26 @@ def test_compile_cache_file(tmp_path):
         load_compile_cache(str(tmp_path / "missing.bin"))
     with pytest.raises(InputError, match="compile_cache needs compile=True"):
         TTS.load("tiny", compile_cache=path)
+
+
+def test_graph_static_inputs_match_the_workers_calls():
+    """CUDA-graph buffers are inference tensors, like the workers' own inputs: the compiled DiT captured from them
+    then runs an uncaptured shape from a worker without compiling again (buffers made outside inference mode cost a
+    second compile at the first such call: a minute-long stall on the H200, runs 7 and 9)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from cosytrt.runtime.cuda_graphs import static_copies
+    from cosytrt.runtime.pipeline import Pipeline
+
+    dit = Pipeline.load("tiny").models.flow.estimator  # fresh module: nothing compiled for it yet
+    compiled = CompiledDiT.of(dit).fixed(False)
+    graphs = lambda: dynamo_utils.counters["stats"]["unique_graphs"]  # noqa: E731
+    static = static_copies(example_inputs(dit, 4, 64, seed=1))  # made outside inference mode, as at capture
+    assert all(x.is_inference() for x in static)
+    with torch.inference_mode():
+        compiled(*static)  # what the capture's warm-up runs
+        before = graphs()
+        worker_args = example_inputs(dit, 6, 50, seed=2)  # a DiT worker's fallback call
+        out = compiled(*worker_args)
+        assert graphs() == before
+        assert (out - dit(*worker_args)).abs().max() <= ATOL
