@@ -87,6 +87,15 @@ def attach_compiled(pipeline) -> CompiledDiT:
     return est
 
 
+def compiled_graph_count() -> int:
+    """Graphs torch.compile has compiled in this process so far (all functions). A compile while serving stalls every
+    request in flight for as long as it takes (a minute for the full-size DiT on an H200), so the scheduler reports
+    how many happened since it started (`stats()["compiles_since_start"]`) and the benchmark logs them per cell."""
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
 def save_compile_cache(path: str) -> int:
     """Write Inductor's compiled artifacts of this process to `path`; returns the bytes written (0: nothing yet)."""
     got = torch.compiler.save_cache_artifacts()

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .buckets import group_by_length
+from .compiled import compiled_graph_count
 from .errors import InputError, RejectedError, RequestTooLongError
 from .flow import FlowInput
 from .hift_stream import push_batch
@@ -362,6 +363,7 @@ class Scheduler:
         # GPU. Its only device inputs from other threads are lm_input (fenced by `inputs_ready`); what it hands on
         # (DiT job tokens) stays on the host.
         self._ar_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._compiles_at_start = compiled_graph_count() if cfg.compile else None
         self._threads = [threading.Thread(target=self._guard, args=(fn,), name=f"cosytrt-{name}", daemon=True)
                          for name, fn in (("ar", self._ar_loop), ("dit", self._dit_loop), ("hift", self._hift_loop))]
         for t in self._threads:
@@ -452,6 +454,10 @@ class Scheduler:
         es = getattr(self.pipeline, "engine_set", None)
         if es is not None and hasattr(es, "stats"):
             out["shapes"] = es.stats.summary()  # bucket hits / padding / eager fallbacks of the engine calls
+        # compile=True: torch.compile graphs compiled in this process since this scheduler was ready (each one
+        # stalled serving while it compiled; expected 0)
+        out["compiles_since_start"] = (0 if self._compiles_at_start is None
+                                       else compiled_graph_count() - self._compiles_at_start)
         return out
 
     def close(self, drain_timeout_s: float = 30.0) -> None:

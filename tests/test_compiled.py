@@ -96,6 +96,7 @@ def test_scheduler_compiles_once_at_start():
         for h in hs:
             h.result(timeout=300)
         assert graphs() - before == 3  # serving compiled nothing more
+        assert sched.stats()["compiles_since_start"] == 0
         st = sched.stats()["ar"]
         assert st["max_decode_batch"] == 3 and st["prefill_calls"] >= 2
         assert max(len(h.tokens) for h in hs) == 300  # reached past 256 positions: the longest rung (512)

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from ..runtime.compiled import compiled_graph_count
 from ..runtime.metrics import aggregate
 from ..runtime.scheduler import POLICIES as FEATURES
 
@@ -70,6 +71,7 @@ def run_cell(tts, cell: Cell, prompt_wav) -> dict:
     from ..runtime.sampling import SamplingParams
 
     lengths = TOKENS[cell.text]
+    compiles = compiled_graph_count()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -93,7 +95,8 @@ def run_cell(tts, cell: Cell, prompt_wav) -> dict:
             "inter_chunk": agg["inter_chunk"], "rtf": agg["rtf"], "total": agg["total"],
             "T_tokenizer": agg["T_tokenizer"]["mean"], "T_AR": agg["T_AR"]["mean"], "T_DiT": agg["T_DiT"]["mean"],
             "T_vocoder": agg["T_vocoder"]["mean"], "T_queue": agg["T_queue"]["mean"],
-            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None}
+            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+            "compiles": compiled_graph_count() - compiles}  # > 0: a compile stalled this cell
 
 
 def scheduler_config(variant: str):
@@ -144,7 +147,9 @@ def _run_cells(tts, cells, label: str, out: list, bench, prompt) -> None:
         out.append(r)
         if "error" not in r:
             _log(f"{label} {cell}: TTFA p50 {r['ttfa']['p50']:.3f}s p95 {r['ttfa']['p95']:.3f}s, "
-                 f"RTF p50 {r['rtf']['p50']:.3f}, {r['throughput_audio_s_per_s']:.1f} audio s/s")
+                 f"RTF p50 {r['rtf']['p50']:.3f}, {r['throughput_audio_s_per_s']:.1f} audio s/s"
+                 + (f"; WARNING: {r['compiles']} torch.compile graph(s) compiled during the cell" if r["compiles"]
+                    else ""))
         else:
             _log(f"{label} {cell}: {r['error']}")
         bench.save()
@@ -180,7 +185,7 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
             _log(f"serving: skip variant {variant} (time budget)")
             continue
         t = time.perf_counter()
-        compiles = _dynamo_graphs()
+        compiles = compiled_graph_count()
         try:
             pipe = make_pipeline(models, variant, bench.args.graph_profile)
             t_pipe = time.perf_counter() - t
@@ -193,7 +198,7 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
             continue
         out[f"{variant}_setup_s"] = time.perf_counter() - t
         out[f"{variant}_setup"] = {"dit_hift_graphs_s": t_pipe, "scheduler_s": out[f"{variant}_setup_s"] - t_pipe,
-                                   "dynamo_graphs": _dynamo_graphs() - compiles}
+                                   "dynamo_graphs": compiled_graph_count() - compiles}
         _log(f"serving {variant}: setup {out[f'{variant}_setup_s']:.1f}s (DiT / HiFT graphs {t_pipe:.1f}s; scheduler "
              f"with the AR compile, decode graphs and warm-up {out[f'{variant}_setup']['scheduler_s']:.1f}s; "
              f"{out[f'{variant}_setup']['dynamo_graphs']} graphs compiled)")
@@ -230,12 +235,6 @@ def _features(tts, variant: str, cells: str, bench, prompt) -> dict:
     finally:
         tts.scheduler.set_policies(**{f: True for f in FEATURES})
     return out
-
-
-def _dynamo_graphs() -> int:
-    import torch._dynamo.utils
-
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def _jsonable(d):
