@@ -93,3 +93,28 @@ def test_report_of_ar_micro_rows(tmp_path):
     assert "triton_red_fused_mul_sum_0" in md
     assert "compiled + graph | bound" in md  # the prefill table has the graph columns
     assert bench_report.plots(res, str(tmp_path)) == [str(tmp_path / "bench_micro.png")]
+
+
+def test_aoti_child_builds_loads_and_times_the_dit(tmp_path):
+    """The AOTInductor DiT variant runs whole in a child process (build, wait, load, time): on the CPU with the tiny
+    model it returns one row per shape, matching the eager DiT."""
+    import torch
+
+    from cosytrt.tools.bench import AotiBuild
+
+    child = AotiBuild("tiny", torch.float32, "cpu", str(tmp_path))
+    got = child.measure([(2, 40), (4, 64)])
+    assert got["build_s"] > 0
+    assert [(r["rows"], r["frames"]) for r in got["rows"]] == [(2, 40), (4, 64)]
+    for r in got["rows"]:
+        assert r["aoti_graph_ms"] > 0 and r["aoti_graph_max_abs_err"] <= 1e-4
+
+
+def test_aoti_child_failure_is_an_error_with_its_log(tmp_path):
+    import torch
+
+    from cosytrt.tools.bench import AotiBuild
+
+    child = AotiBuild("tiny", torch.float32, "no-such-device", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"AOTInductor DiT child exited with 1 .*\n(.|\n)*Traceback"):
+        child.measure([(2, 40)])

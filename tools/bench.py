@@ -273,51 +273,101 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
 
 
 class AotiBuild:
-    """The offline DiT built as an AOTInductor package on CUDA (dynamic batch and frames) in a child process, started
-    when the run starts so the compile overlaps the other sections; `result()` waits and loads it for CUDA-graph
-    capture.
+    """The offline DiT as an AOTInductor package (dynamic batch and frames), built, loaded and timed in a child process.
 
-    The child rebuilds the same seeded models (same weights as this process's DiT). A crash inside the compiler
-    (run 4 of 2026-12-02 died of a segfault while building this) then costs this variant, not the whole run, and the
-    child's faulthandler stack lands in the error."""
+    Started when the run starts, so its compile overlaps the sections before the DiT one; the child then waits until
+    `measure(shapes)` tells it to go (the parent is idle while it times, so no two measurements share the GPU), loads
+    the package, captures it in a CUDA graph per shape (CUDA) and times it against its own eager DiT. The child
+    rebuilds the same seeded models (same weights as this process). Everything that can crash (run 4 of 2026-12-02
+    segfaulted building the package, run 8 loading it) happens in the child: a crash costs this variant, not the run,
+    and the child's log (with its faulthandler stack) lands in the error."""
 
     def __init__(self, model: str, dtype: torch.dtype, device: str, out_dir: str):
         import subprocess
         import sys
 
-        self.path = os.path.join(out_dir, "dit_offline_cuda.pt2")
-        self.log = os.path.join(out_dir, "build.log")
+        self.path = os.path.join(out_dir, "dit_offline.pt2")
+        self.results = os.path.join(out_dir, "results.json")
+        self.log = os.path.join(out_dir, "child.log")
         self.t0 = time.perf_counter()
-        code = (f"import torch; from cosytrt.tools.bench import build_aoti_dit; "
-                f"build_aoti_dit({model!r}, torch.{str(dtype).split('.')[-1]}, {device!r}, {self.path!r})")
+        code = (f"import torch; from cosytrt.tools.bench import aoti_child; aoti_child({model!r}, "
+                f"torch.{str(dtype).split('.')[-1]}, {device!r}, {self.path!r}, {self.results!r})")
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", code], stdout=log,
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT, stdin=subprocess.PIPE, text=True)
 
-    def result(self):
-        """(loaded package, build seconds); raises RuntimeError with the child's output tail if it failed."""
+    def measure(self, shapes: list[tuple[int, int]]) -> dict:
+        """Tell the child to time `shapes` [(rows, frames)]; returns {"build_s", "rows": [{rows, frames,
+        aoti_graph_ms, aoti_graph_max_abs_err}]}. Raises RuntimeError with the child's log tail if it failed."""
+        import json
+
+        try:
+            self.proc.stdin.write(json.dumps(shapes) + "\n")
+            self.proc.stdin.close()
+        except BrokenPipeError:  # the child is gone already: its exit code and log say why
+            pass
         rc = self.proc.wait()
-        build_s = time.perf_counter() - self.t0
         if rc != 0:
             with open(self.log) as f:
                 tail = f.read()[-3000:]
-            raise RuntimeError(f"AOTInductor DiT build exited with {rc} after {build_s:.0f}s:\n{tail}")
-        loaded = torch._inductor.aoti_load_package(self.path, run_single_threaded=True)
-        _log(f"AOTInductor DiT (offline) ready after {build_s:.0f}s")
-        return loaded, build_s
+            raise RuntimeError(f"AOTInductor DiT child exited with {rc} after {time.perf_counter() - self.t0:.0f}s:"
+                               f"\n{tail}")
+        with open(self.results) as f:
+            return json.load(f)
 
 
-def build_aoti_dit(model: str, dtype: torch.dtype, device: str, path: str) -> None:
-    """The child process of `AotiBuild`: the seeded models, the offline DiT exported and packaged at `path`."""
+def aoti_child(model: str, dtype: torch.dtype, device: str, path: str, results: str) -> None:
+    """The child process of `AotiBuild`: build the package, wait for the shapes on stdin, load it, time it per shape
+    (a CUDA graph of the package on CUDA, plain calls on the CPU) against the eager offline DiT, write `results`."""
+    import json
+    import sys
+
+    from ..build.export_dit import example_inputs
     from ..build.stage_exports import dit_export
+    from ..runtime.dit import FixedModeDiT
 
-    _cfg, _llm, flow, _hift = full_models(device, dtype, model)
-    dit_export(flow.estimator, False, dtype, device).to_aoti(path, 64, 16, 2048)
+    _cfg, llm, flow, hift = full_models(device, dtype, model)
+    del llm, hift
+    dit = flow.estimator
+    t0 = time.perf_counter()
+    dit_export(dit, False, dtype, device).to_aoti(path, 64, 16, 2048)
+    build_s = time.perf_counter() - t0
+    print(f"built {path} in {build_s:.0f}s", flush=True)
+    shapes = json.loads(sys.stdin.readline())
+    cuda = device.startswith("cuda")
+    loaded = torch._inductor.aoti_load_package(path, run_single_threaded=cuda)
+    print("loaded", flush=True)
+    eager = FixedModeDiT(dit, False)
+    rows = []
+    for B, T in shapes:
+        args = example_inputs(dit, B, T, dtype=dtype, device=device)
+        with torch.inference_mode():
+            ref = eager(*args).clone()
+            if cuda:
+                from ..runtime.cuda_graphs import GraphCache
+
+                g = GraphCache(loaded, device)
+                g.capture((B, T), args)
+                run = lambda: g.run((B, T), *args)  # noqa: E731
+                ms = time_cuda(run, reps=10)
+            else:
+                run = lambda: loaded(*args)  # noqa: E731
+                run()
+                t = time.perf_counter()
+                run()
+                ms = (time.perf_counter() - t) * 1e3
+            out = run()
+            out = out[0] if isinstance(out, (list, tuple)) else out
+        rows.append({"rows": B, "frames": T, "aoti_graph_ms": ms, "aoti_graph_max_abs_err": _max_err(out, ref)})
+        print(f"AOTI DiT {B}x{T}: {ms:.2f} ms", flush=True)
+    with open(results, "w") as f:
+        json.dump({"build_s": build_s, "rows": rows}, f)
 
 
 def bench_dit(flow, device, dtype, quick: bool, compile: bool = True, aoti: AotiBuild | None = None) -> list[dict]:
     """ms per DiT forward (one Euler step) per (CFG rows, frames) and mask: eager, CUDA graph of eager, CUDA graph
-    of torch.compile, and (offline mask, `aoti_dir`) CUDA graph of an AOTInductor package."""
+    of torch.compile, and (offline mask, `aoti`) CUDA graph of an AOTInductor package, timed in its child process
+    first, while this process waits."""
     from ..build.export_dit import example_inputs
     from ..runtime.compiled import CompiledDiT
     from ..runtime.cuda_graphs import GraphCache
@@ -328,22 +378,25 @@ def bench_dit(flow, device, dtype, quick: bool, compile: bool = True, aoti: Aoti
     shapes = [(2, 200), (16, 200), (2, 1000), (32, 500)] if quick else [(2, 200), (8, 200), (16, 200), (2, 1000),
                                                                         (16, 1000), (32, 500), (64, 300)]
     compiled = CompiledDiT.of(dit) if compile else None
+    aoti_rows, aoti_build_s = {}, None
     if aoti is not None:
         try:
-            aoti, aoti_build_s = aoti.result()
+            got = aoti.measure(shapes)
+            aoti_build_s = got["build_s"]
+            aoti_rows = {(r["rows"], r["frames"]): r for r in got["rows"]}
+            _log(f"AOTInductor DiT (offline): built in {aoti_build_s:.0f}s, timed in its child process")
         except Exception as e:  # noqa: BLE001 - the other variants still run
-            _log(f"AOTInductor DiT build failed: {e!r}")
-            aoti = None
+            _log(f"AOTInductor DiT failed: {e!r}")
     rows = []
     for streaming in (False, True):
         variants = {"graph": FixedModeDiT(dit, streaming)}
         if compiled is not None:
             variants["compiled_graph"] = compiled.fixed(streaming)
-        if aoti is not None and not streaming:
-            variants["aoti_graph"] = aoti
         for B, T in shapes:
             args = example_inputs(dit, B, T, dtype=dtype, device=device)
             row = {"stage": "dit", "streaming": streaming, "rows": B, "frames": T}
+            if not streaming and (B, T) in aoti_rows:
+                row.update({k: v for k, v in aoti_rows[(B, T)].items() if k.startswith("aoti_")})
             with torch.inference_mode():
                 ref = variants["graph"](*args).clone()
                 row["eager_ms"] = time_cuda(lambda: variants["graph"](*args), reps=5)
@@ -364,7 +417,7 @@ def bench_dit(flow, device, dtype, quick: bool, compile: bool = True, aoti: Aoti
             _log(f"DiT {'stream' if streaming else 'offline'} {B}x{T}: " + ", ".join(
                 f"{k[:-3]} {v:.2f} ms" for k, v in row.items() if k.endswith("_ms")))
         torch.cuda.empty_cache()
-    if aoti is not None:
+    if aoti_build_s is not None:
         rows.append({"stage": "dit_aoti_build", "seconds": aoti_build_s})
     return rows
 
