@@ -98,19 +98,19 @@ def _keep_checkpoint_keys(module: nn.Module, fused: str, parts: tuple[str, ...])
     """`module.<fused>` (a FusedLinear) reads and writes the released checkpoint's separate `<part>.weight` /
     `<part>.bias` keys: state_dict() splits it, load_state_dict() concatenates them."""
 
-    def split(mod, state_dict, prefix, _meta):  # this module's keys are the last ones: rewrite them in place
+    def split(mod, state_dict, prefix, _meta):
+        # this module's keys are the last ones; the fused map is its first child, so its parts go first (released
+        # order: q.weight, q.bias, k.weight, ..., then o_proj)
         sizes = getattr(mod, fused).split_sizes
-        mine = [(k, state_dict.pop(k)) for k in [k for k in state_dict if k.startswith(prefix)]]
-        fused_parts = {k: v.split(sizes) for k, v in mine if k.startswith(f"{prefix}{fused}.")}
-        for k, v in mine:
-            if k not in fused_parts:
-                state_dict[k] = v
-            elif k.endswith(".weight"):  # released order: q.weight, q.bias, k.weight, ...
-                for i, name in enumerate(parts):
-                    for attr in ("weight", "bias"):
-                        got = fused_parts.get(f"{prefix}{fused}.{attr}")
-                        if got is not None:
-                            state_dict[f"{prefix}{name}.{attr}"] = got[i]
+        mine = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+        weights = mine.pop(f"{prefix}{fused}.weight").split(sizes)
+        bias = mine.pop(f"{prefix}{fused}.bias", None)
+        biases = [None] * len(parts) if bias is None else bias.split(sizes)
+        for name, w, b in zip(parts, weights, biases):
+            state_dict[f"{prefix}{name}.weight"] = w
+            if b is not None:
+                state_dict[f"{prefix}{name}.bias"] = b
+        state_dict.update(mine)
 
     def merge(state_dict, prefix, *_args):
         for attr in ("weight", "bias"):

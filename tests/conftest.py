@@ -32,6 +32,16 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="module")
+def tiny_tts():
+    """A TTS on the embedded tiny model, one per test module (its scheduler starts on first use)."""
+    from cosytrt.runtime.tts import TTS
+
+    t = TTS.load("tiny")
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
 def golden_vectors():
     from safetensors.torch import load_file
 

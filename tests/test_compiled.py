@@ -18,13 +18,6 @@ BATCHED_ATOL = 2e-3  # golden HiFT wav tolerance (also what batched, i.e. differ
 
 
 @pytest.fixture(scope="module")
-def eager_tts():
-    t = TTS.load("tiny")
-    yield t
-    t.close()
-
-
-@pytest.fixture(scope="module")
 def compiled_tts():
     t = TTS.load("tiny", compile=True)
     yield t
@@ -55,8 +48,8 @@ def test_compiled_decode_and_prefill_match_eager(golden_lm):
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-def test_compiled_dit_matches_eager(streaming, eager_tts):
-    dit = eager_tts.pipeline.models.flow.estimator
+def test_compiled_dit_matches_eager(streaming, tiny_tts):
+    dit = tiny_tts.pipeline.models.flow.estimator
     import torch._dynamo.utils as dynamo_utils
 
     compiled = CompiledDiT.of(dit)
@@ -104,15 +97,15 @@ def test_scheduler_compiles_once_at_start():
         sched.close()
 
 
-def test_compiled_tts_matches_eager(eager_tts, compiled_tts):
+def test_compiled_tts_matches_eager(tiny_tts, compiled_tts):
     for kw in (dict(seed=3, force_tokens=60), dict(seed=4, force_tokens=45)):
-        ref = eager_tts.synthesize("Compiled or not.", **kw)
+        ref = tiny_tts.synthesize("Compiled or not.", **kw)
         out = compiled_tts.synthesize("Compiled or not.", **kw)
         assert out.shape == ref.shape and np.abs(out - ref).max() <= BATCHED_ATOL
-        ref = np.concatenate(list(eager_tts.stream("Compiled or not.", **kw)))
+        ref = np.concatenate(list(tiny_tts.stream("Compiled or not.", **kw)))
         out = np.concatenate(list(compiled_tts.stream("Compiled or not.", **kw)))
         assert out.shape == ref.shape and np.abs(out - ref).max() <= BATCHED_ATOL
-    assert compiled_tts.scheduler.config.compile and not eager_tts.scheduler.config.compile
+    assert compiled_tts.scheduler.config.compile and not tiny_tts.scheduler.config.compile
 
 
 def test_compile_cache_file(tmp_path):

@@ -11,16 +11,14 @@ from cosytrt.runtime.buckets import group_by_length
 from cosytrt.runtime.errors import InputError
 from cosytrt.runtime.request import default_voice_wav
 from cosytrt.runtime.scheduler import Scheduler, SchedulerConfig
-from cosytrt.runtime.tts import TTS, make_request
+from cosytrt.runtime.tts import make_request
 
 BATCHED_ATOL = 2e-3  # golden HiFT wav tolerance (batched DiT / HiFT calls are not bit-exact)
 
 
 @pytest.fixture(scope="module")
-def tts(one_torch_thread):
-    t = TTS.load("tiny")
-    yield t
-    t.close()
+def tts(one_torch_thread, tiny_tts):
+    return tiny_tts
 
 
 @pytest.fixture(scope="module")

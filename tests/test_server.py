@@ -82,12 +82,8 @@ def speech_count(metrics: dict, status: int | None = None) -> float:
 # ------------------------------------------------------------------------------------------------ tiny model
 
 @pytest.fixture(scope="module")
-def tts():
-    from cosytrt.runtime.tts import TTS
-
-    t = TTS.load("tiny")
-    yield t
-    t.close()
+def tts(tiny_tts):
+    return tiny_tts
 
 
 @pytest.fixture(scope="module")

@@ -159,19 +159,31 @@ def kernel_table(fn, steps: int = 5, top: int = 12) -> dict:
     return {"kernel_us": sum(r["us"] for r in rows), "launches": sum(r["calls"] for r in rows), "top": rows[:top]}
 
 
-def _sdpa_decode_graph(fn, device, B: int, args: tuple, kv_len: int, ref) -> tuple[float, float]:
+def graph_timing(fn, device, args: tuple, ref, reps: int = 20) -> tuple[float, float, float]:
+    """`fn(*args)` captured in a CUDA graph: (median ms per replay, max abs error of its output vs `ref`, seconds the
+    capture took, warm-up included)."""
+    from ..runtime.cuda_graphs import GraphCache
+
+    t0 = time.perf_counter()
+    g = GraphCache(fn, device)
+    g.capture(0, args)
+    capture_s = time.perf_counter() - t0
+    out = g.run(0, *args)
+    err = _max_err(out[0] if isinstance(out, (list, tuple)) else out, ref)
+    return time_cuda(lambda: g.run(0, *args), reps=reps), err, capture_s
+
+
+def _sdpa_decode_graph(fn, device, args: tuple, kv_len: int, ref) -> tuple[float, float]:
     """`fn` (a torch.compile of the LM's decode, separate from the scheduler's) traced with SDPA decode attention
     at every batch (`llm.REDUCE_ATTENTION_MAX_ROWS = 0`) in a CUDA graph: ms per step and max abs error vs eager;
     the same-run baseline of the reduce form that small batches use."""
     from ..runtime import llm as llm_module
-    from ..runtime.cuda_graphs import GraphCache
 
     default = llm_module.REDUCE_ATTENTION_MAX_ROWS
     llm_module.REDUCE_ATTENTION_MAX_ROWS = 0
     try:
-        g = GraphCache(lambda t, s, p: fn(t, s, p, kv_len=kv_len), device)
-        g.capture(B, args)
-        return time_cuda(lambda: g.run(B, *args), reps=20), _max_err(g.run(B, *args), ref)
+        ms, err, _ = graph_timing(lambda t, s, p: fn(t, s, p, kv_len=kv_len), device, args, ref)
+        return ms, err
     finally:
         llm_module.REDUCE_ATTENTION_MAX_ROWS = default
 
@@ -181,7 +193,6 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
     rung 1024): eager, CUDA graph of the eager step, CUDA graph of the torch.compile'd step. Prefill eager vs
     compiled. `compiled_max_abs_err`: compiled vs eager logits."""
     from ..runtime.compiled import compile_fn
-    from ..runtime.cuda_graphs import GraphCache
     from ..runtime.llm import REDUCE_ATTENTION_MAX_ROWS
 
     q = llm.config.qwen
@@ -209,20 +220,15 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
         with torch.inference_mode():
             ref = llm.decode(tokens, slots, pos, kv_len=kv_len).clone()
             row["eager_ms"] = time_cuda(lambda: llm.decode(tokens, slots, pos, kv_len=kv_len), reps=10)
-            g = GraphCache(lambda t, s, p: llm.decode(t, s, p, kv_len=kv_len), device)
-            g.capture(B, (tokens, slots, pos))
-            row["graph_ms"] = time_cuda(lambda: g.run(B, tokens, slots, pos), reps=20)
-            del g
+            row["graph_ms"], _, _ = graph_timing(lambda t, s, p: llm.decode(t, s, p, kv_len=kv_len), device,
+                                                 (tokens, slots, pos), ref)
             if decode_c is not None:
                 t0 = time.perf_counter()
                 out = decode_c(tokens, slots, pos, kv_len=kv_len)
                 row["compile_s"] = time.perf_counter() - t0
                 row["compiled_max_abs_err"] = _max_err(out, ref)
-                g = GraphCache(lambda t, s, p: decode_c(t, s, p, kv_len=kv_len), device)
-                g.capture(B, (tokens, slots, pos))
-                row["compiled_graph_ms"] = time_cuda(lambda: g.run(B, tokens, slots, pos), reps=20)
-                row["compiled_graph_max_abs_err"] = _max_err(g.run(B, tokens, slots, pos), ref)
-                del g
+                row["compiled_graph_ms"], row["compiled_graph_max_abs_err"], _ = graph_timing(
+                    lambda t, s, p: decode_c(t, s, p, kv_len=kv_len), device, (tokens, slots, pos), ref)
                 if B in (2, max(batches)):  # where the GPU time of a step goes (kernels, no graph)
                     try:
                         row["kernels"] = kernel_table(lambda: decode_c(tokens, slots, pos, kv_len=kv_len))
@@ -233,7 +239,7 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
                              f"{k['name'][:60]} x{k['calls']} {k['us']:.0f}us" for k in row["kernels"]["top"][:6]))
                 if B <= REDUCE_ATTENTION_MAX_ROWS:  # larger batches use SDPA already
                     row["compiled_sdpa_graph_ms"], row["compiled_sdpa_max_abs_err"] = _sdpa_decode_graph(
-                        decode_sdpa, device, B, (tokens, slots, pos), kv_len, ref)
+                        decode_sdpa, device, (tokens, slots, pos), kv_len, ref)
         kv_bytes = 2 * q.num_hidden_layers * B * q.num_key_value_heads * filled * q.head_dim * 2
         row["bound_ms"] = (step_bytes + kv_bytes) / H200_HBM_BPS * 1e3
         best = min(v for k, v in row.items() if k.endswith("graph_ms"))
@@ -260,11 +266,8 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
                 row["compiled_ms"] = time_cuda(lambda: prefill_c(emb, lengths, slots), reps=5)
             for name, fn in (("graph", llm.prefill), ("compiled_graph", prefill_c)):  # the scheduler's PrefillGraphs
                 if fn is not None:
-                    g = GraphCache(fn, device)
-                    g.capture(B, (emb, lengths, slots))
-                    row[f"{name}_ms"] = time_cuda(lambda: g.run(B, emb, lengths, slots), reps=10)
-                    row[f"{name}_max_abs_err"] = _max_err(g.run(B, emb, lengths, slots), ref)
-                    del g
+                    row[f"{name}_ms"], row[f"{name}_max_abs_err"], _ = graph_timing(fn, device, (emb, lengths, slots),
+                                                                                    ref, reps=10)
         flops = 2 * params * B * T
         row["bound_ms"] = max(flops / H200_BF16_FLOPS, step_bytes / H200_HBM_BPS) * 1e3
         rows.append(row)
@@ -344,21 +347,14 @@ def aoti_child(model: str, dtype: torch.dtype, device: str, path: str, results: 
         with torch.inference_mode():
             ref = eager(*args).clone()
             if cuda:
-                from ..runtime.cuda_graphs import GraphCache
-
-                g = GraphCache(loaded, device)
-                g.capture((B, T), args)
-                run = lambda: g.run((B, T), *args)  # noqa: E731
-                ms = time_cuda(run, reps=10)
-            else:
-                run = lambda: loaded(*args)  # noqa: E731
-                run()
+                ms, err, _ = graph_timing(loaded, device, args, ref, reps=10)
+            else:  # the CPU test of this child: one timed call, no graph
+                loaded(*args)
                 t = time.perf_counter()
-                run()
+                out = loaded(*args)
                 ms = (time.perf_counter() - t) * 1e3
-            out = run()
-            out = out[0] if isinstance(out, (list, tuple)) else out
-        rows.append({"rows": B, "frames": T, "aoti_graph_ms": ms, "aoti_graph_max_abs_err": _max_err(out, ref)})
+                err = _max_err(out[0] if isinstance(out, (list, tuple)) else out, ref)
+        rows.append({"rows": B, "frames": T, "aoti_graph_ms": ms, "aoti_graph_max_abs_err": err})
         print(f"AOTI DiT {B}x{T}: {ms:.2f} ms", flush=True)
     with open(results, "w") as f:
         json.dump({"build_s": build_s, "rows": rows}, f)
@@ -370,7 +366,6 @@ def bench_dit(flow, device, dtype, quick: bool, compile: bool = True, aoti: Aoti
     first, while this process waits."""
     from ..build.export_dit import example_inputs
     from ..runtime.compiled import CompiledDiT
-    from ..runtime.cuda_graphs import GraphCache
     from ..runtime.dit import FixedModeDiT
 
     dit = flow.estimator
@@ -401,14 +396,9 @@ def bench_dit(flow, device, dtype, quick: bool, compile: bool = True, aoti: Aoti
                 ref = variants["graph"](*args).clone()
                 row["eager_ms"] = time_cuda(lambda: variants["graph"](*args), reps=5)
                 for name, fn in variants.items():
-                    t0 = time.perf_counter()
-                    g = GraphCache(fn, device)
-                    g.capture((B, T), args)
+                    row[f"{name}_ms"], err, setup_s = graph_timing(fn, device, args, ref, reps=10)
                     if name != "graph":
-                        row[f"{name}_setup_s"] = time.perf_counter() - t0
-                        row[f"{name}_max_abs_err"] = _max_err(g.run((B, T), *args), ref)
-                    row[f"{name}_ms"] = time_cuda(lambda: g.run((B, T), *args), reps=10)
-                    del g
+                        row[f"{name}_setup_s"], row[f"{name}_max_abs_err"] = setup_s, err
             flops = 2 * params * B * T + 4 * B * T * T * dit.cfg.dim * dit.cfg.depth
             row["bound_ms"] = max(flops / H200_BF16_FLOPS, params * 2 / H200_HBM_BPS) * 1e3
             best = min(v for k, v in row.items() if k.endswith("graph_ms"))
