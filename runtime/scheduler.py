@@ -44,6 +44,7 @@ from .hift_stream import push_batch
 from .kv_slots import KVSlots
 from .request import Request, RequestMetrics, prepare_inputs
 from .sampling import TokenPolicy, sample_batch
+from .stage_clock import StageClock
 from .token2wav import HOP_SCALE, LOOKAHEAD, TOKEN_MAX_HOP, StreamState
 
 _KV_LEN_STEP = 256  # decode attends to the cache rounded up to this many positions
@@ -357,6 +358,7 @@ class Scheduler:
         self._transfers: deque = deque()               # CUDA: (r, host, event, final, t_launch, rows), FIFO
 
         self._cuda = self.device.type == "cuda"
+        self.clock = StageClock(self._cuda)              # busy time per stage (stats()["busy_s"])
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         # The AR worker runs on its own stream: its per-step host sync (the sampled tokens) then waits for its own
         # kernels only, not for DiT / HiFT batches queued by the other workers, and its graphs overlap theirs on the
@@ -458,6 +460,8 @@ class Scheduler:
         # stalled serving while it compiled; expected 0)
         out["compiles_since_start"] = (0 if self._compiles_at_start is None
                                        else compiled_graph_count() - self._compiles_at_start)
+        # busy seconds per stage (CUDA: GPU time of its batches; CPU: wall time), see stage_clock
+        out["busy_s"] = self.clock.busy_s()
         return out
 
     def close(self, drain_timeout_s: float = 30.0) -> None:
@@ -591,10 +595,11 @@ class Scheduler:
                     admit = self._take_admissions()
                 self.slots.install()
                 jobs: list[_DitJob] = []
-                if admit:
-                    self._ar_prefill(admit, jobs)
-                if self._running:
-                    self._ar_decode(jobs)
+                with self.clock.span("ar"):
+                    if admit:
+                        self._ar_prefill(admit, jobs)
+                    if self._running:
+                        self._ar_decode(jobs)
                 if jobs:
                     with self._dit_cond:
                         self._dit_queue.extend(jobs)
@@ -836,7 +841,8 @@ class Scheduler:
 
     def _run_dit(self, group: list[_DitJob]) -> None:
         t0 = time.perf_counter()
-        results = self._rowwise(self._flow_call, group)
+        with self.clock.span("dit"):
+            results = self._rowwise(self._flow_call, group)
         self._sync()
         if not results:
             return
@@ -881,7 +887,8 @@ class Scheduler:
             while True:
                 jobs = self._next_hift_jobs()
                 if jobs:
-                    self._run_hift(jobs)
+                    with self.clock.span("hift"):
+                        self._run_hift(jobs)
                 self._drain_transfers()
 
     def _dit_active(self) -> bool:

@@ -38,6 +38,9 @@ def test_smoke_run_writes_every_cell_and_feature(smoke):
         assert len(c["ttfa_samples"]) == 2 and c["ttfa"]["p50"] > 0 and c["throughput_audio_s_per_s"] > 0
         for k in ("T_tokenizer", "T_AR", "T_DiT", "T_vocoder", "T_queue"):
             assert c[k] >= 0
+        # each stage was busy for part of the cell (CPU: wall time of its batches, one worker thread each)
+        assert set(c["occupancy"]) == {"ar", "dit", "hift"}
+        assert all(0 < v <= 1.0 for v in c["occupancy"].values())
     assert cells[1]["reference_audio"] and cells[1]["T_tokenizer"] > cells[0]["T_tokenizer"]
     labels = [c["variant"] for c in res["features"]["cells"]]
     assert labels == [x for x in ["all on"] + [f"{f} off" for f in FEATURES] for _ in range(2)]
@@ -55,6 +58,7 @@ def test_report_tables_ratios_and_plots(smoke, tmp_path):
     md = (tmp_path / "bench_tables.md").read_text()
     assert "Serving matrix" in md and "Scheduler features off vs on" in md
     assert "What each feature buys" in md and md.count("continuous_batching off") >= 3
+    assert "| AR busy | DiT busy | HiFT busy |" in md
     assert (tmp_path / "bench_serving.png").stat().st_size > 0
 
 

@@ -124,6 +124,7 @@ def test_concurrent_requests_fully_batched(tts, mixed):
     assert st["in_flight"] == 0 and st["completed"] - before["completed"] == 6
     assert st["ar"]["batched_decode_steps"] > before["ar"]["batched_decode_steps"]
     assert st["dit"]["max_batch"] >= 2 and st["hift"]["max_batch"] >= 2
+    assert all(st["busy_s"][s] > before["busy_s"].get(s, 0.0) for s in ("ar", "dit", "hift"))
     check_common(handles, outs, reqs, refs, ref_tokens, tts.sample_rate)
     for chunks, ref in zip(outs, refs):
         a, b = np.concatenate(chunks), np.concatenate(ref)

@@ -90,10 +90,11 @@ def _cell_table(cells: list, first: str) -> str:
         rows.append(label + [r["ttfa"]["p50"], r["ttfa"]["p95"], r["ttfa"]["p99"], r["inter_chunk"]["p50"],
                              r["inter_chunk"]["p95"], r["rtf"]["p50"], r["rtf"]["p95"], r["total"]["p50"],
                              r["total"]["p99"], r["throughput_audio_s_per_s"], r["T_tokenizer"], r["T_AR"], r["T_DiT"],
-                             r["T_vocoder"], r["T_queue"], r["peak_gpu_gb"]])
+                             r["T_vocoder"], r["T_queue"], r["peak_gpu_gb"]]
+                    + [(r.get("occupancy") or {}).get(s) for s in ("ar", "dit", "hift")])
     return _md([first, "text", "conc.", "mode", "ref audio", "arrival s", "TTFA p50", "TTFA p95", "TTFA p99",
                 "inter-chunk p50", "inter-chunk p95", "RTF p50", "RTF p95", "e2e p50", "e2e p99", "audio s/s",
-                "T_tok", "T_AR", "T_DiT", "T_voc", "T_queue", "peak GB"], rows)
+                "T_tok", "T_AR", "T_DiT", "T_voc", "T_queue", "peak GB", "AR busy", "DiT busy", "HiFT busy"], rows)
 
 
 def ratios(res: dict) -> str:

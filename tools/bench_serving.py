@@ -19,6 +19,7 @@ import time
 import torch
 
 from ..runtime.compiled import compiled_graph_count
+from ..runtime.stage_clock import occupancy
 from ..runtime.metrics import aggregate
 from ..runtime.scheduler import POLICIES as FEATURES
 
@@ -74,6 +75,7 @@ def run_cell(tts, cell: Cell, prompt_wav) -> dict:
     compiles = compiled_graph_count()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    busy0 = tts.scheduler.clock.busy_s()
     t0 = time.perf_counter()
     handles = []
     for i in range(cell.concurrency):
@@ -88,6 +90,8 @@ def run_cell(tts, cell: Cell, prompt_wav) -> dict:
     for h in handles:
         audio += h.result(timeout=CELL_TIMEOUT_S).size / 24000
     wall = time.perf_counter() - t0
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # every stage span of the cell has completed
     agg = aggregate([h.metrics for h in handles])
     return {**dataclasses.asdict(cell), "tokens": list(lengths), "wall_s": wall, "audio_s": audio,
             "throughput_audio_s_per_s": audio / wall, "ttfa": agg["ttfa"],
@@ -96,7 +100,8 @@ def run_cell(tts, cell: Cell, prompt_wav) -> dict:
             "T_tokenizer": agg["T_tokenizer"]["mean"], "T_AR": agg["T_AR"]["mean"], "T_DiT": agg["T_DiT"]["mean"],
             "T_vocoder": agg["T_vocoder"]["mean"], "T_queue": agg["T_queue"]["mean"],
             "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
-            "compiles": compiled_graph_count() - compiles}  # > 0: a compile stalled this cell
+            "compiles": compiled_graph_count() - compiles,  # > 0: a compile stalled this cell
+            "occupancy": occupancy(busy0, tts.scheduler.clock.busy_s(), wall)}  # busy fraction per stage
 
 
 def scheduler_config(variant: str):

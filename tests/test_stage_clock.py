@@ -1,0 +1,33 @@
+"""StageClock: busy seconds per stage and occupancy over a workload (CPU: wall time of the spans)."""
+import time
+
+import pytest
+
+from cosytrt.runtime.stage_clock import StageClock, occupancy
+
+
+def test_spans_add_up_per_stage_and_count():
+    clock = StageClock(cuda=False)
+    before = clock.busy_s()
+    for _ in range(3):
+        with clock.span("dit"):
+            time.sleep(0.01)
+    with clock.span("ar"):
+        time.sleep(0.02)
+    busy = clock.busy_s()
+    assert busy["dit"] == pytest.approx(0.03, abs=0.015) and busy["ar"] == pytest.approx(0.02, abs=0.01)
+    assert clock.spans() == {"dit": 3, "ar": 1}
+    occ = occupancy(before, busy, wall_s=0.1)
+    assert occ["dit"] == pytest.approx(busy["dit"] / 0.1) and set(occ) == {"ar", "dit"}
+
+
+def test_a_span_that_raises_still_counts():
+    clock = StageClock(cuda=False)
+    with pytest.raises(ValueError):
+        with clock.span("hift"):
+            raise ValueError("batch failed")
+    assert clock.spans() == {"hift": 1}
+
+
+def test_occupancy_of_an_empty_workload_is_empty():
+    assert occupancy({}, {"ar": 1.0}, 0.0) == {}
