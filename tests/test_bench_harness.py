@@ -44,7 +44,7 @@ def test_smoke_run_writes_every_cell_and_feature(smoke):
         assert all(0 < v <= 1.0 for v in c["occupancy"].values())
     assert cells[1]["reference_audio"] and cells[1]["T_tokenizer"] > cells[0]["T_tokenizer"]
     labels = [c["variant"] for c in res["features"]["cells"]]
-    assert labels == [x for x in ["all on"] + [f"{f} off" for f in FEATURES] for _ in range(2)]
+    assert labels == [x for x in ["all on"] + [f"{f} off" for f in FEATURES] + ["all on (repeat)"] for _ in range(2)]
 
 
 def test_report_tables_ratios_and_plots(smoke, tmp_path):
@@ -59,7 +59,7 @@ def test_report_tables_ratios_and_plots(smoke, tmp_path):
     md = (tmp_path / "bench_tables.md").read_text()
     assert "Serving matrix" in md and "Scheduler features off vs on" in md
     assert "What each feature buys" in md and md.count("continuous_batching off") >= 3
-    assert "| AR busy | DiT busy | HiFT busy |" in md
+    assert "| AR busy | DiT busy | HiFT busy |" in md and md.count("all on, repeat vs first (noise)") == 2
     assert (tmp_path / "bench_serving.png").stat().st_size > 0
 
 
@@ -79,7 +79,7 @@ def test_features_suite_alone_runs_no_matrix_cells(tmp_path, one_torch_thread):
     assert main(["bench", "--device", "cpu", "--model", "tiny", "--dtype", "float32", "--suite", "features",
                  "--cells", "smoke", "--variants", "eager", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
-    assert res["serving"]["cells"] == [] and len(res["features"]["cells"]) == 2 * (1 + len(FEATURES))
+    assert res["serving"]["cells"] == [] and len(res["features"]["cells"]) == 2 * (2 + len(FEATURES))
 
 
 def test_report_of_ar_micro_rows(tmp_path):

@@ -222,19 +222,23 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
     return out
 
 
+ALL_ON_REPEAT = "all on (repeat)"
+
+
 def _features(tts, variant: str, cells: str, bench, prompt) -> dict:
     """Each batching policy off vs all on, switched on the running scheduler (`Scheduler.set_policies`): same
-    graphs, same caches, no second scheduler."""
+    graphs, same caches, no second scheduler. "all on" runs first and again last (ALL_ON_REPEAT): the two show
+    how much a cell moves between runs of the same setting (the report compares against their mean)."""
     from .bench import _log
 
     out: dict = {"variant": variant, "cells": []}
     try:
-        for off in (None,) + FEATURES:
+        for off in (None,) + FEATURES + (ALL_ON_REPEAT,):
             if bench.over_budget():
-                _log(f"features: skip {off} off (time budget)")
+                _log(f"features: skip {off or 'all on'} (time budget)")
                 continue
             tts.scheduler.set_policies(**{f: f != off for f in FEATURES})
-            label = "all on" if off is None else f"{off} off"
+            label = "all on" if off is None else off if off == ALL_ON_REPEAT else f"{off} off"
             _run_cells(tts, smoke_cells() if cells == "smoke" else feature_cells(), label, out["cells"], bench,
                        prompt)
     finally:
