@@ -1,16 +1,8 @@
-"""CUDA graphs for the AR: the decode step with its sampling (one graph per (batch bucket, KV-length rung), replayed
-every step) and the prefill (one per (rows, padded length)).
+"""CUDA graphs for the AR decode step: one graph per (batch bucket, KV-length rung), replayed every step.
 
-A decode step's graph runs the LM's decode AND the RAS sampling of every row (`sampling.select_packed`), so a step
-costs the host one upload of a packed [B, C] float32 tensor (token, slot, position, then `sampling.pack_rows`: the
-row's two uniforms, parameters and RAS window), one replay and one read of the B sampled ids; the ~25 sampling
-kernels that ran eagerly after each replay (each a Python dispatch and a launch) are inside the graph.
-
-A step of b rows runs in the smallest captured batch B >= b; the B - b padding rows write into a scratch KV slot
-that no request owns (position 0, token 0) and sample greedily, so real rows are unaffected. The KV length attended
-is the smallest rung >= the longest position + 1 (a static int, so the graph's shapes are fixed). Requests whose
-sampling does not fit the captured shapes (win_size > SAMPLE_WINDOW or top_k > SAMPLE_TOP_K) take the scheduler's
-uncaptured path.
+A decode call of b rows runs in the smallest captured batch B >= b; the B - b padding rows write into a scratch KV
+slot that no request owns (position 0, token 0), so real rows are unaffected. The KV length attended is the smallest
+rung >= the longest position + 1 (a static int, so the graph's shapes are fixed).
 """
 from __future__ import annotations
 
@@ -19,58 +11,41 @@ import bisect
 import torch
 
 from .cuda_graphs import GraphCache
-from .sampling import padding_rows, select_packed
-
-SAMPLE_WINDOW = 16   # RAS window columns of the packed rows (upstream win_size: 10)
-SAMPLE_TOP_K = 64    # sorted probabilities scanned per row (upstream top_k: 25)
-_DECODE_COLS = 3     # token, slot, position ahead of the sampling columns
 
 
 class DecodeGraphs:
-    """`decode(tokens, slots, positions, kv_len=...)` is the LM's decode step, eager or compiled (`compiled.py`);
-    `stop` the first stop id (speech_token_size)."""
+    """`decode(tokens, slots, positions, kv_len=...)` is the LM's decode step, eager or compiled (`compiled.py`)."""
 
-    def __init__(self, decode, batches: list[int], kv_lens: list[int], scratch_slot: int, stop: int, device):
+    def __init__(self, decode, batches: list[int], kv_lens: list[int], scratch_slot: int, device):
         self.batches = sorted(set(batches))
         self.kv_lens = sorted(set(kv_lens))
         self.scratch = scratch_slot
         self.device = torch.device(device)
         self.graphs: dict[int, GraphCache] = {}
         for kv in self.kv_lens:
-            def step(packed, kv=kv):
-                tokens, slots, positions = packed[:, :_DECODE_COLS].long().unbind(1)
-                logits = decode(tokens, slots, positions, kv_len=kv)
-                return select_packed(logits, packed[:, _DECODE_COLS:], stop, SAMPLE_TOP_K)
-            cache = GraphCache(step, self.device)
+            cache = GraphCache(lambda t, s, p, kv=kv: decode(t, s, p, kv_len=kv), self.device)
             for B in sorted(self.batches, reverse=True):
-                cache.capture(B, (self.pad(self.pad(None, 0), B).to(self.device),))
+                t = torch.zeros(B, dtype=torch.long, device=self.device)
+                s = torch.full((B,), scratch_slot, dtype=torch.long, device=self.device)
+                p = torch.zeros(B, dtype=torch.long, device=self.device)
+                cache.capture(B, (t, s, p))
             self.graphs[kv] = cache
         self.replays = 0
 
     def fits(self, b: int, kv_len: int) -> bool:
         return b <= self.batches[-1] and kv_len <= self.kv_lens[-1]
 
-    def pad(self, packed: torch.Tensor | None, B: int) -> torch.Tensor:
-        """`packed` [b, C] (host; None: no rows) with B - b padding rows: token 0 and position 0 in the scratch
-        slot, sampled greedily."""
-        n = B - (0 if packed is None else packed.shape[0])
-        extra = torch.cat([torch.tensor([[0.0, self.scratch, 0.0]]).expand(n, -1),
-                           padding_rows(n, SAMPLE_WINDOW)], dim=1)
-        return extra if packed is None else torch.cat([packed, extra])
-
-    def __call__(self, tokens: list[int], slots: list[int], positions: list[int], sampling: torch.Tensor,
-                 need_kv: int) -> torch.Tensor:
-        """One decode step of b rows: `sampling` = `sampling.pack_rows(policies, SAMPLE_WINDOW)` [b, C] (host).
-        Returns the sampled ids [b] (device; the graph's buffer, overwritten by the next step)."""
-        b = len(tokens)
+    def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, need_kv: int):
+        b = tokens.shape[0]
         B = self.batches[bisect.bisect_left(self.batches, b)]
         kv = self.kv_lens[bisect.bisect_left(self.kv_lens, need_kv)]
-        cols = torch.tensor([tokens, slots, positions], dtype=torch.float32).T
-        packed = self.pad(torch.cat([cols, sampling], dim=1), B)
-        if self.device.type == "cuda":
-            packed = packed.pin_memory()  # the graph's input copy is then asynchronous
+        if B > b:
+            pad = B - b
+            tokens = torch.cat([tokens, tokens.new_zeros(pad)])
+            slots = torch.cat([slots, slots.new_full((pad,), self.scratch)])
+            positions = torch.cat([positions, positions.new_zeros(pad)])
         self.replays += 1
-        return self.graphs[kv].run(B, packed)[:b]
+        return self.graphs[kv].run(B, tokens, slots, positions)[:b]
 
 
 class PrefillGraphs:

@@ -131,8 +131,7 @@ def _draw_uniforms(generator: torch.Generator) -> torch.Tensor:
     return torch.rand(2, generator=generator, device=generator.device).to("cpu")
 
 
-# One row's sampling inputs, packed as float32 columns (`pack_rows`; ids < 2**24 are exact in float32): the two
-# uniforms, the parameters, then the RAS window (the last win_size ids, left-padded with -1).
+# Host-side inputs of one row, uploaded as one float32 tensor [B, _WINDOW + W] (ids < 2**24 are exact in float32).
 _U_NUCLEUS, _U_RESAMPLE, _TOP_P, _TOP_K, _REPEAT_MIN, _GREEDY, _STOP_MODE, _WINDOW = range(8)
 
 
@@ -141,6 +140,14 @@ def _row_params(params: SamplingParams, history: list[int], stop_mode: int, widt
     window = history[-params.win_size:]
     return ([params.top_p, params.top_k, _repeat_min(params), params.greedy, stop_mode]
             + [-1] * (width - len(window)) + window)
+
+
+def _upload_rows(uniforms: torch.Tensor, params_rows: list[list[float]], device: torch.device) -> torch.Tensor:
+    """[B, 2] uniforms + per-row params → one device tensor, without a host sync (pinned + non-blocking on CUDA)."""
+    host = torch.cat([uniforms, torch.tensor(params_rows, dtype=torch.float32)], dim=1)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def _select(scores: torch.Tensor, rows: torch.Tensor, max_top_k: int) -> torch.Tensor:
@@ -153,9 +160,9 @@ def ras_sample(logits: torch.Tensor, history: list[int], params: SamplingParams,
     """One id from `logits` [V] (logits or log-probs; -inf = masked): `ras_select` for one row, taking two uniforms
     from `generator`. Greedy: argmax (the uniforms are still drawn)."""
     scores = logits.float()[None]
-    host = torch.cat([_draw_uniforms(generator)[None],
-                      torch.tensor([_row_params(params, history, 0, params.win_size)], dtype=torch.float32)], dim=1)
-    return int(_select(scores, host.to(scores.device), params.top_k)[0])
+    rows = _upload_rows(_draw_uniforms(generator)[None], [_row_params(params, history, 0, params.win_size)],
+                        scores.device)
+    return int(_select(scores, rows, params.top_k)[0])
 
 
 def nucleus_sample(scores: torch.Tensor, top_p: float, top_k: int, generator: torch.Generator) -> int:
@@ -276,47 +283,6 @@ class TokenPolicy:
         return emit, self.finished
 
 
-def pack_rows(policies: list[TokenPolicy], width: int | None = None) -> torch.Tensor:
-    """The host side of one sampling step: checks the policies, draws each row's two uniforms from its generator and
-    packs them with the row's parameters and RAS window into one float32 CPU tensor [B, _WINDOW + width] (`width`:
-    the window columns; default the largest win_size). `select_packed` reads it on the device."""
-    for p in policies:
-        if p.finished:
-            raise InputError("TokenPolicy: sampling requested after the request finished")
-    if policies and any(p.speech_token_size != policies[0].speech_token_size for p in policies):
-        raise InputError(f"sampling: policies disagree on speech_token_size "
-                         f"{sorted({p.speech_token_size for p in policies})}")
-    longest = max((p.params.win_size for p in policies), default=1)
-    width = longest if width is None else width
-    if longest > width:
-        raise InputError(f"sampling: win_size {longest} does not fit a packed window of {width}")
-    uniforms = torch.stack([_draw_uniforms(p._generator()) for p in policies]) if policies else torch.zeros(0, 2)
-    params = torch.tensor([_row_params(p.params, p.history, p.stop_mask_mode(), width) for p in policies],
-                          dtype=torch.float32).reshape(len(policies), _WINDOW - _TOP_P + width)
-    return torch.cat([uniforms, params], dim=1)
-
-
-def padding_rows(n: int, width: int) -> torch.Tensor:
-    """`n` packed rows that sample nothing of interest (greedy, no window): the padding rows of a batch bucket."""
-    rows = torch.zeros(n, _WINDOW + width)
-    rows[:, _TOP_P] = rows[:, _TOP_K] = rows[:, _GREEDY] = 1
-    rows[:, _REPEAT_MIN] = 1 << 20
-    rows[:, _WINDOW:] = -1
-    return rows
-
-
-def select_packed(logits: torch.Tensor, rows: torch.Tensor, stop: int, max_top_k: int) -> torch.Tensor:
-    """The device side of one sampling step, no host sync: the stop masks and RAS of every row of `logits` [B, V]
-    with the packed `rows` [B, _WINDOW + W] (`pack_rows`, on the logits' device). `stop`: the first stop id
-    (speech_token_size); `max_top_k` >= every row's top_k. Returns the ids [B] (long). Pure tensor ops of fixed
-    shapes: a decode CUDA graph captures it (`ar_graphs.DecodeGraphs`)."""
-    mode = rows[:, _STOP_MODE:_STOP_MODE + 1]
-    col = torch.arange(logits.shape[1], device=logits.device)[None]
-    masked = ((mode == _MASK_ALL_STOPS) & (col >= stop)) | ((mode == _MASK_FIRST_STOP) & (col == stop))
-    scores = logits.float().masked_fill(masked, float("-inf"))
-    return _select(scores, rows, max_top_k)
-
-
 def sample_ids(logits: torch.Tensor, policies: list[TokenPolicy]) -> list[int]:
     """The next id of every row of `logits` [B, V] (row i belongs to `policies[i]`): stop masks, RAS with each row's
     own top_p / top_k / greedy / window and two uniforms from its own generator, in one set of tensor ops and ONE
@@ -325,11 +291,22 @@ def sample_ids(logits: torch.Tensor, policies: list[TokenPolicy]) -> list[int]:
     if not policies:
         return []
     for p in policies:
+        if p.finished:
+            raise InputError("TokenPolicy: sampling requested after the request finished")
         p._check_logits(logits.shape[1])
-    host = pack_rows(policies)
-    rows = host.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else host.to(logits.device)
-    return select_packed(logits, rows, policies[0].speech_token_size,
-                         max(p.params.top_k for p in policies)).tolist()
+    stop = policies[0].speech_token_size
+    if any(p.speech_token_size != stop for p in policies):
+        raise InputError(f"sample_ids: policies disagree on speech_token_size "
+                         f"{sorted({p.speech_token_size for p in policies})}")
+    width = max(p.params.win_size for p in policies)
+    uniforms = torch.stack([_draw_uniforms(p._generator()) for p in policies])
+    dev = logits.device
+    rows = _upload_rows(uniforms, [_row_params(p.params, p.history, p.stop_mask_mode(), width) for p in policies], dev)
+    mode = rows[:, _STOP_MODE:_STOP_MODE + 1]
+    col = torch.arange(logits.shape[1], device=dev)[None]
+    masked = ((mode == _MASK_ALL_STOPS) & (col >= stop)) | ((mode == _MASK_FIRST_STOP) & (col == stop))
+    scores = logits.float().masked_fill(masked, float("-inf"))
+    return _select(scores, rows, max(p.params.top_k for p in policies)).tolist()
 
 
 def sample_batch(logits: torch.Tensor, policies: list[TokenPolicy]) -> list[tuple[int | None, bool]]:

@@ -38,13 +38,12 @@ import torch
 
 from .buckets import group_by_length
 from .compiled import compiled_graph_count
-from .cuda_graphs import graphs_available
 from .errors import InputError, RejectedError, RequestTooLongError
 from .flow import FlowInput
 from .hift_stream import push_batch
 from .kv_slots import KVSlots
 from .request import Request, RequestMetrics, prepare_inputs
-from .sampling import TokenPolicy, pack_rows, sample_batch
+from .sampling import TokenPolicy, sample_batch
 from .stage_clock import StageClock
 from .token2wav import HOP_SCALE, LOOKAHEAD, TOKEN_MAX_HOP, StreamState
 
@@ -301,7 +300,7 @@ class Scheduler:
             self.ar_max_len = min(max_pos, -(-(limit // 2 + 512) // _KV_LEN_STEP) * _KV_LEN_STEP)
         else:
             self.ar_max_len = cfg.ar_max_len
-        use_graphs = cfg.cuda_graphs and graphs_available(self.device)
+        use_graphs = cfg.cuda_graphs and torch.device(self.device).type == "cuda"
         self.slots = KVSlots(self.lm, cfg.ar_max_batch, self.ar_max_len, scratch=use_graphs or cfg.compile)
         self._decode, self._prefill = self.lm.decode, self.lm.prefill
         if cfg.compile:
@@ -320,8 +319,7 @@ class Scheduler:
                 rungs.append(kv)
                 kv *= 2
             rungs.append(self.ar_max_len)
-            self.decode_graphs = DecodeGraphs(self._decode, batches, rungs, self.slots.scratch_slot,
-                                              self.lm.config.speech_token_size, self.device)
+            self.decode_graphs = DecodeGraphs(self._decode, batches, rungs, self.slots.scratch_slot, self.device)
             rows = [b for b in cfg.ar_prefill_graph_batches if b <= cfg.ar_max_batch]
             if cfg.compile:
                 rows = sorted({max(b, _MIN_COMPILED_ROWS) for b in rows})
@@ -660,39 +658,13 @@ class Scheduler:
         return self._prefill(embeds, lengths_t, slots)[:len(rows)]
 
     def _decode_call(self, rows: list[_Req]) -> torch.Tensor:
-        """The uncaptured decode step: logits [b, V]."""
         need = max(r.pos for r in rows) + 1
         cols = [[r.policy.next_input for r in rows], [r.slot for r in rows], [r.pos for r in rows]]
+        if self.decode_graphs is not None and self.decode_graphs.fits(len(rows), need):
+            return self.decode_graphs(*(torch.tensor(c, device=self.device) for c in cols), need)
         kv_len = min(self.ar_max_len, -(-need // _KV_LEN_STEP) * _KV_LEN_STEP)
         tokens, slots, positions = self._padded(cols, [0, self.slots.scratch_slot, 0])
         return self._decode(tokens, slots, positions, kv_len=kv_len)[:len(rows)]
-
-    def _graph_steps(self, rows: list[_Req]) -> list[tuple[_Req, int | None, bool]] | None:
-        """The decode step AND its sampling for all rows in one captured graph (one packed upload, one replay, one
-        read of the ids; `ar_graphs.DecodeGraphs`), then each row's `accept`. None when no graph holds the rows (too
-        many, too long, sampling parameters wider than the captured shapes) or the replay raised: the caller takes
-        the uncaptured path (which draws the rows' uniforms again)."""
-        from .ar_graphs import SAMPLE_TOP_K, SAMPLE_WINDOW
-
-        dg, need = self.decode_graphs, max(r.pos for r in rows) + 1
-        policies = [r.policy for r in rows]
-        if dg is None or not dg.fits(len(rows), need) or not all(
-                p.params.win_size <= SAMPLE_WINDOW and p.params.top_k <= SAMPLE_TOP_K and p.num_sampled < p.max_len
-                for p in policies):
-            return None
-        try:
-            ids = dg([p.next_input for p in policies], [r.slot for r in rows], [r.pos for r in rows],
-                     pack_rows(policies, SAMPLE_WINDOW), need).tolist()
-        except Exception:  # noqa: BLE001  (the uncaptured path retries, row by row if it raises again)
-            return None
-        steps = []
-        for r, tok in zip(rows, ids):
-            r.pos += 1
-            try:
-                steps.append((r, *r.policy.accept(tok)))
-            except Exception as e:
-                self._fail_ar(r, e)
-        return steps
 
     def _batched(self, call, rows: list[_Req]) -> list[tuple[_Req, torch.Tensor]]:
         """`call(rows)` -> logits [B, V]; if the batch raises, retry row by row so only failing rows fail."""
@@ -728,7 +700,7 @@ class Scheduler:
         for r, _ in results:
             r.pos = r.lm_input.shape[0]
             self._running.append(r)
-        self._apply_steps(self._policy_steps(results), len(results), t0, jobs)
+        self._sample(results, t0, jobs)
         with self._lock:
             self._stage["ar_prefill_calls"] += 1
             self._stage["ar_prefill_rows"] += len(rows)
@@ -736,13 +708,10 @@ class Scheduler:
     def _ar_decode(self, jobs: list) -> None:
         rows = list(self._running)
         t0 = time.perf_counter()
-        steps = self._graph_steps(rows)
-        if steps is None:
-            results = self._batched(self._decode_call, rows)
-            for r, _ in results:
-                r.pos += 1
-            steps = self._policy_steps(results)
-        self._apply_steps(steps, len(rows), t0, jobs)
+        results = self._batched(self._decode_call, rows)
+        for r, _ in results:
+            r.pos += 1
+        self._sample(results, t0, jobs)
         with self._lock:
             st = self._stage
             st["ar_decode_steps"] += 1
@@ -770,10 +739,9 @@ class Scheduler:
                 self._fail_ar(r, e)
         return out
 
-    def _apply_steps(self, steps: list[tuple[_Req, int | None, bool]], rows: int, t0: float, jobs: list) -> None:
-        """The sampled tokens of one AR step (`rows` rows ran it): queue hop / final DiT jobs; free the slots of
-        finished rows; each row's share of the step time goes to its T_AR."""
-        for r, tok, done in steps:
+    def _sample(self, results: list[tuple[_Req, torch.Tensor]], t0: float, jobs: list) -> None:
+        """One batched sampling step for all rows; queue hop / final DiT jobs; free the slots of finished rows."""
+        for r, tok, done in self._policy_steps(results):
             try:
                 if tok is not None:
                     r.tokens.append(tok)
@@ -787,9 +755,9 @@ class Scheduler:
                     jobs.append(self._final_job(r))
             except Exception as e:
                 self._fail_ar(r, e)
-        if steps:
-            share = (time.perf_counter() - t0) / rows
-            for r, _, _ in steps:
+        if results:
+            share = (time.perf_counter() - t0) / len(results)
+            for r, _ in results:
                 r.metrics.t_ar += share
 
     def _hop_job(self, r: _Req) -> _DitJob:

@@ -57,32 +57,3 @@ def golden_lm():
     m = CosyVoice3LM(config_from_golden_json(os.path.join(GOLDEN_DIR, "config.json")).llm).eval()
     m.load_checkpoint(os.path.join(GOLDEN_DIR, "llm.pt"))
     return m
-
-
-class DirectCall:
-    """Stands in for cuda_graphs.GraphCache on the CPU: `capture` records the key and the static input shapes, `run`
-    checks that the inputs have exactly the captured shapes and calls the function (no graph)."""
-
-    def __init__(self, fn, device, warmup: int = 2):
-        self.fn, self.shapes = fn, {}
-
-    def __contains__(self, key) -> bool:
-        return key in self.shapes
-
-    def capture(self, key, example_inputs):
-        self.shapes[key] = [tuple(x.shape) for x in example_inputs]
-
-    def run(self, key, *inputs):
-        assert [tuple(x.shape) for x in inputs] == self.shapes[key]  # exactly the captured shapes
-        return self.fn(*inputs)
-
-
-@pytest.fixture
-def direct_ar_graphs(monkeypatch):
-    """DirectCall instead of CUDA graphs (cuda_graphs.GraphCache, and in the AR graph runners), and the scheduler told
-    that graphs are available: what the runners feed the captured functions runs on the CPU."""
-    from cosytrt.runtime import ar_graphs, cuda_graphs, scheduler
-
-    monkeypatch.setattr(ar_graphs, "GraphCache", DirectCall)
-    monkeypatch.setattr(cuda_graphs, "GraphCache", DirectCall)
-    monkeypatch.setattr(scheduler, "graphs_available", lambda device: True)

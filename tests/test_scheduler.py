@@ -113,27 +113,6 @@ def snr_db(ref: np.ndarray, out: np.ndarray) -> float:
     return float("inf") if err == 0 else 10 * np.log10(float((ref ** 2).sum()) / err)
 
 
-def test_decode_steps_through_the_graph_runner_sample_inside_it(tts, mixed, direct_ar_graphs):
-    """With AR graphs (a direct call stands in for each CUDA graph on the CPU) every decode step runs the decode AND
-    the sampling in the captured function: the same tokens as the single-request decode and the same audio."""
-    reqs, refs, ref_tokens = mixed
-    sched = Scheduler(tts.pipeline, SchedulerConfig(dit_max_requests=1, hift_max_batch=1))
-    try:
-        assert sched.decode_graphs is not None and sched.prefill_graphs is not None
-        handles = submit_from_threads(sched.submit, reqs)
-        outs = [list(h.chunks(timeout=120)) for h in handles]
-        st = sched.stats()
-    finally:
-        sched.close()
-    assert st["completed"] == 6 and st["ar"]["max_decode_batch"] >= 2
-    assert st["ar"]["decode_graph_replays"] == st["ar"]["decode_steps"] > 0
-    assert st["ar"]["prefill_graph_replays"] == st["ar"]["prefill_calls"]
-    check_common(handles, outs, reqs, refs, ref_tokens, tts.sample_rate)
-    for chunks, ref in zip(outs, refs):
-        for a, b in zip(chunks, ref):
-            np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
-
-
 def test_concurrent_requests_fully_batched(tts, mixed):
     """Every stage batched (through TTS.submit from threads): tokens identical, audio equal up to the float noise of
     batched GEMMs (mel ~1e-6, which HiFT's f0 -> phase integration amplifies to ~1e-4 in the waveform)."""

@@ -188,46 +188,6 @@ def _sdpa_decode_graph(fn, device, args: tuple, kv_len: int, ref) -> tuple[float
         llm_module.REDUCE_ATTENTION_MAX_ROWS = default
 
 
-def scheduler_step_ms(llm, decode, B: int, kv_len: int, filled: int, scratch: int, device, steps: int = 40) -> dict:
-    """Wall ms per AR step as the scheduler's AR worker runs it for B rows (host packing, upload, replay, read of
-    the ids, each row's accept), two ways: `sampled_in_graph` (ar_graphs.DecodeGraphs: decode AND sampling in one
-    graph) and `sampled_after_graph` (a graph of the decode only, then `sample_batch`'s eager ops on its logits)."""
-    from ..runtime.ar_graphs import SAMPLE_WINDOW, DecodeGraphs
-    from ..runtime.cuda_graphs import GraphCache
-    from ..runtime.sampling import SamplingParams, TokenPolicy, pack_rows, sample_batch
-
-    stop = llm.config.speech_token_size
-    slots, positions = list(range(B)), [filled] * B
-    in_graph = DecodeGraphs(decode, [B], [kv_len], scratch, stop, device)
-    logits_graph = GraphCache(lambda t, s, p: decode(t, s, p, kv_len=kv_len), device)
-    dev_cols = [torch.zeros(B, dtype=torch.long, device=device), torch.tensor(slots, device=device),
-                torch.tensor(positions, device=device)]
-    logits_graph.capture(B, tuple(dev_cols))
-
-    def fused(ps):
-        ids = in_graph([p.next_input or 0 for p in ps], slots, positions, pack_rows(ps, SAMPLE_WINDOW),
-                       filled + 1).tolist()
-        for p, tok in zip(ps, ids):
-            p.accept(tok)
-
-    def after(ps):
-        cols = [torch.tensor(c, device=device) for c in ([p.next_input or 0 for p in ps], slots, positions)]
-        sample_batch(logits_graph.run(B, *cols), ps)
-
-    out = {}
-    for name, step in (("sampled_in_graph", fused), ("sampled_after_graph", after)):
-        ps = [TokenPolicy(10, SamplingParams(seed=i, force_tokens=1 << 20), stop) for i in range(B)]
-        for _ in range(3):
-            step(ps)
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step(ps)
-        out[name] = (time.perf_counter() - t0) / steps * 1e3
-    return out
-
-
 def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
     """Decode ms per step per batch through the scheduler's path (slot-indexed KV cache, 300 positions filled, KV
     rung 1024): eager, CUDA graph of the eager step, CUDA graph of the torch.compile'd step. Prefill eager vs
@@ -249,7 +209,7 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
     from .bench_serving import scheduler_config
 
     serving = scheduler_config("compiled")
-    kv_slots = KVSlots(llm, serving.ar_max_batch, serving.ar_max_len, scratch=True)
+    KVSlots(llm, serving.ar_max_batch, serving.ar_max_len, scratch=True)
     decode_c = compile_fn(llm.decode) if compile else None
     decode_sdpa = torch.compile(llm.decode, dynamic=True, fullgraph=True) if compile else None
     for B in batches:
@@ -277,27 +237,18 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
                     _log(f"AR decode B={B} compiled, kernels per step: {row['kernels']['kernel_us']:.0f} us in "
                          f"{row['kernels']['launches']} launches; top: " + "; ".join(
                              f"{k['name'][:60]} x{k['calls']} {k['us']:.0f}us" for k in row["kernels"]["top"][:6]))
-                try:  # the whole AR step as the scheduler runs it, sampling inside vs after the graph
-                    steps = scheduler_step_ms(llm, decode_c, B, kv_len, filled, kv_slots.scratch_slot, device)
-                    row["step_sampled_in_graph_ms"] = steps["sampled_in_graph"]
-                    row["step_sampled_after_graph_ms"] = steps["sampled_after_graph"]
-                except Exception as e:  # noqa: BLE001 - must not cost the other timings
-                    row["step_error"] = repr(e)
-                    _log(f"AR scheduler step B={B}: {e!r}")
                 if B <= REDUCE_ATTENTION_MAX_ROWS:  # larger batches use SDPA already
                     row["compiled_sdpa_graph_ms"], row["compiled_sdpa_max_abs_err"] = _sdpa_decode_graph(
                         decode_sdpa, device, (tokens, slots, pos), kv_len, ref)
         kv_bytes = 2 * q.num_hidden_layers * B * q.num_key_value_heads * filled * q.head_dim * 2
         row["bound_ms"] = (step_bytes + kv_bytes) / H200_HBM_BPS * 1e3
-        best = min(v for k, v in row.items() if k.endswith("graph_ms") and not k.startswith("step_"))
+        best = min(v for k, v in row.items() if k.endswith("graph_ms"))
         row["best_fraction_of_bound"] = row["bound_ms"] / best
         rows.append(row)
         _log(f"AR decode B={B}: eager {row['eager_ms']:.2f} ms, graph {row['graph_ms']:.2f} ms, compiled+graph "
              f"{row.get('compiled_graph_ms', float('nan')):.3f} ms (err {row.get('compiled_max_abs_err', 0):.2e}; "
              f"with SDPA decode attention {row.get('compiled_sdpa_graph_ms', float('nan')):.3f} ms), "
-             f"bound {row['bound_ms']:.3f} ms; scheduler step (host included), sampling in the graph "
-             f"{row.get('step_sampled_in_graph_ms', float('nan')):.3f} ms vs after it "
-             f"{row.get('step_sampled_after_graph_ms', float('nan')):.3f} ms")
+             f"bound {row['bound_ms']:.3f} ms")
     prefill_c = compile_fn(llm.prefill) if compile else None
     for B, T in ((2, 150), (8, 150)):  # 2 rows: what one request runs as in the compiled scheduler (+1 padding row)
         emb = torch.randn(B, T, q.hidden_size, device=device, dtype=next(llm.parameters()).dtype)
@@ -450,7 +401,7 @@ def bench_dit(flow, device, dtype, quick: bool, compile: bool = True, aoti: Aoti
                         row[f"{name}_setup_s"], row[f"{name}_max_abs_err"] = setup_s, err
             flops = 2 * params * B * T + 4 * B * T * T * dit.cfg.dim * dit.cfg.depth
             row["bound_ms"] = max(flops / H200_BF16_FLOPS, params * 2 / H200_HBM_BPS) * 1e3
-            best = min(v for k, v in row.items() if k.endswith("graph_ms") and not k.startswith("step_"))
+            best = min(v for k, v in row.items() if k.endswith("graph_ms"))
             row["best_fraction_of_bound"] = row["bound_ms"] / best
             rows.append(row)
             _log(f"DiT {'stream' if streaming else 'offline'} {B}x{T}: " + ", ".join(

@@ -33,14 +33,11 @@ def tables(res: dict) -> str:
         dec = [r for r in ar if r.get("stage") == "ar_decode"]
         rows = [[r["batch"], r["eager_ms"], r.get("graph_ms"), r.get("compiled_sdpa_graph_ms"),
                  r.get("compiled_graph_ms"), r.get("bound_ms"), r.get("best_fraction_of_bound"),
-                 r.get("compiled_max_abs_err"), r.get("step_sampled_after_graph_ms"),
-                 r.get("step_sampled_in_graph_ms")] for r in dec]
+                 r.get("compiled_max_abs_err")] for r in dec]
         parts.append(f"**AR decode (Qwen2 0.5B, bf16)**, ms per step, slot-indexed KV cache, KV rung "
                      f"{dec[0].get('kv_len', 1024) if dec else ''}\n\n" + _md(
                          ["batch", "eager", "CUDA graph", "compiled + graph, SDPA attention",
-                          "compiled + graph", "HBM bound", "bound / best", "compiled max abs err (logits)",
-                          "scheduler step, sampling after the graph", "scheduler step, sampling in the graph"],
-                         rows))
+                          "compiled + graph", "HBM bound", "bound / best", "compiled max abs err (logits)"], rows))
         for r in dec:
             k = r.get("kernels")
             if isinstance(k, dict) and k.get("top"):
