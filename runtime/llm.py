@@ -16,6 +16,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .checkpoint import read_state_dict, validate_state_dict
 from .config import LLMConfig, QwenConfig
@@ -168,11 +169,21 @@ class Attention(nn.Module):
                 out = decode_attention(q.reshape(b, self.num_kv_heads, group, self.head_dim), k, v, mask)
                 return self.o_proj(out.reshape(b, 1, self.num_heads * self.head_dim))
         k, v = self._expand_kv(k), self._expand_kv(v)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+            if mask is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+# The prefill's shapes change from call to call (rows x padded length), and batches that no prefill graph holds run
+# outside CUDA graphs. cuDNN's fused attention builds an execution plan for every new shape (~400 ms on an H100,
+# sglang PR #4650), which would stall the AR worker, and every request decoding in it, on each new admission shape
+# (a likely cause of the 0.7 s admission delay in the first 32-request cell of BENCHMARKS.md run 12). So the
+# prefill attention never uses the cuDNN backend; the decode step keeps the default choice (its shapes are the
+# fixed ones of its CUDA graphs). Traced into the compiled prefill as well (one graph, no guard on global state).
+PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 # Under torch.compile, decode steps of at most REDUCE_ATTENTION_MAX_ROWS rows write the attention as multiply-and-sum

@@ -218,3 +218,26 @@ def test_float64_cast_runs(state_dict, vectors):
         h = m.forward_hidden(vectors["llm.lm_input"].double())
     assert h.dtype == torch.float64
     assert _maxerr(h.float(), vectors["llm.hidden"]) <= TOL
+
+
+def test_prefill_attention_never_uses_cudnn(lm, vectors, monkeypatch):
+    """The prefill's shapes vary per admission; cuDNN attention would build a plan per new shape (a stall of the AR
+    worker), so its SDPA runs with the cuDNN backend disabled. The decode step keeps the default backends."""
+    from cosytrt.runtime import llm as llm_module
+
+    seen = []
+    sdpa = llm_module.F.scaled_dot_product_attention
+
+    def recording(*args, **kw):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kw)
+
+    monkeypatch.setattr(llm_module.F, "scaled_dot_product_attention", recording)
+    lm.setup_cache(2, 64)
+    lm_input = vectors["llm.lm_input"]
+    with torch.no_grad():
+        lm.prefill(lm_input[:, :40].expand(2, -1, -1), torch.tensor([40, 31]), torch.tensor([0, 1]))
+        n_prefill = len(seen)
+        lm.decode(torch.tensor([3, 4, 5]), torch.tensor([0, 1, 1]), torch.tensor([40, 31, 32]))
+    assert n_prefill == lm.config.qwen.num_hidden_layers and not any(seen[:n_prefill])
+    assert all(seen[n_prefill:]) and len(seen) == 2 * n_prefill  # decode (3 rows: SDPA) with the default backends
