@@ -42,20 +42,31 @@ class StageClock:
             end.record()
             with self._lock:
                 self._pending.setdefault(stage, deque()).append((start, end))
+                self._settle(stage)  # a server that never asks must not collect events without bound
 
     def _add(self, stage: str, seconds: float) -> None:
         with self._lock:
             self._busy[stage] = self._busy.get(stage, 0.0) + seconds
             self._spans[stage] = self._spans.get(stage, 0) + 1
 
+    def _settle(self, stage: str) -> None:
+        """Add up the stage's spans whose end event has completed (in recording order; caller holds the lock)."""
+        q = self._pending[stage]
+        while q and q[0][1].query():
+            start, end = q.popleft()
+            self._busy[stage] = self._busy.get(stage, 0.0) + start.elapsed_time(end) / 1e3
+            self._spans[stage] = self._spans.get(stage, 0) + 1
+
+    def pending(self) -> int:
+        """CUDA spans recorded but not yet completed on the GPU."""
+        with self._lock:
+            return sum(len(q) for q in self._pending.values())
+
     def busy_s(self) -> dict[str, float]:
         """Busy seconds per stage so far (CUDA: the spans completed on the GPU)."""
         with self._lock:
-            for stage, q in self._pending.items():
-                while q and q[0][1].query():
-                    start, end = q.popleft()
-                    self._busy[stage] = self._busy.get(stage, 0.0) + start.elapsed_time(end) / 1e3
-                    self._spans[stage] = self._spans.get(stage, 0) + 1
+            for stage in self._pending:
+                self._settle(stage)
             return dict(self._busy)
 
     def spans(self) -> dict[str, int]:

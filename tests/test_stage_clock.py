@@ -2,6 +2,7 @@
 import time
 
 import pytest
+import torch
 
 from cosytrt.runtime.stage_clock import StageClock, occupancy
 
@@ -31,3 +32,31 @@ def test_a_span_that_raises_still_counts():
 
 def test_occupancy_of_an_empty_workload_is_empty():
     assert occupancy({}, {"ar": 1.0}, 0.0) == {}
+
+
+class _DoneEvent:
+    """Stands in for a completed torch.cuda.Event (CPU tests): 2 ms between any start and end."""
+
+    def __init__(self, enable_timing=True):
+        pass
+
+    def record(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end):
+        return 2.0
+
+
+def test_cuda_spans_settle_as_they_complete_without_being_asked(monkeypatch):
+    """On CUDA a span is two events; completed ones are added up when the next span of the stage is recorded, so a
+    server that never reads the clock keeps no growing list of events."""
+    monkeypatch.setattr(torch.cuda, "Event", _DoneEvent)
+    clock = StageClock(cuda=True)
+    for _ in range(1000):
+        with clock.span("ar"):
+            pass
+    assert clock.pending() == 0 and clock.spans() == {"ar": 1000}
+    assert clock.busy_s()["ar"] == pytest.approx(2.0)  # 1000 spans x 2 ms
