@@ -122,3 +122,30 @@ def test_aoti_child_failure_is_an_error_with_its_log(tmp_path):
     child = AotiBuild("tiny", torch.float32, "no-such-device", str(tmp_path))
     with pytest.raises(RuntimeError, match=r"AOTInductor DiT child exited with 1 .*\n(.|\n)*Traceback"):
         child.measure([(2, 40)])
+
+
+def test_hift_micro_rows_and_report(tiny_tts, monkeypatch, tmp_path):
+    """`bench_hift` on the CPU (tiny HiFT; CUDA timing and graphs replaced by direct calls; the compiled column is
+    left out: compiling even the tiny HiFT takes minutes on 2 cores), and its report table."""
+    from cosytrt.runtime import cuda_graphs
+    from cosytrt.tools import bench
+
+    class Direct:
+        def __init__(self, fn, device):
+            self.fn = fn
+
+        def capture(self, key, inputs):
+            pass
+
+        def run(self, key, *inputs):
+            return self.fn(*inputs)
+
+    monkeypatch.setattr(cuda_graphs, "GraphCache", Direct)
+    monkeypatch.setattr(bench, "time_cuda", lambda fn, reps=10, warmup=2: (fn(), 2.0)[1])
+    rows = bench.bench_hift(tiny_tts.pipeline.models.hift, "cpu", quick=True, compile=False)
+    assert [(r["batch"], r["frames"]) for r in rows] == [(1, 100), (2, 500), (8, 500)]
+    assert all(r["graph_ms"] == 2.0 and "compiled_graph_ms" not in r for r in rows)
+    assert rows[2]["ms_per_audio_s"] == pytest.approx(2.0 / (8 * 500 * 480 / 24000))
+    rows[2].update(compiled_graph_ms=1.0, compiled_max_abs_err=3e-6)
+    md = bench_report.tables({"hift": rows})
+    assert "| compiled + graph ms |" in md and "| 8 | 500 | 2 | 2 | 1 |" in md.replace(".0 |", " |")

@@ -60,9 +60,11 @@ def tables(res: dict) -> str:
             ["mask", "CFG rows", "frames", "eager", "CUDA graph", "compiled + graph", "AOTI + graph", "roofline",
              "bound / best", "compiled max abs err"], rows))
     if isinstance(res.get("hift"), list):
-        rows = [[r["batch"], r["frames"], r["eager_ms"], r.get("graph_ms"), r["ms_per_audio_s"]] for r in res["hift"]]
+        rows = [[r["batch"], r["frames"], r["eager_ms"], r.get("graph_ms"), r.get("compiled_graph_ms"),
+                 r["ms_per_audio_s"], r.get("compiled_max_abs_err")] for r in res["hift"]]
         parts.append("**HiFT (fp32, f0 predictor fp64), finalize**\n\n" + _md(
-            ["batch", "mel frames", "eager ms", "CUDA graph ms", "ms per audio second"], rows))
+            ["batch", "mel frames", "eager ms", "CUDA graph ms", "compiled + graph ms", "ms per audio second (best)",
+             "compiled max abs err"], rows))
     if isinstance(res.get("e2e"), list):
         rows = [["stream" if r["stream"] else "offline", r["audio_target_s"], r["ttfa"], r["total"], r["rtf"],
                  r["T_AR"], r["T_DiT"], r["T_vocoder"]] for r in res["e2e"]]
