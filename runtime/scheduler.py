@@ -8,9 +8,11 @@ Every stage is one worker thread fed by a queue (the frontend is a small thread 
   (one host sync). Finished rows free their slot at once; new requests join at the next step. A streaming request
   emits a DiT job whenever its hop schedule fires (`StreamState.ready`), and a final job when the LM stops; an
   offline request emits one final job.
-* DiT: takes ready jobs of one kind ((streaming, finalize) = (True, False) for hops, (False, True) for finals),
-  length-grouped, at most `dit_max_requests`, waiting at most `dit_max_wait_ms` after the oldest job was queued (and
-  only while the AR can still produce jobs), and runs ONE `flow.inference_batch` per group. Jobs from requests in
+* DiT: builds each call around the job of the request with the least playback slack (`dit_anchor`: a request
+  that has no audio yet, or whose listener has caught up, before streams with audio buffered), takes ready jobs of
+  its kind ((streaming, finalize) = (True, False) for hops, (False, True) for finals), length-grouped, at most
+  `dit_max_requests`, waiting at most `dit_max_wait_ms` after that job was queued (and only while the AR can still
+  produce jobs), and runs ONE `flow.inference_batch` per group. Jobs from requests in
   lockstep reach their hop boundaries in the same AR step, so they are queued together (chunk-aligned dispatch).
 * HiFT: streaming jobs advance the requests' `HiFTStream`s together (`push_batch`); offline finals are grouped with
   `group_by_length` and run with `hift.inference_batch` (exact per row).
@@ -51,7 +53,7 @@ _KV_LEN_STEP = 256  # decode attends to the cache rounded up to this many positi
 _MIN_COMPILED_ROWS = 2  # compiled LM calls get >= 2 rows (padding rows -> scratch slot): dynamo specializes batch 1
 
 
-POLICIES = ("continuous_batching", "dit_chunk_aligned", "hift_length_aware", "async_d2h")
+POLICIES = ("continuous_batching", "dit_chunk_aligned", "dit_slack_priority", "hift_length_aware", "async_d2h")
 
 
 @dataclass
@@ -74,6 +76,7 @@ class SchedulerConfig:
     # The batching policies, each switchable off to measure what it buys (`trtbuild bench --suite features`):
     continuous_batching: bool = True  # off: admit new requests only when no request is decoding (static batches)
     dit_chunk_aligned: bool = True    # off: one request per DiT call, dispatched at once (no cross-request batches)
+    dit_slack_priority: bool = True   # off: each DiT call is built around the oldest queued job (see playback_slack)
     hift_length_aware: bool = True    # off: offline HiFT batches in arrival order, no padding-waste limit
     async_d2h: bool = True            # off (CUDA): each chunk's device-to-host copy blocks the HiFT worker
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
@@ -272,6 +275,27 @@ def _first_per_request(jobs):
     return out
 
 
+def playback_slack(m: RequestMetrics, now: float) -> float:
+    """How far ahead of its listener a request is, in seconds: the audio it has delivered minus the time since its
+    first chunk (a client plays from the first chunk on). Before its first chunk (and for offline requests, which
+    deliver one chunk at the end) it is minus the time since submission: the longer a request has waited, the
+    more urgent it is."""
+    if m.ttfa is None:
+        return -(now - m.t_submit)
+    return m.audio_seconds - (now - m.t_submit - m.ttfa)
+
+
+def dit_anchor(ready: list, now: float, slack_priority: bool):
+    """The job the next DiT call is built around (the call takes jobs of its kind and similar length with it).
+    `slack_priority`: the job of the request with the least playback slack, so a new request's first hop goes
+    ahead of the later hops of streams that still have audio buffered (lower time to first audio under load, as
+    sglang-omni ranks its streams), and an underrunning stream goes first of all; ties go to the oldest job.
+    Otherwise the oldest job (`ready` is in queue order)."""
+    if not slack_priority:
+        return ready[0]
+    return min(ready, key=lambda j: playback_slack(j.r.metrics, now))
+
+
 class _Stop(Exception):
     pass
 
@@ -428,8 +452,8 @@ class Scheduler:
 
     def set_policies(self, **flags: bool) -> None:
         """Switch batching policies of a running scheduler (`continuous_batching`, `dit_chunk_aligned`,
-        `hift_length_aware`, `async_d2h`): each worker reads the config once per decision, so the change applies from
-        the next admission / DiT group / HiFT group / chunk copy on. Lets a benchmark compare the policies on one
+        `dit_slack_priority`, `hift_length_aware`, `async_d2h`): each worker reads the config once per decision, so
+        the change applies from the next admission / DiT group / HiFT group / chunk copy on. Lets a benchmark compare the policies on one
         scheduler, with the same graphs and caches."""
         bad = sorted(set(flags) - set(POLICIES))
         if bad:
@@ -808,15 +832,18 @@ class Scheduler:
                 if not ready:
                     self._dit_cond.wait()
                     continue
-                oldest = ready[0]
+                now = time.perf_counter()
+                anchor = dit_anchor(ready, now, cfg.dit_slack_priority)
                 if not cfg.dit_chunk_aligned:
-                    self._dit_queue = [j for j in self._dit_queue if j is not oldest]
+                    self._dit_queue = [j for j in self._dit_queue if j is not anchor]
                     self._dit_busy = True
-                    return [oldest]
-                same = [j for j in ready if j.kind == oldest.kind]
+                    return [anchor]
+                same = [j for j in ready if j.kind == anchor.kind]
+                if cfg.dit_slack_priority:  # most urgent first (the anchor), so equal lengths group by urgency
+                    same.sort(key=lambda j: playback_slack(j.r.metrics, now))
                 groups = group_by_length([j.frames for j in same], cfg.dit_max_requests, cfg.max_padding_waste)
                 group = [same[i] for i in next(g for g in groups if 0 in g)]
-                left = oldest.t_enqueue + cfg.dit_max_wait_ms / 1e3 - time.perf_counter()
+                left = anchor.t_enqueue + cfg.dit_max_wait_ms / 1e3 - time.perf_counter()
                 if len(same) < cfg.dit_max_requests and left > 0 and self._ar_active():
                     self._dit_cond.wait(left)
                     continue

@@ -142,3 +142,45 @@ def test_set_policies_on_a_running_scheduler(tts, speaker):
             sched.set_policies(async_d2h=1)
     finally:
         sched.close()
+
+
+# ---------------------------------------------------------------- DiT slack priority
+
+class _Job:
+    def __init__(self, name, metrics):
+        self.name, self.r = name, type("R", (), {"metrics": metrics})()
+
+
+def _metrics(t_submit, ttfa=None, audio_seconds=0.0):
+    from cosytrt.runtime.request import RequestMetrics
+
+    return RequestMetrics(t_submit=t_submit, ttfa=ttfa, audio_seconds=audio_seconds)
+
+
+def test_playback_slack_and_dit_anchor():
+    from cosytrt.runtime.scheduler import dit_anchor, playback_slack
+
+    now = 100.0
+    buffered = _metrics(t_submit=90.0, ttfa=0.5, audio_seconds=12.0)    # 9.5 s played, 12 s delivered
+    underrun = _metrics(t_submit=95.0, ttfa=0.5, audio_seconds=3.0)     # 4.5 s played, 3 s delivered
+    new = _metrics(t_submit=99.8)                                        # no audio yet, waited 0.2 s
+    older_new = _metrics(t_submit=99.5)
+    assert playback_slack(buffered, now) == pytest.approx(2.5)
+    assert playback_slack(underrun, now) == pytest.approx(-1.5)
+    assert playback_slack(new, now) == pytest.approx(-0.2)
+    queue = [_Job("buffered", buffered), _Job("new", new), _Job("older new", older_new)]
+    assert dit_anchor(queue, now, slack_priority=True).name == "older new"    # waited longest, no audio yet
+    assert dit_anchor(queue, now, slack_priority=False).name == "buffered"    # the oldest queued job
+    assert dit_anchor(queue + [_Job("underrun", underrun)], now, True).name == "underrun"
+    # ties go to the job queued first
+    twins = [_Job("a", _metrics(t_submit=99.0)), _Job("b", _metrics(t_submit=99.0))]
+    assert dit_anchor(twins, now, True).name == "a"
+
+
+def test_dit_slack_priority_off_keeps_the_audio(tts, speaker):
+    """The policy only reorders calls across requests (each request's jobs still run in order): same audio."""
+    reqs = lockstep(speaker, n=3) + [make_request("Offline one.", speaker=speaker, seed=9, force_tokens=50)]
+    on, st_on = run_all(tts, SchedulerConfig(dit_max_wait_ms=20), reqs)
+    off, _ = run_all(tts, SchedulerConfig(dit_max_wait_ms=20, dit_slack_priority=False), reqs)
+    assert st_on["completed"] == 4
+    assert_same_audio(on, off)
