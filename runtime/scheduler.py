@@ -8,7 +8,7 @@ Every stage is one worker thread fed by a queue (the frontend is a small thread 
   (one host sync). Finished rows free their slot at once; new requests join at the next step. A streaming request
   emits a DiT job whenever its hop schedule fires (`StreamState.ready`), and a final job when the LM stops; an
   offline request emits one final job.
-* DiT: builds each call around the job of the request with the least playback slack (`dit_anchor`: a request
+* DiT: builds each call around the job of the request with the least playback slack (`dit_order`: a request
   that has no audio yet, or whose listener has caught up, before streams with audio buffered), takes ready jobs of
   its kind ((streaming, finalize) = (True, False) for hops, (False, True) for finals), length-grouped, at most
   `dit_max_requests`, waiting at most `dit_max_wait_ms` after that job was queued (and only while the AR can still
@@ -285,15 +285,17 @@ def playback_slack(m: RequestMetrics, now: float) -> float:
     return m.audio_seconds - (now - m.t_submit - m.ttfa)
 
 
-def dit_anchor(ready: list, now: float, slack_priority: bool):
-    """The job the next DiT call is built around (the call takes jobs of its kind and similar length with it).
-    `slack_priority`: the job of the request with the least playback slack, so a new request's first hop goes
-    ahead of the later hops of streams that still have audio buffered (lower time to first audio under load, as
-    sglang-omni ranks its streams), and an underrunning stream goes first of all; ties go to the oldest job.
-    Otherwise the oldest job (`ready` is in queue order)."""
+def dit_order(ready: list, now: float, slack_priority: bool) -> list:
+    """The ready DiT jobs (one per request, in queue order) in the order the next call considers them: the first is
+    the job the call is built around, the rest join it when of its kind and of similar length. `slack_priority`:
+    least playback slack first (each request's slack read once), so a new request's first hop goes ahead of the
+    later hops of streams that still have audio buffered (lower time to first audio under load, as sglang-omni
+    ranks its streams) and an underrunning stream goes first of all; ties keep queue order. Otherwise queue order
+    (the oldest job first)."""
     if not slack_priority:
-        return ready[0]
-    return min(ready, key=lambda j: playback_slack(j.r.metrics, now))
+        return list(ready)
+    slack = [playback_slack(j.r.metrics, now) for j in ready]
+    return [ready[i] for i in sorted(range(len(ready)), key=lambda i: (slack[i], i))]
 
 
 class _Stop(Exception):
@@ -832,15 +834,13 @@ class Scheduler:
                 if not ready:
                     self._dit_cond.wait()
                     continue
-                now = time.perf_counter()
-                anchor = dit_anchor(ready, now, cfg.dit_slack_priority)
+                order = dit_order(ready, time.perf_counter(), cfg.dit_slack_priority)
+                anchor = order[0]
                 if not cfg.dit_chunk_aligned:
                     self._dit_queue = [j for j in self._dit_queue if j is not anchor]
                     self._dit_busy = True
                     return [anchor]
-                same = [j for j in ready if j.kind == anchor.kind]
-                if cfg.dit_slack_priority:  # most urgent first (the anchor), so equal lengths group by urgency
-                    same.sort(key=lambda j: playback_slack(j.r.metrics, now))
+                same = [j for j in order if j.kind == anchor.kind]  # anchor first; equal lengths group by urgency
                 groups = group_by_length([j.frames for j in same], cfg.dit_max_requests, cfg.max_padding_waste)
                 group = [same[i] for i in next(g for g in groups if 0 in g)]
                 left = anchor.t_enqueue + cfg.dit_max_wait_ms / 1e3 - time.perf_counter()

@@ -157,8 +157,11 @@ def _metrics(t_submit, ttfa=None, audio_seconds=0.0):
     return RequestMetrics(t_submit=t_submit, ttfa=ttfa, audio_seconds=audio_seconds)
 
 
-def test_playback_slack_and_dit_anchor():
-    from cosytrt.runtime.scheduler import dit_anchor, playback_slack
+def test_playback_slack_and_dit_order():
+    from cosytrt.runtime.scheduler import dit_order, playback_slack
+
+    def dit_anchor(ready, now, slack_priority):
+        return dit_order(ready, now, slack_priority)[0]
 
     now = 100.0
     buffered = _metrics(t_submit=90.0, ttfa=0.5, audio_seconds=12.0)    # 9.5 s played, 12 s delivered
@@ -175,6 +178,8 @@ def test_playback_slack_and_dit_anchor():
     # ties go to the job queued first
     twins = [_Job("a", _metrics(t_submit=99.0)), _Job("b", _metrics(t_submit=99.0))]
     assert dit_anchor(twins, now, True).name == "a"
+    names = [j.name for j in dit_order(queue + [_Job("underrun", underrun)] + twins, now, True)]
+    assert names == ["underrun", "a", "b", "older new", "new", "buffered"]
 
 
 def test_dit_slack_priority_off_keeps_the_audio(tts, speaker):
