@@ -44,6 +44,7 @@ from .errors import InputError, RejectedError, RequestTooLongError
 from .flow import FlowInput
 from .hift_stream import push_batch
 from .kv_slots import KVSlots
+from .llm import REDUCE_ATTENTION_MAX_ROWS
 from .request import Request, RequestMetrics, prepare_inputs
 from .sampling import TokenPolicy, sample_batch
 from .stage_clock import StageClock
@@ -407,7 +408,7 @@ class Scheduler:
             embeds = torch.zeros(n, 8, self.lm.config.qwen.hidden_size, device=dev, dtype=self.lm.dtype)
             self._prefill(embeds, torch.full((n,), 8, device=dev), rows)
             if self.decode_graphs is None:
-                for b in (n, n + 1):
+                for b in (n, max(n, REDUCE_ATTENTION_MAX_ROWS) + 1):  # the reduce-form rows and the SDPA rows
                     self._decode(torch.zeros(b, dtype=torch.long, device=dev),
                                  torch.full((b,), self.slots.scratch_slot, device=dev),
                                  torch.full((b,), 8, device=dev), kv_len=min(_KV_LEN_STEP, self.ar_max_len))
@@ -455,8 +456,8 @@ class Scheduler:
     def set_policies(self, **flags: bool) -> None:
         """Switch batching policies of a running scheduler (`continuous_batching`, `dit_chunk_aligned`,
         `dit_slack_priority`, `hift_length_aware`, `async_d2h`): each worker reads the config once per decision, so
-        the change applies from the next admission / DiT group / HiFT group / chunk copy on. Lets a benchmark compare the policies on one
-        scheduler, with the same graphs and caches."""
+        the change applies from the next admission / DiT group / HiFT group / chunk copy on. Lets a benchmark compare
+        the policies on one scheduler, with the same graphs and caches."""
         bad = sorted(set(flags) - set(POLICIES))
         if bad:
             raise InputError(f"set_policies: unknown polic{'y' if len(bad) == 1 else 'ies'} {bad}; use {POLICIES}")

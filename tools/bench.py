@@ -417,23 +417,19 @@ def bench_hift(hift, device, quick: bool, compile: bool = True) -> list[dict]:
     vocoder (f0 predictor, sine source and decode: one dynamic-shape graph on the CPU, tests/test_bench_harness.py)
     in a CUDA graph, with its max abs error vs eager. The compiled HiFT is not used by the serving variants yet:
     this column decides whether it should be (HiFT is the busiest stage of offline serving, BENCHMARKS.md run 12)."""
-    from ..runtime.cuda_graphs import GraphCache
-
     params = sum(p.numel() for p in hift.parameters())
     shapes = [(1, 100), (2, 500), (8, 500)] if quick else [(1, 100), (1, 500), (8, 100), (8, 500), (16, 1000)]
     rows = []
-    g = GraphCache(lambda m: hift.inference(m, finalize=True)[0], device)
-    compiled = torch.compile(lambda m: hift.inference(m, finalize=True)[0], dynamic=True, fullgraph=True) \
-        if compile else None
+    eager = lambda m: hift.inference(m, finalize=True)[0]  # noqa: E731
+    compiled = torch.compile(eager, dynamic=True, fullgraph=True) if compile else None
     for B, T in shapes:
         mel = torch.randn(B, 80, T, device=device) * 0.5 - 4.0
         row = {"stage": "hift", "batch": B, "frames": T}
         with torch.inference_mode():
-            ref = hift.inference(mel, finalize=True)[0].clone()
-            row["eager_ms"] = time_cuda(lambda: hift.inference(mel, finalize=True), reps=5)
+            ref = eager(mel).clone()
+            row["eager_ms"] = time_cuda(lambda: eager(mel), reps=5)
             try:
-                g.capture((B, T), (mel,))
-                row["graph_ms"] = time_cuda(lambda: g.run((B, T), mel), reps=10)
+                row["graph_ms"], _, _ = graph_timing(eager, device, (mel,), ref, reps=10)
             except Exception as e:  # noqa: BLE001
                 _log(f"HiFT graph capture failed: {e!r}")
             if compiled is not None and B >= 2:  # batch 1 would be a second (specialized) compile

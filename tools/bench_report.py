@@ -128,25 +128,21 @@ def ratios(res: dict) -> str:
         if c["variant"].startswith("all on"):
             on.setdefault((c["text"], c["concurrency"], c["stream"]), []).append(c)
 
-    def mean(runs, get):
-        return sum(get(r) for r in runs) / len(runs)
+    def row(label, key, c, base_runs):
+        """`c` against the mean of `base_runs`: TTFA p95 c / base, throughput base / c, e2e p50 c / base."""
+        n = len(base_runs)
+        ttfa = sum(r["ttfa"]["p95"] for r in base_runs) / n
+        thr = sum(r["throughput_audio_s_per_s"] for r in base_runs) / n
+        e2e = sum(r["total"]["p50"] for r in base_runs) / n
+        return [label, key[0], key[1], "stream" if key[2] else "offline", c["ttfa"]["p95"] / ttfa,
+                thr / c["throughput_audio_s_per_s"], c["total"]["p50"] / e2e]
 
-    metrics = (lambda r: r["ttfa"]["p95"], lambda r: r["throughput_audio_s_per_s"], lambda r: r["total"]["p50"])
-    rows = []
-    for key, runs in on.items():
-        if len(runs) == 2:
-            first, again = runs
-            rows.append(["all on, repeat vs first (noise)", key[0], key[1], "stream" if key[2] else "offline",
-                         again["ttfa"]["p95"] / first["ttfa"]["p95"],
-                         first["throughput_audio_s_per_s"] / again["throughput_audio_s_per_s"],
-                         again["total"]["p50"] / first["total"]["p50"]])
+    rows = [row("all on, repeat vs first (noise)", key, runs[1], runs[:1])
+            for key, runs in on.items() if len(runs) == 2]
     for c in cells:
-        runs = on.get((c["text"], c["concurrency"], c["stream"]))
-        if c["variant"].startswith("all on") or not runs:
-            continue
-        ttfa, thr, e2e = (mean(runs, m) for m in metrics)
-        rows.append([c["variant"], c["text"], c["concurrency"], "stream" if c["stream"] else "offline",
-                     c["ttfa"]["p95"] / ttfa, thr / c["throughput_audio_s_per_s"], c["total"]["p50"] / e2e])
+        key = (c["text"], c["concurrency"], c["stream"])
+        if not c["variant"].startswith("all on") and key in on:
+            rows.append(row(c["variant"], key, c, on[key]))
     if rows:
         parts.append("**What each feature buys (same run)**: ratio of the feature switched off to all on (the mean of "
                      "the first and the repeated all-on run; their own ratio is the first row per cell)\n\n" + _md(

@@ -233,12 +233,12 @@ def _features(tts, variant: str, cells: str, bench, prompt) -> dict:
 
     out: dict = {"variant": variant, "cells": []}
     try:
-        for off in (None,) + FEATURES + (ALL_ON_REPEAT,):
+        settings = [("all on", None)] + [(f"{f} off", f) for f in FEATURES] + [(ALL_ON_REPEAT, None)]
+        for label, off in settings:
             if bench.over_budget():
-                _log(f"features: skip {off or 'all on'} (time budget)")
+                _log(f"features: skip {label} (time budget)")
                 continue
             tts.scheduler.set_policies(**{f: f != off for f in FEATURES})
-            label = "all on" if off is None else off if off == ALL_ON_REPEAT else f"{off} off"
             _run_cells(tts, smoke_cells() if cells == "smoke" else feature_cells(), label, out["cells"], bench,
                        prompt)
     finally:
