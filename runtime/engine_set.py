@@ -6,7 +6,7 @@ import torch
 from ..build.manifest import Manifest
 from ..engines import open_runner
 from .buckets import BucketTable, ShapeStats, parse_key
-from .errors import EngineSetError
+from .errors import EngineSetError, InputError
 from .stage_runner import BucketedDiT
 
 
@@ -70,7 +70,8 @@ def _install(pipeline, es, eager_dit=None):
 
 class GraphedEagerSet:
     """No engine files: the eager DiT and HiFT captured as CUDA graphs per static bucket of a profile (`compile`: the
-    DiT compiled by torch.compile first, see `compiled.py`; HiFT stays eager)."""
+    DiT and the HiFT compiled by torch.compile first, see `compiled.py`; the eager HiFT's graphs are kept beside the
+    compiled ones, see `use_hift_variant`)."""
 
     def __init__(self, pipeline, profile, progress: bool = False, compile: bool = False):
         from ..build.export_dit import INPUT_NAMES as DIT_INPUTS, OUTPUT_NAME as DIT_OUTPUT
@@ -106,38 +107,83 @@ class GraphedEagerSet:
                 fn, spec, device, buckets, example_from_templates(dit_tpl, list(DIT_INPUTS), {n: dtype for n in DIT_INPUTS},
                                                               device), progress)
             self.tables[("dit", mode)] = BucketTable(buckets, waste)
+        # HiFT: graphs of the eager vocoder and, with `compile`, of the compiled one too (`hift_variants`), so that
+        # `use_hift_variant` can switch between them on a running pipeline (the benchmark measures both in one run)
+        hift_fns = {"eager": (lambda mel: hift.inference(mel, finalize=True)[0],
+                              lambda m, src: hift.decode(m, src, finalize=False))}
+        if compile:
+            from .compiled import CompiledHiFT
+
+            compiled_hift = CompiledHiFT.of(hift)
+            hift_fns["compiled"] = (compiled_hift.offline, compiled_hift.stream_window)
+        self.hift_variants = {name: (self._hift_offline_runner(hift, profile, offline_fn, device, progress),
+                                     self._hift_stream_decoder(hift, profile, window_fn, device))
+                              for name, (offline_fn, window_fn) in hift_fns.items()}
+        self.hift_variant = "compiled" if compile else "eager"
+        offline_runner, self.stream_decoder = self.hift_variants[self.hift_variant]
         buckets = profile.buckets("hift", "offline")
-        if buckets:
-            spf = hift.samples_per_frame
-            tpl = {"mel": ["B", 80, "T"], "sine_noise": [1, f"T*{spf}", hift.cfg.nb_harmonics + 1]}
-            spec = EngineSpec("hift", "offline", "cudagraph", "", ["mel", "sine_noise"], ["wav"],
-                              [b.key for b in buckets], device=device)
-            self.runners[("hift", "offline")] = CudaGraphRunner(
-                lambda mel, noise: hift.inference(mel, finalize=True)[0], spec, device, buckets,
-                example_from_templates(tpl, ["mel", "sine_noise"], {}, device), progress)
+        if offline_runner is not None:
+            self.runners[("hift", "offline")] = offline_runner
             self.tables[("hift", "offline")] = BucketTable(buckets, waste)
 
-        buckets = [b for b in profile.buckets("hift", "stream") if not b.dynamic]
-        self.stream_decoder = None
-        if buckets:  # streaming HiFT windows: the conv stack captured per bucket (non-final windows)
-            from ..runtime.cuda_graphs import GraphCache
-            from .stage_runner import BucketedStreamDecoder
+    @staticmethod
+    def _hift_offline_runner(hift, profile, fn, device: str, progress: bool):
+        """Offline HiFT (`fn(mel) -> wav`) captured per static offline bucket, or None without offline buckets."""
+        from ..engines.base import EngineSpec
+        from ..engines.cudagraph import CudaGraphRunner, example_from_templates
 
-            cache = GraphCache(lambda m, src: hift.decode(m, src, finalize=False), device)
-            spf = hift.samples_per_frame
-            for b in sorted(buckets, key=lambda b: -b.cost):
-                cache.capture(b.key, (torch.full((b.batch, hift.cfg.in_channels, b.length), -4.0, device=device),
-                                      torch.zeros(b.batch, 1, b.length * spf, device=device)))
-            self.stream_decoder = BucketedStreamDecoder(
-                hift, lambda bucket, m, src: cache.run(bucket.key, m, src).clone(), BucketTable(buckets, waste),
-                self.stats)
+        buckets = profile.buckets("hift", "offline")
+        if not buckets:
+            return None
+        spf = hift.samples_per_frame
+        tpl = {"mel": ["B", 80, "T"], "sine_noise": [1, f"T*{spf}", hift.cfg.nb_harmonics + 1]}
+        spec = EngineSpec("hift", "offline", "cudagraph", "", ["mel", "sine_noise"], ["wav"],
+                          [b.key for b in buckets], device=device)
+        return CudaGraphRunner(lambda mel, noise: fn(mel), spec, device, buckets,
+                               example_from_templates(tpl, ["mel", "sine_noise"], {}, device), progress)
+
+    def _hift_stream_decoder(self, hift, profile, fn, device: str):
+        """Non-final streaming HiFT windows (`fn(mel, source) -> wav`) captured per static stream bucket, or None."""
+        from ..runtime.cuda_graphs import GraphCache
+        from .stage_runner import BucketedStreamDecoder
+
+        buckets = [b for b in profile.buckets("hift", "stream") if not b.dynamic]
+        if not buckets:
+            return None
+        cache = GraphCache(fn, device)
+        spf = hift.samples_per_frame
+        for b in sorted(buckets, key=lambda b: -b.cost):
+            cache.capture(b.key, (torch.full((b.batch, hift.cfg.in_channels, b.length), -4.0, device=device),
+                                  torch.zeros(b.batch, 1, b.length * spf, device=device)))
+        return BucketedStreamDecoder(hift, lambda bucket, m, src: cache.run(bucket.key, m, src).clone(),
+                                     BucketTable(buckets, profile.max_padding_waste), self.stats)
 
     stage = LoadedEngineSet.stage
 
 
+def use_hift_variant(pipeline, name: str) -> None:
+    """Switch a pipeline built by `attach_cuda_graphs(..., compile=True)` between its HiFT graphs: "compiled" (the
+    default there) or "eager". Swaps the offline runner and the streaming window decoder; the audio is the same up to
+    float rounding (max abs error ~1e-4 on the H200, run 13)."""
+    es = getattr(pipeline, "engine_set", None)
+    variants = getattr(es, "hift_variants", None) or {}
+    if name not in variants:
+        raise InputError(f"no HiFT variant {name!r} on this pipeline (has: {sorted(variants) or 'none'})")
+    offline_runner, stream_decoder = variants[name]
+    runner = pipeline.token2wav.hift_runner
+    if offline_runner is not None and runner is not None:
+        runner.runners["offline"] = offline_runner
+        es.runners[("hift", "offline")] = offline_runner
+    if stream_decoder is not None:
+        pipeline.models.hift.stream_decoder = stream_decoder
+    es.stream_decoder = stream_decoder
+    es.hift_variant = name
+
+
 def attach_cuda_graphs(pipeline, profile, progress: bool = False, compile: bool = False) -> GraphedEagerSet:
     """Route DiT calls, offline HiFT calls and streaming HiFT windows through CUDA graphs of the eager modules (one
-    per static bucket of `profile`); `compile`: graphs of the torch.compile'd DiT (uncovered shapes run it too)."""
+    per static bucket of `profile`); `compile`: graphs of the torch.compile'd DiT and HiFT (uncovered DiT shapes run
+    the compiled DiT too)."""
     graphed = GraphedEagerSet(pipeline, profile, progress, compile)
     es = _install(pipeline, graphed, graphed.compiled_dit)
     if es.stream_decoder is not None:

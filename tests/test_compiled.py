@@ -146,3 +146,55 @@ def test_graph_static_inputs_match_the_workers_calls():
         out = compiled(*worker_args)
         assert graphs() == before
         assert (out - dit(*worker_args)).abs().max() <= ATOL
+
+
+def test_compiled_hift_runs_batch_one_eagerly(tiny_tts, monkeypatch):
+    """`CompiledHiFT` sends calls of >= 2 rows to the compiled functions and batch-1 calls to the eager vocoder (dynamo
+    would compile batch 1 a second time). Compiling even the tiny HiFT takes minutes on 2 cores, so `compile_fn` is
+    replaced by a recorder here; the compiled numbers are checked on the H200 (bench --suite hift: max abs err)."""
+    import cosytrt.runtime.compiled as compiled_mod
+
+    calls = []
+
+    def recorder(fn):
+        def run(*args):
+            calls.append((fn.__name__, args[0].shape[0]))
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(compiled_mod, "compile_fn", recorder)
+    hift = tiny_tts.pipeline.models.hift
+    ch = compiled_mod.CompiledHiFT(hift)
+    g = torch.Generator().manual_seed(0)
+    spf = hift.samples_per_frame
+    with torch.inference_mode():
+        for b in (1, 2, 3):
+            mel = torch.randn(b, 80, 40, generator=g) * 0.5 - 4.0
+            assert torch.equal(ch.offline(mel), hift.inference(mel, finalize=True)[0])
+            src = torch.randn(b, 1, 40 * spf, generator=g) * 0.1
+            assert torch.equal(ch.stream_window(mel, src), hift.decode(mel, src, finalize=False))
+    assert calls == [("_offline_eager", 2), ("_window_eager", 2), ("_offline_eager", 3), ("_window_eager", 3)]
+    assert compiled_mod.CompiledHiFT.of(hift) is compiled_mod.CompiledHiFT.of(hift)
+
+
+def test_use_hift_variant_swaps_runner_and_stream_decoder():
+    from types import SimpleNamespace
+
+    from cosytrt.runtime.engine_set import use_hift_variant
+
+    es = SimpleNamespace(hift_variants={"eager": ("eager-runner", "eager-windows"),
+                                        "compiled": ("compiled-runner", "compiled-windows")},
+                         hift_variant="compiled", runners={("hift", "offline"): "compiled-runner"},
+                         stream_decoder="compiled-windows")
+    pipe = SimpleNamespace(engine_set=es, token2wav=SimpleNamespace(hift_runner=SimpleNamespace(runners={})),
+                           models=SimpleNamespace(hift=SimpleNamespace(stream_decoder="compiled-windows")))
+    use_hift_variant(pipe, "eager")
+    assert pipe.token2wav.hift_runner.runners["offline"] == "eager-runner"
+    assert pipe.models.hift.stream_decoder == "eager-windows" == es.stream_decoder
+    assert es.hift_variant == "eager" and es.runners[("hift", "offline")] == "eager-runner"
+    use_hift_variant(pipe, "compiled")
+    assert pipe.models.hift.stream_decoder == "compiled-windows"
+    with pytest.raises(InputError, match=r"no HiFT variant 'fp8'.*\['compiled', 'eager'\]"):
+        use_hift_variant(pipe, "fp8")
+    with pytest.raises(InputError, match="has: none"):
+        use_hift_variant(SimpleNamespace(), "eager")

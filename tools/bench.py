@@ -415,13 +415,16 @@ def bench_dit(flow, device, dtype, quick: bool, compile: bool = True, aoti: Aoti
 def bench_hift(hift, device, quick: bool, compile: bool = True) -> list[dict]:
     """HiFT (finalize) ms per call per (batch, frames): eager, its CUDA graph and, for batch >= 2, the torch.compile'd
     vocoder (f0 predictor, sine source and decode: one dynamic-shape graph on the CPU, tests/test_bench_harness.py)
-    in a CUDA graph, with its max abs error vs eager. The compiled HiFT is not used by the serving variants yet:
-    this column decides whether it should be (HiFT is the busiest stage of offline serving, BENCHMARKS.md run 12)."""
+    in a CUDA graph, with its max abs error vs eager (the compiled serving variant's HiFT, `CompiledHiFT`)."""
     params = sum(p.numel() for p in hift.parameters())
     shapes = [(1, 100), (2, 500), (8, 500)] if quick else [(1, 100), (1, 500), (8, 100), (8, 500), (16, 1000)]
     rows = []
     eager = lambda m: hift.inference(m, finalize=True)[0]  # noqa: E731
-    compiled = torch.compile(eager, dynamic=True, fullgraph=True) if compile else None
+    compiled = None
+    if compile:
+        from ..runtime.compiled import CompiledHiFT
+
+        compiled = CompiledHiFT.of(hift).offline  # what the compiled serving variant captures
     for B, T in shapes:
         mel = torch.randn(B, 80, T, device=device) * 0.5 - 4.0
         row = {"stage": "hift", "batch": B, "frames": T}
@@ -432,7 +435,7 @@ def bench_hift(hift, device, quick: bool, compile: bool = True) -> list[dict]:
                 row["graph_ms"], _, _ = graph_timing(eager, device, (mel,), ref, reps=10)
             except Exception as e:  # noqa: BLE001
                 _log(f"HiFT graph capture failed: {e!r}")
-            if compiled is not None and B >= 2:  # batch 1 would be a second (specialized) compile
+            if compiled is not None and B >= 2:  # batch 1 runs the eager vocoder (CompiledHiFT)
                 try:
                     t0 = time.perf_counter()
                     row["compiled_max_abs_err"] = _max_err(compiled(mel), ref)

@@ -223,6 +223,7 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
 
 
 ALL_ON_REPEAT = "all on (repeat)"
+COMPILED_HIFT = "compiled_hift"  # a features setting that is not a scheduler policy: the HiFT graphs' variant
 
 
 def _features(tts, variant: str, cells: str, bench, prompt) -> dict:
@@ -231,18 +232,28 @@ def _features(tts, variant: str, cells: str, bench, prompt) -> dict:
     how much a cell moves between runs of the same setting (the report compares against their mean)."""
     from .bench import _log
 
+    from ..runtime.engine_set import use_hift_variant
+
     out: dict = {"variant": variant, "cells": []}
+    es = getattr(tts.pipeline, "engine_set", None)
+    hift_variants, hift_default = getattr(es, "hift_variants", {}), getattr(es, "hift_variant", None)
     try:
-        settings = [("all on", None)] + [(f"{f} off", f) for f in FEATURES] + [(ALL_ON_REPEAT, None)]
-        for label, off in settings:
+        settings = [("all on", None)] + [(f"{f} off", f) for f in FEATURES]
+        if "compiled" in hift_variants:  # the compiled variant's HiFT graphs vs the eager vocoder's graphs
+            settings.append((f"{COMPILED_HIFT} off", COMPILED_HIFT))
+        for label, off in settings + [(ALL_ON_REPEAT, None)]:
             if bench.over_budget():
                 _log(f"features: skip {label} (time budget)")
                 continue
             tts.scheduler.set_policies(**{f: f != off for f in FEATURES})
+            if hift_variants:
+                use_hift_variant(tts.pipeline, "eager" if off == COMPILED_HIFT else hift_default)
             _run_cells(tts, smoke_cells() if cells == "smoke" else feature_cells(), label, out["cells"], bench,
                        prompt)
     finally:
         tts.scheduler.set_policies(**{f: True for f in FEATURES})
+        if hift_variants:
+            use_hift_variant(tts.pipeline, hift_default)
     return out
 
 
