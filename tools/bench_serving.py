@@ -230,9 +230,8 @@ def _features(tts, variant: str, cells: str, bench, prompt) -> dict:
     """Each batching policy off vs all on, switched on the running scheduler (`Scheduler.set_policies`): same
     graphs, same caches, no second scheduler. "all on" runs first and again last (ALL_ON_REPEAT): the two show
     how much a cell moves between runs of the same setting (the report compares against their mean)."""
-    from .bench import _log
-
     from ..runtime.engine_set import use_hift_variant
+    from .bench import _log
 
     out: dict = {"variant": variant, "cells": []}
     es = getattr(tts.pipeline, "engine_set", None)
