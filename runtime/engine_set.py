@@ -70,8 +70,8 @@ def _install(pipeline, es, eager_dit=None):
 
 class GraphedEagerSet:
     """No engine files: the eager DiT and HiFT captured as CUDA graphs per static bucket of a profile (`compile`: the
-    DiT and the HiFT compiled by torch.compile first, see `compiled.py`; the eager HiFT's graphs are kept beside the
-    compiled ones, see `use_hift_variant`)."""
+    DiT and the HiFT compiled by torch.compile first, see `compiled.py`; `use_hift_variant` switches the HiFT back
+    to the eager vocoder's graphs)."""
 
     def __init__(self, pipeline, profile, progress: bool = False, compile: bool = False):
         from ..build.export_dit import INPUT_NAMES as DIT_INPUTS, OUTPUT_NAME as DIT_OUTPUT
@@ -107,24 +107,32 @@ class GraphedEagerSet:
                 fn, spec, device, buckets, example_from_templates(dit_tpl, list(DIT_INPUTS), {n: dtype for n in DIT_INPUTS},
                                                               device), progress)
             self.tables[("dit", mode)] = BucketTable(buckets, waste)
-        # HiFT: graphs of the eager vocoder and, with `compile`, of the compiled one too (`hift_variants`), so that
-        # `use_hift_variant` can switch between them on a running pipeline (the benchmark measures both in one run)
-        hift_fns = {"eager": (lambda mel: hift.inference(mel, finalize=True)[0],
-                              lambda m, src: hift.decode(m, src, finalize=False))}
+        # HiFT: the vocoder functions it can capture (`hift_fns`: eager and, with `compile`, compiled); only the one in
+        # use is captured now, another on the first `use_hift_variant` switch to it (the benchmark compares both)
+        self._hift, self._profile, self._device, self._progress = hift, profile, device, progress
+        self.hift_fns = {"eager": (lambda mel: hift.inference(mel, finalize=True)[0],
+                                   lambda m, src: hift.decode(m, src, finalize=False))}
         if compile:
             from .compiled import CompiledHiFT
 
             compiled_hift = CompiledHiFT.of(hift)
-            hift_fns["compiled"] = (compiled_hift.offline, compiled_hift.stream_window)
-        self.hift_variants = {name: (self._hift_offline_runner(hift, profile, offline_fn, device, progress),
-                                     self._hift_stream_decoder(hift, profile, window_fn, device))
-                              for name, (offline_fn, window_fn) in hift_fns.items()}
+            self.hift_fns["compiled"] = (compiled_hift.offline, compiled_hift.stream_window)
+        self._hift_graphs: dict = {}
         self.hift_variant = "compiled" if compile else "eager"
-        offline_runner, self.stream_decoder = self.hift_variants[self.hift_variant]
-        buckets = profile.buckets("hift", "offline")
+        offline_runner, self.stream_decoder = self.hift_graphs(self.hift_variant)
         if offline_runner is not None:
             self.runners[("hift", "offline")] = offline_runner
-            self.tables[("hift", "offline")] = BucketTable(buckets, waste)
+            self.tables[("hift", "offline")] = BucketTable(profile.buckets("hift", "offline"), waste)
+
+    def hift_graphs(self, name: str) -> tuple:
+        """(offline runner, streaming window decoder) of the HiFT variant `name`, captured on first use; either is
+        None when the profile has no bucket for it."""
+        if name not in self._hift_graphs:
+            offline_fn, window_fn = self.hift_fns[name]
+            hift, profile, device = self._hift, self._profile, self._device
+            self._hift_graphs[name] = (self._hift_offline_runner(hift, profile, offline_fn, device, self._progress),
+                                       self._hift_stream_decoder(hift, profile, window_fn, device))
+        return self._hift_graphs[name]
 
     @staticmethod
     def _hift_offline_runner(hift, profile, fn, device: str, progress: bool):
@@ -163,13 +171,14 @@ class GraphedEagerSet:
 
 def use_hift_variant(pipeline, name: str) -> None:
     """Switch a pipeline built by `attach_cuda_graphs(..., compile=True)` between its HiFT graphs: "compiled" (the
-    default there) or "eager". Swaps the offline runner and the streaming window decoder; the audio is the same up to
-    float rounding (max abs error ~1e-4 on the H200, run 13)."""
+    default there) or "eager" (captured on the first switch to it, so call this between requests). Swaps the offline
+    runner and the streaming window decoder; the audio is the same up to float rounding (max abs error ~1e-4 on the
+    H200, run 13)."""
     es = getattr(pipeline, "engine_set", None)
-    variants = getattr(es, "hift_variants", None) or {}
+    variants = getattr(es, "hift_fns", None) or {}
     if name not in variants:
         raise InputError(f"no HiFT variant {name!r} on this pipeline (has: {sorted(variants) or 'none'})")
-    offline_runner, stream_decoder = variants[name]
+    offline_runner, stream_decoder = es.hift_graphs(name)
     runner = pipeline.token2wav.hift_runner
     if offline_runner is not None and runner is not None:
         runner.runners["offline"] = offline_runner

@@ -182,8 +182,8 @@ def test_use_hift_variant_swaps_runner_and_stream_decoder():
 
     from cosytrt.runtime.engine_set import use_hift_variant
 
-    es = SimpleNamespace(hift_variants={"eager": ("eager-runner", "eager-windows"),
-                                        "compiled": ("compiled-runner", "compiled-windows")},
+    graphs = {"eager": ("eager-runner", "eager-windows"), "compiled": ("compiled-runner", "compiled-windows")}
+    es = SimpleNamespace(hift_fns=dict.fromkeys(graphs), hift_graphs=graphs.__getitem__,
                          hift_variant="compiled", runners={("hift", "offline"): "compiled-runner"},
                          stream_decoder="compiled-windows")
     pipe = SimpleNamespace(engine_set=es, token2wav=SimpleNamespace(hift_runner=SimpleNamespace(runners={})),

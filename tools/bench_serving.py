@@ -235,7 +235,7 @@ def _features(tts, variant: str, cells: str, bench, prompt) -> dict:
 
     out: dict = {"variant": variant, "cells": []}
     es = getattr(tts.pipeline, "engine_set", None)
-    hift_variants, hift_default = getattr(es, "hift_variants", {}), getattr(es, "hift_variant", None)
+    hift_variants, hift_default = getattr(es, "hift_fns", {}), getattr(es, "hift_variant", None)
     try:
         settings = [("all on", None)] + [(f"{f} off", f) for f in FEATURES]
         if "compiled" in hift_variants:  # the compiled variant's HiFT graphs vs the eager vocoder's graphs
