@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from ..runtime.errors import EngineSetError
+from ..engines.errors import EngineSetError
 
 
 def compile_aoti(module: torch.nn.Module, example_inputs: tuple, dynamic_shapes: dict | tuple, package_path: str,

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from ..engines.base import EngineSpec, torch_dtype
-from ..runtime.errors import BackendUnavailableError, EngineSetError
-from ..runtime.model import CosyVoice3Models
-from ..runtime.profile import Profile
-from .manifest import Manifest, backend_versions, now_iso
+from ..engines.errors import BackendUnavailableError, EngineSetError
+from ..runtime.models.loading import CosyVoice3Models
+from ..runtime.stages.profile import Profile
+from ..engines.manifest import Manifest, backend_versions, now_iso
 
 BACKENDS = ("onnxruntime", "aoti", "tensorrt")
 
@@ -161,7 +161,7 @@ class EngineSetBuilder:
             file = base + ".onnx"
             extra = {"input_shapes": exp.input_shapes}
             if self.backend == "tensorrt":
-                from ..runtime.buckets import Bucket  # noqa: F401
+                from ..engines.buckets import Bucket  # noqa: F401
                 from .tensorrt_build import TensorRTOptions, build_plan
 
                 opts = TensorRTOptions(opt_level=int(sp.options.get("opt_level", 3)),

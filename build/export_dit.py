@@ -18,11 +18,11 @@ from typing import Optional
 
 import torch
 
-from cosytrt.runtime.dit import DiT, FixedModeDiT
-from cosytrt.runtime.errors import InputError
+from cosytrt.runtime.models.dit import DiT, FixedModeDiT
+from cosytrt.engines.errors import InputError
+from ..engines.signatures import DIT_INPUTS, DIT_OUTPUT
 
-INPUT_NAMES = ("x", "mask", "mu", "t", "spks", "cond")
-OUTPUT_NAME = "estimator_out"
+INPUT_NAMES, OUTPUT_NAME = DIT_INPUTS, DIT_OUTPUT
 
 
 def example_inputs(dit: DiT, batch: int, frames: int, dtype: torch.dtype = torch.float32,

@@ -21,12 +21,12 @@ import os
 import torch
 import torch.nn as nn
 
-from ..runtime.errors import InputError
-from ..runtime.hift import CausalConv1d, F0Predictor, HiFT
+from ..engines.errors import InputError
+from ..runtime.models.hift import CausalConv1d, F0Predictor, HiFT
+from ..engines.signatures import HIFT_INPUTS, HIFT_OUTPUT
 
 
-INPUT_NAMES = ("mel", "sine_noise")
-OUTPUT_NAME = "wav"
+INPUT_NAMES, OUTPUT_NAME = HIFT_INPUTS, HIFT_OUTPUT
 
 
 class MatmulCausalConv1d(nn.Module):

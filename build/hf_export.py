@@ -19,8 +19,8 @@ import os
 
 import torch
 
-from cosytrt.runtime.config import NUM_SPECIAL, SOS, SPEECH_TOKEN_SIZE, TASK_ID
-from cosytrt.runtime.errors import InputError, ModelDirError
+from cosytrt.runtime.models.config import NUM_SPECIAL, SOS, SPEECH_TOKEN_SIZE, TASK_ID
+from cosytrt.engines.errors import InputError, ModelDirError
 
 METADATA_FILE = "cosytrt_metadata.json"
 SPEECH_VOCAB = SPEECH_TOKEN_SIZE + NUM_SPECIAL  # 6761

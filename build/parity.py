@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..runtime.buckets import Bucket, parse_key
-from ..runtime.errors import EngineSetError
+from ..engines.buckets import Bucket, parse_key
+from ..engines.errors import EngineSetError
 
 WAV_SAMPLES_PER_FRAME = 480
 FP32_MAX_ABS = {"dit": 1e-3, "hift": 2e-3}  # golden README: flow mels 1e-3, HiFT wav 2e-3
@@ -391,7 +391,7 @@ class ParityChecker:
     def __init__(self, models, folder: str, device: str = "cpu", *, check_weights: bool = True, seed: int = 0,
                  polygraphy: bool = True, pipeline: bool = True, stream_tokens: int = 80,
                  prompt_seconds: float = 1.0):
-        from .manifest import Manifest
+        from ..engines.manifest import Manifest
 
         self.models = models
         self.folder = folder
@@ -409,8 +409,8 @@ class ParityChecker:
         self.engine_set = self.engine_pipeline.engine_set
 
     def _pipelines(self, models):
-        from ..runtime.engine_set import attach_engine_set
-        from ..runtime.pipeline import Pipeline, make_frontend
+        from ..runtime.stages.engine_set import attach_engine_set
+        from ..runtime.stages.pipeline import Pipeline, make_frontend
 
         frontend, speaker = make_frontend(models)
         eager = Pipeline(self.models, frontend, speaker)
@@ -471,7 +471,7 @@ class ParityChecker:
 
     @torch.inference_mode()
     def _dit_case(self, runner, bucket, streaming: bool, lengths: list[int], seed: int):
-        from ..runtime.stage_runner import BucketedDiT
+        from ..runtime.stages.bucketed import BucketedDiT
 
         dit = self.models.flow.estimator
         x, mask, mu, t, spks, cond = dit_case_inputs(dit, lengths, seed)
@@ -527,7 +527,7 @@ class ParityChecker:
         if not targets:
             return []
         if spec.stage == "dit":
-            from ..runtime.dit import FixedModeDiT
+            from ..runtime.models.dit import FixedModeDiT
 
             module = FixedModeDiT(self.models.flow.estimator, spec.mode == "stream").eval()
             names = list(spec.input_names)
@@ -559,8 +559,8 @@ class ParityChecker:
 
     # ---------------------------------------------------------------- pipeline
     def _stream_request(self):
-        from ..runtime.request import Request, default_voice_wav
-        from ..runtime.sampling import SamplingParams
+        from ..runtime.scheduling.request import Request, default_voice_wav
+        from ..runtime.models.sampling import SamplingParams
 
         wav = default_voice_wav(16000, self.prompt_seconds)
         return Request(text="Parity check of a streaming request through the engine set.", prompt_wav=wav,
@@ -699,8 +699,8 @@ def _np_dtype(dtype: str):
 
 def run_parity(folder: str, model: str | None = None, device: str | None = None, **kw) -> ParityReport:
     """Load the eager models (default: the manifest's model source) and check the engine set in `folder`."""
-    from .manifest import Manifest
-    from ..runtime.model import load_models
+    from ..engines.manifest import Manifest
+    from ..runtime.models.loading import load_models
 
     man = Manifest.load(folder)
     device = device or man.device

@@ -27,7 +27,7 @@ class StageExport:
 
 
 def dit_export(dit, streaming: bool, dtype: torch.dtype, device: str) -> StageExport:
-    from ..runtime.dit import FixedModeDiT
+    from ..runtime.models.dit import FixedModeDiT
     from .export_dit import INPUT_NAMES, OUTPUT_NAME, example_inputs, export_dit_onnx
 
     dev = torch.device(device)

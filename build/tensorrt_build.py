@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from ..engines.shapes import profile_shapes
 from ..engines.tensorrt import import_tensorrt
-from ..runtime.buckets import Bucket
-from ..runtime.errors import EngineSetError
+from ..engines.buckets import Bucket
+from ..engines.errors import EngineSetError
 
 
 @dataclass

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 
-from cosytrt.runtime.errors import BackendUnavailableError, EngineSetError, InputError, ModelDirError
+from cosytrt.engines.errors import BackendUnavailableError, EngineSetError, InputError, ModelDirError
 
 DTYPES = ("float16", "bfloat16", "float32")
 MAX_ENGINE_VERSION = (1, 2)

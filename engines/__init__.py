@@ -8,7 +8,7 @@ from .base import EngineRunner, EngineSpec
 
 def open_runner(spec: EngineSpec, folder: str, device: str = "cpu") -> EngineRunner:
     """The runner for one manifest entry (backend packages are imported only here, lazily)."""
-    from ..runtime.errors import EngineSetError
+    from .errors import EngineSetError
 
     path = os.path.join(folder, spec.file)
     if not os.path.isfile(path):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.buckets import Bucket
-from ..runtime.errors import EngineSetError
+from .buckets import Bucket
+from .errors import EngineSetError
 from .base import EngineRunner, EngineSpec
 
 

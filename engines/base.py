@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from ..runtime.buckets import Bucket
+from .buckets import Bucket
 
 
 @dataclass
@@ -70,7 +70,7 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    from ..runtime.errors import EngineSetError
+    from .errors import EngineSetError
 
     if name not in _TORCH_DTYPES:
         raise EngineSetError(f"unknown dtype {name!r} (expected one of {sorted(_TORCH_DTYPES)})")

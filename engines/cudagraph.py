@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch
 
-from ..runtime.buckets import Bucket
-from ..runtime.cuda_graphs import GraphCache
+from .buckets import Bucket
+from .cuda_graphs import GraphCache
 from .base import EngineRunner, EngineSpec
 from .shapes import resolve_shape
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..runtime.buckets import Bucket
-from ..runtime.errors import BackendUnavailableError, EngineSetError
+from .buckets import Bucket
+from .errors import BackendUnavailableError, EngineSetError
 from .base import EngineRunner, EngineSpec
 
 _ORT_TO_NUMPY = {

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
-from ..runtime.buckets import Bucket
-from ..runtime.errors import EngineSetError
+from .buckets import Bucket
+from .errors import EngineSetError
 
 _TERM = re.compile(r"^\s*(B|T|\d+)(\s*\*\s*(\d+))?\s*$")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.buckets import Bucket
-from ..runtime.errors import BackendUnavailableError, EngineSetError
+from .buckets import Bucket
+from .errors import BackendUnavailableError, EngineSetError
 from .base import EngineRunner, EngineSpec
 from .shapes import profile_index, resolve_shape
 

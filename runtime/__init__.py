@@ -4,7 +4,7 @@
 """
 
 
-def __getattr__(name):  # lazy, so `import cosytrt.runtime.config` stays light
+def __getattr__(name):  # lazy, so `import cosytrt.runtime.models.config` stays light
     if name == "TTS":
         from .tts import TTS
 

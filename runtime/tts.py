@@ -16,12 +16,12 @@ from typing import AsyncIterator, Iterator
 import numpy as np
 import torch
 
-from .errors import InputError
-from .frontend import SavedSpeaker, save_speaker
-from .pipeline import Pipeline, make_frontend
-from .request import Request, RequestMetrics
-from .sampling import SamplingParams
-from .scheduler import RequestHandle, Scheduler, SchedulerConfig
+from ..engines.errors import InputError
+from .models.frontend import SavedSpeaker, save_speaker
+from .stages.pipeline import Pipeline, make_frontend
+from .scheduling.request import Request, RequestMetrics
+from .models.sampling import SamplingParams
+from .scheduling.scheduler import RequestHandle, Scheduler, SchedulerConfig
 
 _SAMPLING_KEYS = {"top_p", "top_k", "win_size", "tau_r", "seed", "greedy", "max_tokens", "min_tokens", "force_tokens"}
 
@@ -65,24 +65,24 @@ class TTS:
                 raise InputError("compile_cache needs compile=True")
             import os
 
-            from .compiled import load_compile_cache
+            from .stages.compiled import load_compile_cache
 
             if os.path.isfile(compile_cache):
                 load_compile_cache(compile_cache)
         pipeline = Pipeline.load(model, device=device, dtype=dtype)
         if engines is not None:
-            from .engine_set import attach_engine_set
+            from .stages.engine_set import attach_engine_set
 
             attach_engine_set(pipeline, engines)
         elif cuda_graphs and pipeline.device.type == "cuda":
-            from .engine_set import attach_cuda_graphs
-            from .profile import load_profile
+            from .stages.engine_set import attach_cuda_graphs
+            from .stages.profile import load_profile
 
             name = cuda_graphs if isinstance(cuda_graphs, str) else (
                 "h200-graphs" if pipeline.models.config.flow.dit.dim >= 1024 else "tiny")
             attach_cuda_graphs(pipeline, load_profile(name), compile=compile)
         elif compile:
-            from .compiled import attach_compiled
+            from .stages.compiled import attach_compiled
 
             attach_compiled(pipeline)
         if not compile:
@@ -93,7 +93,7 @@ class TTS:
         with tts._lock:  # the warm-up (compile time) is not serving: keep it out of metrics()
             tts._history.clear()
         if compile_cache is not None:
-            from .compiled import save_compile_cache
+            from .stages.compiled import save_compile_cache
 
             save_compile_cache(compile_cache)
         return tts
@@ -158,7 +158,7 @@ class TTS:
             h.cancel()
 
     def metrics(self) -> dict:
-        from .metrics import aggregate
+        from .scheduling.metrics import aggregate
 
         with self._lock:
             history = list(self._history)
@@ -167,7 +167,7 @@ class TTS:
 
     def export_metrics(self, path: str) -> None:
         """Write the aggregates and every request's metrics as JSON."""
-        from .metrics import to_json
+        from .scheduling.metrics import to_json
 
         with self._lock:
             history = list(self._history)

@@ -51,8 +51,8 @@ def golden_vectors():
 @pytest.fixture(scope="module")
 def golden_lm():
     """The tiny LM with the golden weights."""
-    from cosytrt.runtime.config import config_from_golden_json
-    from cosytrt.runtime.llm import CosyVoice3LM
+    from cosytrt.runtime.models.config import config_from_golden_json
+    from cosytrt.runtime.models.llm import CosyVoice3LM
 
     m = CosyVoice3LM(config_from_golden_json(os.path.join(GOLDEN_DIR, "config.json")).llm).eval()
     m.load_checkpoint(os.path.join(GOLDEN_DIR, "llm.pt"))

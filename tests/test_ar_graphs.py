@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosytrt.runtime import ar_graphs
-from cosytrt.runtime.ar_graphs import DecodeGraphs, PrefillGraphs
+from cosytrt.runtime.stages import ar_graphs
+from cosytrt.runtime.stages.ar_graphs import DecodeGraphs, PrefillGraphs
 
 ATOL = 1e-5
 

@@ -4,8 +4,8 @@ import pytest
 import soundfile as sf
 import torch
 
-from cosytrt.runtime import audio
-from cosytrt.runtime.errors import InputError
+from cosytrt.runtime.models import audio
+from cosytrt.engines.errors import InputError
 
 librosa = pytest.importorskip("librosa")
 

@@ -127,7 +127,7 @@ def test_aoti_child_failure_is_an_error_with_its_log(tmp_path):
 def test_hift_micro_rows_and_report(tiny_tts, monkeypatch, tmp_path):
     """`bench_hift` on the CPU (tiny HiFT; CUDA timing and graphs replaced by direct calls; the compiled column is
     left out: compiling even the tiny HiFT takes minutes on 2 cores), and its report table."""
-    from cosytrt.runtime import cuda_graphs
+    from cosytrt.engines import cuda_graphs
     from cosytrt.tools import bench
 
     class Direct:

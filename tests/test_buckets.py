@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cosytrt.runtime.buckets import (SAMPLES_PER_MEL_FRAME, Bucket, BucketTable, ShapeStats, crop,
+from cosytrt.engines.buckets import (SAMPLES_PER_MEL_FRAME, Bucket, BucketTable, ShapeStats, crop,
                                      group_by_length, pad_batch, parse_key, streaming_call_frames,
                                      streaming_schedule)
-from cosytrt.runtime.config import tiny_config
-from cosytrt.runtime.errors import BucketError, InputError
+from cosytrt.runtime.models.config import tiny_config
+from cosytrt.engines.errors import BucketError, InputError
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 

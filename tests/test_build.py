@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from cosytrt.build.engine_set import build_engine_set, resolve_backend
-from cosytrt.build.manifest import Manifest
+from cosytrt.engines.manifest import Manifest
 from cosytrt.build.tensorrt_build import network_flags
 from cosytrt.engines import open_runner
 from cosytrt.engines.shapes import profile_index, profile_shapes, resolve_dim, resolve_shape
-from cosytrt.runtime.buckets import Bucket, parse_key
-from cosytrt.runtime.dit import FixedModeDiT
-from cosytrt.runtime.engine_set import LoadedEngineSet
-from cosytrt.runtime.errors import EngineSetError
-from cosytrt.runtime.model import load_models
-from cosytrt.runtime.profile import profile_from_dict
+from cosytrt.engines.buckets import Bucket, parse_key
+from cosytrt.runtime.models.dit import FixedModeDiT
+from cosytrt.runtime.stages.engine_set import LoadedEngineSet
+from cosytrt.engines.errors import EngineSetError
+from cosytrt.runtime.models.loading import load_models
+from cosytrt.runtime.stages.profile import profile_from_dict
 from cosytrt.tools.trtbuild import main
 
 TOL = {"dit": 1e-3, "hift": 2e-3}

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from cosytrt.runtime.cluster_config import ClusterConfig, load_cluster_config
-from cosytrt.runtime.errors import InputError
+from cosytrt.runtime.cluster.config import ClusterConfig, load_cluster_config
+from cosytrt.engines.errors import InputError
 
 TOL = 2e-3                    # golden HiFT wav tolerance (batched DiT / HiFT rows are not bit-exact)
 LSB = 1.0 / 32767             # 16-bit PCM quantisation
@@ -94,7 +94,7 @@ def test_config_file_errors(tmp_path):
 # ------------------------------------------------------------------------------------------------ CLI (no Ray)
 
 def test_cluster_flag_without_ray_exits_2_naming_the_package(monkeypatch, capsys):
-    import cosytrt.runtime.server as server
+    import cosytrt.runtime.serving.app as server
     from cosytrt.tools.trtbuild import main
 
     monkeypatch.setattr(server, "missing_serve_packages", lambda: [])  # only Ray is missing here
@@ -109,9 +109,9 @@ def test_cluster_flag_without_ray_exits_2_naming_the_package(monkeypatch, capsys
 def test_modules_import_without_ray():
     code = ("import sys\n"
             "sys.modules['ray'] = None\n"
-            "import cosytrt.runtime.cluster, cosytrt.runtime.cluster_config, cosytrt.runtime.server\n"
+            "import cosytrt.runtime.cluster.app, cosytrt.runtime.cluster.config, cosytrt.runtime.serving.app\n"
             "import cosytrt.tools.serve, cosytrt.tools.trtbuild\n"
-            "from cosytrt.runtime.cluster import missing_cluster_packages\n"
+            "from cosytrt.runtime.cluster.app import missing_cluster_packages\n"
             "assert missing_cluster_packages() == ['ray[serve]']\n"
             "assert not [m for m in sys.modules if m.startswith('ray.')]\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -123,7 +123,7 @@ def test_modules_import_without_ray():
 @pytest.fixture(scope="module")
 def reference():
     """The single-process runtime (one torch thread, as the replicas use)."""
-    from cosytrt.runtime.scheduler import SchedulerConfig
+    from cosytrt.runtime.scheduling.scheduler import SchedulerConfig
     from cosytrt.runtime.tts import TTS
 
     threads = torch.get_num_threads()
@@ -150,10 +150,10 @@ def close(a, b) -> float:
 
 def test_stage_engines_match_single_process(reference):
     """ARStage -> Token2WavStage (the replicas' engines), several requests at once: same chunks as the runtime."""
-    from cosytrt.runtime.cluster import ARStage, Token2WavStage, load_frontend, load_stage_pipeline
-    from cosytrt.runtime.cluster_config import StageConfig
-    from cosytrt.runtime.request import prepare_inputs
-    from cosytrt.runtime.scheduler import SchedulerConfig
+    from cosytrt.runtime.cluster.app import ARStage, Token2WavStage, load_frontend, load_stage_pipeline
+    from cosytrt.runtime.cluster.config import StageConfig
+    from cosytrt.runtime.scheduling.request import prepare_inputs
+    from cosytrt.runtime.scheduling.scheduler import SchedulerConfig
     from cosytrt.runtime.tts import make_request
 
     frontend, speaker, sr = load_frontend("tiny")
@@ -214,7 +214,7 @@ def cluster(reference, tmp_path_factory):
     serve = pytest.importorskip("ray.serve")
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from cosytrt.runtime.cluster import build_app
+    from cosytrt.runtime.cluster.app import build_app
 
     port = _free_port()
     cfg = json.loads(json.dumps(CLUSTER))

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from cosytrt.build.export_dit import example_inputs
-from cosytrt.runtime.compiled import CompiledDiT, compile_fn, load_compile_cache, save_compile_cache
-from cosytrt.runtime.errors import InputError
-from cosytrt.runtime.scheduler import Scheduler, SchedulerConfig
+from cosytrt.runtime.stages.compiled import CompiledDiT, compile_fn, load_compile_cache, save_compile_cache
+from cosytrt.engines.errors import InputError
+from cosytrt.runtime.scheduling.scheduler import Scheduler, SchedulerConfig
 from cosytrt.runtime.tts import TTS
 
 ATOL = 1e-4
@@ -74,7 +74,7 @@ def test_scheduler_compiles_once_at_start():
     a strict slice of the cache, so serving batches of 1..3 rows up to the longest rung compiles nothing else."""
     import torch._dynamo.utils as dynamo_utils
 
-    from cosytrt.runtime.pipeline import Pipeline
+    from cosytrt.runtime.stages.pipeline import Pipeline
     from cosytrt.runtime.tts import make_request
 
     pipeline = Pipeline.load("tiny")  # fresh modules: nothing compiled for them yet
@@ -131,8 +131,8 @@ def test_graph_static_inputs_match_the_workers_calls():
     second compile at the first such call: a minute-long stall on the H200, runs 7 and 9)."""
     import torch._dynamo.utils as dynamo_utils
 
-    from cosytrt.runtime.cuda_graphs import static_copies
-    from cosytrt.runtime.pipeline import Pipeline
+    from cosytrt.engines.cuda_graphs import static_copies
+    from cosytrt.runtime.stages.pipeline import Pipeline
 
     dit = Pipeline.load("tiny").models.flow.estimator  # fresh module: nothing compiled for it yet
     compiled = CompiledDiT.of(dit).fixed(False)
@@ -152,7 +152,7 @@ def test_compiled_hift_runs_batch_one_eagerly(tiny_tts, monkeypatch):
     """`CompiledHiFT` sends calls of >= 2 rows to the compiled functions and batch-1 calls to the eager vocoder (dynamo
     would compile batch 1 a second time). Compiling even the tiny HiFT takes minutes on 2 cores, so `compile_fn` is
     replaced by a recorder here; the compiled numbers are checked on the H200 (bench --suite hift: max abs err)."""
-    import cosytrt.runtime.compiled as compiled_mod
+    import cosytrt.runtime.stages.compiled as compiled_mod
 
     calls = []
 
@@ -180,7 +180,7 @@ def test_compiled_hift_runs_batch_one_eagerly(tiny_tts, monkeypatch):
 def test_use_hift_variant_swaps_runner_and_stream_decoder():
     from types import SimpleNamespace
 
-    from cosytrt.runtime.engine_set import use_hift_variant
+    from cosytrt.runtime.stages.engine_set import use_hift_variant
 
     graphs = {"eager": ("eager-runner", "eager-windows"), "compiled": ("compiled-runner", "compiled-windows")}
     es = SimpleNamespace(hift_fns=dict.fromkeys(graphs), hift_graphs=graphs.__getitem__,

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from cosytrt.build.engine_set import build_engine_set
-from cosytrt.runtime.buckets import Bucket, BucketTable, parse_key
-from cosytrt.runtime.coverage import (CallRecorder, WorkloadRequest, build_report, default_matrix, load_workload,
+from cosytrt.engines.buckets import Bucket, BucketTable, parse_key
+from cosytrt.tools.coverage_run import (CallRecorder, WorkloadRequest, build_report, default_matrix, load_workload,
                                       suggest_buckets, text_of_tokens)
-from cosytrt.runtime.errors import InputError
-from cosytrt.runtime.model import load_models
-from cosytrt.runtime.profile import profile_from_dict
-from cosytrt.runtime.text import ByteTokenizer
+from cosytrt.engines.errors import InputError
+from cosytrt.runtime.models.loading import load_models
+from cosytrt.runtime.stages.profile import profile_from_dict
+from cosytrt.runtime.models.text import ByteTokenizer
 from cosytrt.tools.trtbuild import main
 
 # the same set as tests/test_parity.py builds (same cache folder: a session builds it once)
@@ -124,7 +124,7 @@ def test_build_report_numbers():
 
 
 def test_call_recorder_wraps_and_restores():
-    from cosytrt.runtime.buckets import ShapeStats
+    from cosytrt.engines.buckets import ShapeStats
 
     st = ShapeStats()
     rec = CallRecorder(st)

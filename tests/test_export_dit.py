@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from cosytrt.build.export_dit import INPUT_NAMES, OUTPUT_NAME, example_inputs, export_dit_onnx
-from cosytrt.runtime.config import config_from_golden_json
-from cosytrt.runtime.errors import InputError
-from cosytrt.runtime.flow import Flow
+from cosytrt.runtime.models.config import config_from_golden_json
+from cosytrt.engines.errors import InputError
+from cosytrt.runtime.models.flow import Flow
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 TOL = 1e-3

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from cosytrt.build.export_hift import MatmulCausalConv1d, example_inputs, export_hift_onnx
-from cosytrt.runtime.config import config_from_golden_json
-from cosytrt.runtime.errors import InputError
-from cosytrt.runtime.hift import HiFT, load_hift
+from cosytrt.runtime.models.config import config_from_golden_json
+from cosytrt.engines.errors import InputError
+from cosytrt.runtime.models.hift import HiFT, load_hift
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 WAV_TOL = 2e-3

@@ -6,11 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cosytrt.runtime.checkpoint import read_state_dict
-from cosytrt.runtime.config import config_from_golden_json, full_config
-from cosytrt.runtime.dit import attention_mask
-from cosytrt.runtime.errors import CheckpointError, InputError, RequestTooLongError
-from cosytrt.runtime.flow import Flow, FlowInput
+from cosytrt.runtime.models.checkpoint import read_state_dict
+from cosytrt.runtime.models.config import config_from_golden_json, full_config
+from cosytrt.runtime.models.dit import attention_mask
+from cosytrt.engines.errors import CheckpointError, InputError, RequestTooLongError
+from cosytrt.runtime.models.flow import Flow, FlowInput
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 FLOW_TOL = 1e-3

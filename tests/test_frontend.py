@@ -8,13 +8,13 @@ import pytest
 import soundfile as sf
 import torch
 
-from cosytrt.runtime import audio
-from cosytrt.runtime.config import ENDOFPROMPT_TEXT_ID, SPEECH_TOKEN_SIZE
-from cosytrt.runtime.errors import ConfigError, InputError, ModelDirError
-from cosytrt.runtime.frontend import (Frontend, LMRequestInputs, PromptFeatures, SavedSpeaker, load_speaker,
+from cosytrt.runtime.models import audio
+from cosytrt.runtime.models.config import ENDOFPROMPT_TEXT_ID, SPEECH_TOKEN_SIZE
+from cosytrt.engines.errors import ConfigError, InputError, ModelDirError
+from cosytrt.runtime.models.frontend import (Frontend, LMRequestInputs, PromptFeatures, SavedSpeaker, load_speaker,
                                       save_speaker)
-from cosytrt.runtime.text import COSYVOICE3_SPECIAL_TOKENS, ENDOFPROMPT, ByteTokenizer, QwenTokenizer
-from cosytrt.runtime.tiny_frontends import tiny_speech_tokenizer, write_tiny_frontends
+from cosytrt.runtime.models.text import COSYVOICE3_SPECIAL_TOKENS, ENDOFPROMPT, ByteTokenizer, QwenTokenizer
+from cosytrt.runtime.models.tiny_frontends import tiny_speech_tokenizer, write_tiny_frontends
 
 PREFIX = "You are a helpful assistant.<|endofprompt|>"
 

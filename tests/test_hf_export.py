@@ -11,7 +11,7 @@ from cosytrt.build import trtllm
 from cosytrt.build.hf_export import (export_merged_hf, merged_id_to_speech_token, merged_prompt_ids,
                                      padded_vocab_size, read_metadata, speech_token_to_merged_id)
 from cosytrt.build.trtllm import build_trtllm_engine, trtllm_commands
-from cosytrt.runtime.errors import BackendUnavailableError, InputError, ModelDirError
+from cosytrt.engines.errors import BackendUnavailableError, InputError, ModelDirError
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 TOL = 1e-4

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from cosytrt.runtime.checkpoint import read_state_dict
-from cosytrt.runtime.config import config_from_golden_json, full_config
-from cosytrt.runtime.errors import CheckpointError, InputError, RequestTooLongError
-from cosytrt.runtime.hift import (HiFT, ConvISTFT, ConvSTFT, checkpoint_shapes, default_noise, load_hift)
+from cosytrt.runtime.models.checkpoint import read_state_dict
+from cosytrt.runtime.models.config import config_from_golden_json, full_config
+from cosytrt.engines.errors import CheckpointError, InputError, RequestTooLongError
+from cosytrt.runtime.models.hift import (HiFT, ConvISTFT, ConvSTFT, checkpoint_shapes, default_noise, load_hift)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 WAV_TOL, SOURCE_TOL = 2e-3, 5e-4  # golden README bounds

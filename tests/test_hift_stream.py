@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cosytrt.runtime.config import config_from_golden_json
-from cosytrt.runtime.errors import InputError, RequestTooLongError
-from cosytrt.runtime.hift import load_hift
-from cosytrt.runtime.hift_stream import HiFTStream, push_batch
+from cosytrt.runtime.models.config import config_from_golden_json
+from cosytrt.engines.errors import InputError, RequestTooLongError
+from cosytrt.runtime.models.hift import load_hift
+from cosytrt.runtime.models.hift_stream import HiFTStream, push_batch
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 TOTAL = 230
@@ -88,7 +88,7 @@ def test_work_per_push_does_not_grow_with_history(hift, mel):
         s.push(mel[:, :, i:i + 10])
         windows.append(s.last_decode_window_frames)
     # context + chunk + (8 - 3) held back, rounded up to the window step with spare history
-    from cosytrt.runtime.hift_stream import WINDOW_STEP
+    from cosytrt.runtime.models.hift_stream import WINDOW_STEP
 
     need = s.min_context + 10 + 5
     assert max(windows[5:]) == min(windows[5:]) == -(-need // WINDOW_STEP) * WINDOW_STEP
@@ -147,8 +147,8 @@ def test_stream_errors(hift, mel):
 
 def test_bucketed_stream_decoder_is_exact(hift, mel):
     """Streaming through right-padded bucket windows (what the CUDA-graph path runs) equals the eager stream."""
-    from cosytrt.runtime.buckets import Bucket, BucketTable, ShapeStats
-    from cosytrt.runtime.stage_runner import BucketedStreamDecoder
+    from cosytrt.engines.buckets import Bucket, BucketTable, ShapeStats
+    from cosytrt.runtime.stages.bucketed import BucketedStreamDecoder
 
     table = BucketTable([Bucket("hift", "stream", b, t) for b in (1, 2) for t in (32, 48, 64, 96, 128)], 1.5)
     stats = ShapeStats()

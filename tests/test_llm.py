@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from cosytrt.runtime.config import config_from_golden_json, full_config
-from cosytrt.runtime.errors import CheckpointError, InputError
-from cosytrt.runtime.llm import CosyVoice3LM
+from cosytrt.runtime.models.config import config_from_golden_json, full_config
+from cosytrt.engines.errors import CheckpointError, InputError
+from cosytrt.runtime.models.llm import CosyVoice3LM
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 TOL = 1e-4
@@ -223,7 +223,7 @@ def test_float64_cast_runs(state_dict, vectors):
 def test_prefill_attention_never_uses_cudnn(lm, vectors, monkeypatch):
     """The prefill's shapes vary per admission; cuDNN attention would build a plan per new shape (a stall of the AR
     worker), so its SDPA runs with the cuDNN backend disabled. The decode step keeps the default backends."""
-    from cosytrt.runtime import llm as llm_module
+    from cosytrt.runtime.models import llm as llm_module
 
     seen = []
     sdpa = llm_module.F.scaled_dot_product_attention

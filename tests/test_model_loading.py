@@ -6,9 +6,9 @@ import shutil
 import pytest
 import torch
 
-from cosytrt.runtime.config import config_from_model_dir, full_config
-from cosytrt.runtime.errors import CheckpointError, ConfigError, ModelDirError
-from cosytrt.runtime.model import build_modules, load_models, random_checkpoints
+from cosytrt.runtime.models.config import config_from_model_dir, full_config
+from cosytrt.engines.errors import CheckpointError, ConfigError, ModelDirError
+from cosytrt.runtime.models.loading import build_modules, load_models, random_checkpoints
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 YAML = os.path.join(HERE, "data", "model_dir", "cosyvoice3.yaml")
@@ -81,7 +81,7 @@ def _blank_en(d, vocab_size):
 
 @pytest.fixture(scope="module")
 def real_dir(tmp_path_factory):
-    from cosytrt.runtime.tiny_frontends import write_tiny_frontends
+    from cosytrt.runtime.models.tiny_frontends import write_tiny_frontends
 
     d = tmp_path_factory.mktemp("Fun-CosyVoice3-tiny")
     shutil.copy(YAML, d / "cosyvoice3.yaml")
@@ -140,7 +140,7 @@ def test_unsupported_yaml_values_name_the_field(real_dir, tmp_path, edit, field)
 
 
 def test_real_model_dir_synthesizes(real_dir):
-    from cosytrt.runtime.request import default_voice_wav
+    from cosytrt.runtime.scheduling.request import default_voice_wav
     from cosytrt.runtime.tts import TTS
 
     tts = TTS.load(real_dir)

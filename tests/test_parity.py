@@ -9,9 +9,9 @@ import torch
 
 from cosytrt.build.engine_set import build_engine_set
 from cosytrt.build.parity import THRESHOLDS, Rule, bucket_cases, compare, engine_rule
-from cosytrt.runtime.buckets import Bucket
-from cosytrt.runtime.model import load_models
-from cosytrt.runtime.profile import profile_from_dict
+from cosytrt.engines.buckets import Bucket
+from cosytrt.runtime.models.loading import load_models
+from cosytrt.runtime.stages.profile import profile_from_dict
 from cosytrt.tools.trtbuild import main
 
 # Shared with tests/test_coverage.py (same folder, so a session builds it once). The streaming parity request

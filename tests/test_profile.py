@@ -4,9 +4,9 @@ import textwrap
 
 import pytest
 
-from cosytrt.runtime.buckets import Bucket, streaming_schedule
-from cosytrt.runtime.errors import BucketError, ProfileError
-from cosytrt.runtime.profile import load_profile, profile_from_dict
+from cosytrt.engines.buckets import Bucket, streaming_schedule
+from cosytrt.engines.errors import BucketError, ProfileError
+from cosytrt.runtime.stages.profile import load_profile, profile_from_dict
 
 BASE = """\
 model: tiny

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from cosytrt.runtime.config import SILENT_TOKENS
-from cosytrt.runtime.errors import InputError
-from cosytrt.runtime.sampling import (MAX_SILENT_RUN, SamplingParams, TokenPolicy, generate, nucleus_keep, ras_sample,
+from cosytrt.runtime.models.config import SILENT_TOKENS
+from cosytrt.engines.errors import InputError
+from cosytrt.runtime.models.sampling import (MAX_SILENT_RUN, SamplingParams, TokenPolicy, generate, nucleus_keep, ras_sample,
                                       sample_batch, sample_ids)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")

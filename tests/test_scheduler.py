@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from cosytrt.runtime.errors import RejectedError, RequestTooLongError
-from cosytrt.runtime.request import default_voice_wav, prepare_inputs
-from cosytrt.runtime.sampling import generate
-from cosytrt.runtime.scheduler import RequestHandle, Scheduler, SchedulerConfig
+from cosytrt.engines.errors import RejectedError, RequestTooLongError
+from cosytrt.runtime.scheduling.request import default_voice_wav, prepare_inputs
+from cosytrt.runtime.models.sampling import generate
+from cosytrt.runtime.scheduling.scheduler import RequestHandle, Scheduler, SchedulerConfig
 from cosytrt.runtime.tts import TTS, make_request
 
 SPF = 480  # samples per mel frame

@@ -7,10 +7,10 @@ import time
 import numpy as np
 import pytest
 
-from cosytrt.runtime.buckets import group_by_length
-from cosytrt.runtime.errors import InputError
-from cosytrt.runtime.request import default_voice_wav
-from cosytrt.runtime.scheduler import Scheduler, SchedulerConfig
+from cosytrt.engines.buckets import group_by_length
+from cosytrt.engines.errors import InputError
+from cosytrt.runtime.scheduling.request import default_voice_wav
+from cosytrt.runtime.scheduling.scheduler import Scheduler, SchedulerConfig
 from cosytrt.runtime.tts import make_request
 
 BATCHED_ATOL = 2e-3  # golden HiFT wav tolerance (batched DiT / HiFT calls are not bit-exact)
@@ -94,7 +94,7 @@ def test_group_by_length_in_arrival_order_when_not_length_aware():
 
 def test_hift_length_aware_switch_reaches_the_grouping(tts, speaker, monkeypatch):
     """The offline HiFT grouping gets the switch (its effect on the groups is the unit test above)."""
-    import cosytrt.runtime.scheduler as scheduler_module
+    import cosytrt.runtime.scheduling.scheduler as scheduler_module
 
     seen = []
 
@@ -152,13 +152,13 @@ class _Job:
 
 
 def _metrics(t_submit, ttfa=None, audio_seconds=0.0):
-    from cosytrt.runtime.request import RequestMetrics
+    from cosytrt.runtime.scheduling.request import RequestMetrics
 
     return RequestMetrics(t_submit=t_submit, ttfa=ttfa, audio_seconds=audio_seconds)
 
 
 def test_playback_slack_and_dit_order():
-    from cosytrt.runtime.scheduler import dit_order, playback_slack
+    from cosytrt.runtime.scheduling.scheduler import dit_order, playback_slack
 
     def dit_anchor(ready, now, slack_priority):
         return dit_order(ready, now, slack_priority)[0]

@@ -24,10 +24,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("python_multipart")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from cosytrt.runtime.errors import RejectedError  # noqa: E402
-from cosytrt.runtime.request import RequestMetrics, default_voice_wav  # noqa: E402
-from cosytrt.runtime.server import ServerSettings, create_app, pcm16, wav_header  # noqa: E402
-from cosytrt.runtime.voices import VoiceStore  # noqa: E402
+from cosytrt.engines.errors import RejectedError  # noqa: E402
+from cosytrt.runtime.scheduling.request import RequestMetrics, default_voice_wav  # noqa: E402
+from cosytrt.runtime.serving.app import ServerSettings, create_app, pcm16, wav_header  # noqa: E402
+from cosytrt.runtime.serving.voices import VoiceStore  # noqa: E402
 
 SR = 24000
 SAMPLES_PER_TOKEN = SR // 25  # 25 speech tokens per second
@@ -610,8 +610,8 @@ def test_internal_error_is_openai_shaped_500(tmp_path):
 
 
 def test_voice_store_stays_inside_its_folder(tmp_path, tts):
-    from cosytrt.runtime.errors import InputError
-    from cosytrt.runtime.frontend import save_speaker
+    from cosytrt.engines.errors import InputError
+    from cosytrt.runtime.models.frontend import save_speaker
 
     store = VoiceStore(str(tmp_path / "voices"), tts.pipeline.default_speaker)
     outside = tmp_path / "outside.safetensors"
@@ -628,7 +628,7 @@ def test_voice_store_stays_inside_its_folder(tmp_path, tts):
 
 
 def test_settings_validation():
-    from cosytrt.runtime.errors import InputError
+    from cosytrt.engines.errors import InputError
 
     with pytest.raises(InputError, match="max_in_flight"):
         ServerSettings(max_in_flight=0)
@@ -643,7 +643,7 @@ def test_server_module_imports_without_fastapi_and_cli_exits_2():
     code = ("import sys\n"
             "for m in ('fastapi', 'uvicorn', 'multipart', 'python_multipart', 'starlette'):\n"
             "    sys.modules[m] = None\n"
-            "import cosytrt.runtime.server, cosytrt.runtime.voices\n"
+            "import cosytrt.runtime.serving.app, cosytrt.runtime.serving.voices\n"
             "from cosytrt.tools.trtbuild import main\n"
             "sys.exit(main(['serve', '--model', 'tiny']))\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

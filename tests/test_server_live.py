@@ -18,7 +18,7 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from cosytrt.runtime.server import ServerSettings, create_app, pcm16  # noqa: E402
+from cosytrt.runtime.serving.app import ServerSettings, create_app, pcm16  # noqa: E402
 
 SR = 24000
 SAMPLES_PER_TOKEN = SR // 25

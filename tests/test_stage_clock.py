@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from cosytrt.runtime.stage_clock import StageClock, occupancy
+from cosytrt.runtime.scheduling.stage_clock import StageClock, occupancy
 
 
 def test_spans_add_up_per_stage_and_count():

@@ -65,8 +65,8 @@ def time_cuda(fn, reps: int = 10, warmup: int = 2) -> float:
 
 def full_models(device: str, dtype: torch.dtype, which: str = "full"):
     """Full-size (or tiny) architecture with seeded random weights, built directly on the device."""
-    from ..runtime.config import full_config, tiny_config
-    from ..runtime.model import build_modules
+    from ..runtime.models.config import full_config, tiny_config
+    from ..runtime.models.loading import build_modules
 
     cfg = full_config() if which == "full" else tiny_config()
     torch.manual_seed(0)
@@ -124,7 +124,7 @@ class Bench:
         _log(f"done {name} in {time.perf_counter() - t:.1f}s")
         self.save()
         if self.args.compile_cache:  # after every section: a run cut short still leaves its compiles behind
-            from ..runtime.compiled import save_compile_cache
+            from ..runtime.stages.compiled import save_compile_cache
 
             _log(f"saved compile cache {self.args.compile_cache}: "
                  f"{save_compile_cache(self.args.compile_cache) / 1e6:.1f} MB")
@@ -162,7 +162,7 @@ def kernel_table(fn, steps: int = 5, top: int = 12) -> dict:
 def graph_timing(fn, device, args: tuple, ref, reps: int = 20) -> tuple[float, float, float]:
     """`fn(*args)` captured in a CUDA graph: (median ms per replay, max abs error of its output vs `ref`, seconds the
     capture took, warm-up included)."""
-    from ..runtime.cuda_graphs import GraphCache
+    from ..engines.cuda_graphs import GraphCache
 
     t0 = time.perf_counter()
     g = GraphCache(fn, device)
@@ -177,7 +177,7 @@ def _sdpa_decode_graph(fn, device, args: tuple, kv_len: int, ref) -> tuple[float
     """`fn` (a torch.compile of the LM's decode, separate from the scheduler's) traced with SDPA decode attention
     at every batch (`llm.REDUCE_ATTENTION_MAX_ROWS = 0`) in a CUDA graph: ms per step and max abs error vs eager;
     the same-run baseline of the reduce form that small batches use."""
-    from ..runtime import llm as llm_module
+    from ..runtime.models import llm as llm_module
 
     default = llm_module.REDUCE_ATTENTION_MAX_ROWS
     llm_module.REDUCE_ATTENTION_MAX_ROWS = 0
@@ -192,8 +192,8 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
     """Decode ms per step per batch through the scheduler's path (slot-indexed KV cache, 300 positions filled, KV
     rung 1024): eager, CUDA graph of the eager step, CUDA graph of the torch.compile'd step. Prefill eager vs
     compiled. `compiled_max_abs_err`: compiled vs eager logits."""
-    from ..runtime.compiled import compile_fn
-    from ..runtime.llm import REDUCE_ATTENTION_MAX_ROWS
+    from ..runtime.stages.compiled import compile_fn
+    from ..runtime.models.llm import REDUCE_ATTENTION_MAX_ROWS
 
     q = llm.config.qwen
     params = sum(p.numel() for p in llm.parameters()) - llm.speech_embedding.weight.numel()
@@ -205,7 +205,7 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
     batches = [2, 8, 32] if quick else [2, 8, 32, 64]
     # the serving scheduler's cache (same shapes, so this section's compiles are the ones serving reuses, also
     # through the compile cache in a later run)
-    from ..runtime.kv_slots import KVSlots
+    from ..runtime.stages.kv_slots import KVSlots
     from .bench_serving import scheduler_config
 
     serving = scheduler_config("compiled")
@@ -327,7 +327,7 @@ def aoti_child(model: str, dtype: torch.dtype, device: str, path: str, results: 
 
     from ..build.export_dit import example_inputs
     from ..build.stage_exports import dit_export
-    from ..runtime.dit import FixedModeDiT
+    from ..runtime.models.dit import FixedModeDiT
 
     _cfg, llm, flow, hift = full_models(device, dtype, model)
     del llm, hift
@@ -365,8 +365,8 @@ def bench_dit(flow, device, dtype, quick: bool, compile: bool = True, aoti: Aoti
     of torch.compile, and (offline mask, `aoti`) CUDA graph of an AOTInductor package, timed in its child process
     first, while this process waits."""
     from ..build.export_dit import example_inputs
-    from ..runtime.compiled import CompiledDiT
-    from ..runtime.dit import FixedModeDiT
+    from ..runtime.stages.compiled import CompiledDiT
+    from ..runtime.models.dit import FixedModeDiT
 
     dit = flow.estimator
     params = sum(p.numel() for p in dit.parameters())
@@ -422,7 +422,7 @@ def bench_hift(hift, device, quick: bool, compile: bool = True) -> list[dict]:
     eager = lambda m: hift.inference(m, finalize=True)[0]  # noqa: E731
     compiled = None
     if compile:
-        from ..runtime.compiled import CompiledHiFT
+        from ..runtime.stages.compiled import CompiledHiFT
 
         compiled = CompiledHiFT.of(hift).offline  # what the compiled serving variant captures
     for B, T in shapes:
@@ -460,9 +460,9 @@ def bench_hift(hift, device, quick: bool, compile: bool = True) -> list[dict]:
 def graph_parity(cfg, llm, flow, hift, device, profile_name: str) -> list[dict]:
     """For every static DiT/HiFT bucket of the graph profile: graph replay vs the eager module at that shape."""
     from ..engines.cudagraph import example_from_templates
-    from ..runtime.cuda_graphs import GraphCache
-    from ..runtime.dit import FixedModeDiT
-    from ..runtime.profile import load_profile
+    from ..engines.cuda_graphs import GraphCache
+    from ..runtime.models.dit import FixedModeDiT
+    from ..runtime.stages.profile import load_profile
 
     prof = load_profile(profile_name)
     dit = flow.estimator
@@ -502,10 +502,10 @@ def graph_parity(cfg, llm, flow, hift, device, profile_name: str) -> list[dict]:
 # ------------------------------------------------------------------ end to end (c1)
 
 def bench_e2e(cfg, llm, flow, hift, device, quick: bool) -> list[dict]:
-    from ..runtime.model import CosyVoice3Models
-    from ..runtime.pipeline import Pipeline
-    from ..runtime.request import Request
-    from ..runtime.sampling import SamplingParams
+    from ..runtime.models.loading import CosyVoice3Models
+    from ..runtime.stages.pipeline import Pipeline
+    from ..runtime.scheduling.request import Request
+    from ..runtime.models.sampling import SamplingParams
 
     models = CosyVoice3Models(cfg, llm, flow, hift, "random-full", "", "random")
     pipe = _pipeline_with_random_frontend(models, Pipeline)
@@ -528,10 +528,10 @@ def _pipeline_with_random_frontend(models, Pipeline):
     """A pipeline over in-memory random models with the tiny ONNX frontends and a synthetic built-in voice."""
     import tempfile
 
-    from ..runtime.frontend import Frontend, SavedSpeaker
-    from ..runtime.request import default_voice_wav
-    from ..runtime.text import ByteTokenizer
-    from ..runtime.tiny_frontends import write_tiny_frontends
+    from ..runtime.models.frontend import Frontend, SavedSpeaker
+    from ..runtime.scheduling.request import default_voice_wav
+    from ..runtime.models.text import ByteTokenizer
+    from ..runtime.models.tiny_frontends import write_tiny_frontends
 
     d = tempfile.mkdtemp()
     tok_path, spk_path = write_tiny_frontends(d)
@@ -541,8 +541,8 @@ def _pipeline_with_random_frontend(models, Pipeline):
 
 
 def run(args) -> int:
-    from ..runtime.compiled import load_compile_cache
-    from ..runtime.errors import InputError
+    from ..runtime.stages.compiled import load_compile_cache
+    from ..engines.errors import InputError
 
     suites = set(args.suite.split(","))
     if "micro" in suites:

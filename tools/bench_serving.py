@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from ..runtime.compiled import compiled_graph_count
-from ..runtime.stage_clock import occupancy
-from ..runtime.metrics import aggregate
-from ..runtime.scheduler import POLICIES as FEATURES
+from ..runtime.stages.compiled import compiled_graph_count
+from ..runtime.scheduling.stage_clock import occupancy
+from ..runtime.scheduling.metrics import aggregate
+from ..runtime.scheduling.scheduler import POLICIES as FEATURES
 
 TOKENS = {"short": (125,), "medium": (375,), "long": (1000,), "mixed": (125, 1000)}  # 25 tokens = 1 s of audio
 VARIANTS = ("compiled", "graphs", "eager")
@@ -68,8 +68,8 @@ def feature_cells() -> list[Cell]:
 
 
 def run_cell(tts, cell: Cell, prompt_wav) -> dict:
-    from ..runtime.request import Request
-    from ..runtime.sampling import SamplingParams
+    from ..runtime.scheduling.request import Request
+    from ..runtime.models.sampling import SamplingParams
 
     lengths = TOKENS[cell.text]
     compiles = compiled_graph_count()
@@ -105,16 +105,16 @@ def run_cell(tts, cell: Cell, prompt_wav) -> dict:
 
 
 def scheduler_config(variant: str):
-    from ..runtime.scheduler import SchedulerConfig
+    from ..runtime.scheduling.scheduler import SchedulerConfig
 
     return SchedulerConfig(max_in_flight=128, ar_max_batch=64, dit_max_requests=8, hift_max_batch=16,
                            cuda_graphs=variant != "eager", compile=variant == "compiled", ar_max_len=2048)
 
 
 def make_pipeline(models, variant: str, graph_profile: str):
-    from ..runtime.engine_set import attach_cuda_graphs
-    from ..runtime.pipeline import Pipeline
-    from ..runtime.profile import load_profile
+    from ..runtime.stages.engine_set import attach_cuda_graphs
+    from ..runtime.stages.pipeline import Pipeline
+    from ..runtime.stages.profile import load_profile
     from .bench import _pipeline_with_random_frontend
 
     pipe = _pipeline_with_random_frontend(models, Pipeline)
@@ -123,11 +123,11 @@ def make_pipeline(models, variant: str, graph_profile: str):
     if pipe.device.type == "cuda":
         attach_cuda_graphs(pipe, load_profile(graph_profile), compile=variant == "compiled")
     elif variant == "compiled":
-        from ..runtime.compiled import attach_compiled
+        from ..runtime.stages.compiled import attach_compiled
 
         attach_compiled(pipe)
     else:
-        from ..runtime.errors import InputError
+        from ..engines.errors import InputError
 
         raise InputError("the 'graphs' serving variant needs CUDA")
     return pipe
@@ -175,8 +175,8 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
     rest of the cell set `cells` (full / quick / smoke) on the primary. `features`: on the primary variant's
     pipeline, the feature off/on comparison (results under "features"), before the rest of the matrix.
     Ratio-critical cells come first, so a run cut short by --budget-s keeps them."""
-    from ..runtime.model import CosyVoice3Models
-    from ..runtime.request import default_voice_wav
+    from ..runtime.models.loading import CosyVoice3Models
+    from ..runtime.scheduling.request import default_voice_wav
     from .bench import _log
 
     models = CosyVoice3Models(cfg, llm, flow, hift, "random-full", "", "random")
@@ -230,7 +230,7 @@ def _features(tts, variant: str, cells: str, bench, prompt) -> dict:
     """Each batching policy off vs all on, switched on the running scheduler (`Scheduler.set_policies`): same
     graphs, same caches, no second scheduler. "all on" runs first and again last (ALL_ON_REPEAT): the two show
     how much a cell moves between runs of the same setting (the report compares against their mean)."""
-    from ..runtime.engine_set import use_hift_variant
+    from ..runtime.stages.engine_set import use_hift_variant
     from .bench import _log
 
     out: dict = {"variant": variant, "cells": []}

@@ -16,8 +16,8 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from ..build.engine_set import build_engine_set, resolve_backend
-    from ..runtime.model import load_models
-    from ..runtime.profile import load_profile
+    from ..runtime.models.loading import load_models
+    from ..runtime.stages.profile import load_profile
 
     if resolve_backend(args.backend, args.device) == "tensorrt":
         from ..engines.tensorrt import import_tensorrt

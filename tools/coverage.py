@@ -1,6 +1,6 @@
 """`trtbuild coverage --engines DIR`: replay a workload through the runtime and report how its calls fit the buckets.
 
-Workload: `--workload FILE` (JSONL, fields in cosytrt.runtime.coverage) or `--matrix default` (text short / medium /
+Workload: `--workload FILE` (JSONL, fields in cosytrt.tools.coverage_run) or `--matrix default` (text short / medium /
 long x stream / offline x reference audio yes / no x concurrency 1 / 8 / 32); `--quick` or `--scale F` keep CPU runs
 small. Prints per stage and bucket: calls, share of calls and work, padding waste (mean, p95, max), eager fallbacks
 with their share of time, and the extra buckets that would remove the fallbacks or cut the waste. `--out DIR` writes
@@ -85,7 +85,7 @@ def format_report(r: dict) -> str:
 
 
 def run(args) -> int:
-    from ..runtime.coverage import default_matrix, load_workload, run_coverage
+    from .coverage_run import default_matrix, load_workload, run_coverage
 
     if args.workload:
         reqs, source = load_workload(args.workload), args.workload

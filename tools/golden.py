@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from ..runtime.errors import ModelDirError
+from ..engines.errors import ModelDirError
 from .table import format_table
 
 # max |error| bounds from the golden README; streaming is judged by SNR (dB, higher is better)
@@ -41,7 +41,7 @@ def compute_golden(golden_dir: str) -> dict:
     """Return {vector: max_abs_error, ...} plus the streaming SNRs and `pass`."""
     from safetensors.torch import load_file
 
-    from ..runtime.model import load_models
+    from ..runtime.models.loading import load_models
 
     if not os.path.isdir(golden_dir):
         raise ModelDirError(f"golden directory not found: {golden_dir!r}")
@@ -81,7 +81,7 @@ def compute_golden(golden_dir: str) -> dict:
 
 
 def _stream_check(m, s: dict) -> dict:
-    from ..runtime.token2wav import Token2Wav
+    from ..runtime.stages.token2wav import Token2Wav
 
     m.flow.set_noise(s["stream.rand_noise"])
     m.hift.set_noise(rand_ini=s["stream.rand_ini"], sine_waves=s["stream.sine_waves"])

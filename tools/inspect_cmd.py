@@ -12,7 +12,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import json
 
-    from ..build.manifest import Manifest
+    from ..engines.manifest import Manifest
 
     m = Manifest.load(args.dir)
     if args.json:

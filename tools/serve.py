@@ -36,7 +36,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import os
 
-    from ..runtime.server import ServerSettings, missing_serve_packages, serve
+    from ..runtime.serving.app import ServerSettings, missing_serve_packages, serve
 
     missing = missing_serve_packages()
     if missing:
@@ -47,7 +47,7 @@ def run(args) -> int:
         print("trtbuild serve: error: --config is the cluster placement file: it needs --cluster ray", file=sys.stderr)
         return 2
     if args.cluster == "ray":
-        from ..runtime.cluster import CLUSTER_EXTRA, missing_cluster_packages
+        from ..runtime.cluster.app import CLUSTER_EXTRA, missing_cluster_packages
 
         missing = missing_cluster_packages()
         if missing:
@@ -69,7 +69,7 @@ def run(args) -> int:
                               log_level=args.log_level, compile=args.compile, compile_cache=args.compile_cache,
                               **kw)
     if args.cluster == "ray":
-        from ..runtime.cluster import serve_cluster
+        from ..runtime.cluster.app import serve_cluster
 
         return serve_cluster(args.config, settings)
     return serve(settings)

@@ -30,15 +30,15 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import soundfile as sf
 
-    from ..runtime.request import Request
-    from ..runtime.sampling import SamplingParams
+    from ..runtime.scheduling.request import Request
+    from ..runtime.models.sampling import SamplingParams
     from ..runtime.tts import TTS
 
     tts = TTS.load(model=args.model, engines=args.engines, device=args.device, compile=args.compile,
                    compile_cache=args.compile_cache)
     if args.save_speaker:
         if not args.prompt_wav:
-            from ..runtime.errors import InputError
+            from ..engines.errors import InputError
 
             raise InputError("--save-speaker needs --prompt-wav")
         tts.save_speaker(args.save_speaker, args.prompt_wav, args.prompt_text or "")

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    from cosytrt.runtime.errors import CosytrtError
+    from cosytrt.engines.errors import CosytrtError
 
     try:
         return int(modules[args.command].run(args) or 0)

@@ -1,11 +1,11 @@
 import time, torch
 from cosytrt.tools.bench import full_models, _pipeline_with_random_frontend
-from cosytrt.runtime.model import CosyVoice3Models
-from cosytrt.runtime.pipeline import Pipeline
-from cosytrt.runtime.engine_set import attach_cuda_graphs
-from cosytrt.runtime.profile import load_profile
-from cosytrt.runtime.request import Request
-from cosytrt.runtime.sampling import SamplingParams
+from cosytrt.runtime.models.loading import CosyVoice3Models
+from cosytrt.runtime.stages.pipeline import Pipeline
+from cosytrt.runtime.stages.engine_set import attach_cuda_graphs
+from cosytrt.runtime.stages.profile import load_profile
+from cosytrt.runtime.scheduling.request import Request
+from cosytrt.runtime.models.sampling import SamplingParams
 from cosytrt.tools.golden import snr_db
 cfg, llm, flow, hift = full_models("cuda", torch.bfloat16)
 m = CosyVoice3Models(cfg, llm, flow, hift, "random-full", "", "random")

@@ -1,0 +1,7 @@
+"""Input and output names of the exported stage graphs: the contract between the exporters (build/) and the runners
+that feed them (runtime/stages/)."""
+
+DIT_INPUTS = ("x", "mask", "mu", "t", "spks", "cond")
+DIT_OUTPUT = "estimator_out"
+HIFT_INPUTS = ("mel", "sine_noise")
+HIFT_OUTPUT = "wav"

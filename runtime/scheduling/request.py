@@ -1,0 +1,111 @@
+"""A synthesis request, its per-request metrics, and the frontend step that turns it into model inputs."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...engines.errors import InputError
+from ..models.frontend import Frontend, LMRequestInputs, SavedSpeaker, load_speaker
+from ..models.sampling import SamplingParams
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class Request:
+    """What a user asks for. Exactly one voice source: prompt audio, a saved speaker, or the model's default voice.
+
+    Modes: zero-shot (prompt audio + `prompt_text`), cross-lingual (prompt audio, no transcript), instruct
+    (`instruct` text ending in <|endofprompt|>, optional prompt audio for the flow)."""
+
+    text: str
+    prompt_wav: object = None  # path or np.ndarray
+    prompt_sr: int | None = None
+    prompt_text: str | None = None
+    instruct: str | None = None
+    speaker: object = None  # SavedSpeaker or a path to a saved-speaker file
+    stream: bool = False
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: int = field(default_factory=lambda: next(_ids))
+
+    def __post_init__(self):
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise InputError("request text is empty")
+        if self.prompt_wav is not None and self.speaker is not None:
+            raise InputError("give either prompt audio or a saved speaker, not both")
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timings in seconds; filled by whichever path runs the request."""
+
+    request_id: int = 0
+    stream: bool = False
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_tokenizer: float = 0.0
+    t_ar: float = 0.0
+    t_dit: float = 0.0
+    t_vocoder: float = 0.0
+    t_queue: float = 0.0
+    ttfa: float | None = None  # time to first audio
+    chunk_times: list = field(default_factory=list)  # arrival times of chunks, relative to submit
+    total: float = 0.0
+    tokens: int = 0
+    audio_seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def rtf(self) -> float:
+        return self.total / self.audio_seconds if self.audio_seconds > 0 else float("inf")
+
+    @property
+    def inter_chunk(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+    def mark_chunk(self, samples: int, sample_rate: int) -> None:
+        now = time.perf_counter() - self.t_submit
+        if self.ttfa is None:
+            self.ttfa = now
+        self.chunk_times.append(now)
+        self.audio_seconds += samples / sample_rate
+
+    def to_dict(self) -> dict:
+        return {"request_id": self.request_id, "stream": self.stream, "T_tokenizer": self.t_tokenizer,
+                "T_AR": self.t_ar, "T_DiT": self.t_dit, "T_vocoder": self.t_vocoder, "T_queue": self.t_queue,
+                "ttfa": self.ttfa, "inter_chunk": self.inter_chunk, "total": self.total, "tokens": self.tokens,
+                "audio_seconds": self.audio_seconds, "rtf": self.rtf if self.audio_seconds else None,
+                "error": self.error}
+
+
+def default_voice_wav(sr: int = 16000, seconds: float = 3.0) -> np.ndarray:
+    """A deterministic synthetic voice-like prompt (harmonic glide with a syllable envelope) for the tiny model."""
+    t = np.arange(int(sr * seconds)) / sr
+    f0 = 140.0 + 30.0 * np.sin(2 * np.pi * 0.7 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / sr
+    wav = sum(np.sin(k * phase) / k for k in range(1, 8))
+    env = 0.5 * (1 - np.cos(2 * np.pi * 3.0 * t))
+    return (0.2 * wav * env / np.max(np.abs(wav))).astype(np.float32)
+
+
+def prepare_inputs(frontend: Frontend, req: Request, default_speaker: SavedSpeaker | None) -> LMRequestInputs:
+    """Run the frontend for one request (the T_tokenizer part)."""
+    if req.speaker is not None:
+        spk = load_speaker(req.speaker) if isinstance(req.speaker, str) else req.speaker
+        if req.instruct:
+            return frontend.instruct(req.text, req.instruct, features=spk.features)
+        return frontend.from_speaker(req.text, spk)
+    if req.prompt_wav is not None:
+        if req.instruct:
+            return frontend.instruct(req.text, req.instruct, req.prompt_wav, req.prompt_sr)
+        if req.prompt_text:
+            return frontend.zero_shot(req.text, req.prompt_text, req.prompt_wav, req.prompt_sr)
+        return frontend.cross_lingual(req.text, req.prompt_wav, req.prompt_sr)
+    if default_speaker is None:
+        raise InputError("this model has no built-in voice: give prompt audio (with its transcript) or a saved "
+                         "speaker")
+    if req.instruct:
+        return frontend.instruct(req.text, req.instruct, features=default_speaker.features)
+    return frontend.from_speaker(req.text, default_speaker)

@@ -1,0 +1,91 @@
+"""CUDA graphs for the AR decode step: one graph per (batch bucket, KV-length rung), replayed every step.
+
+A decode call of b rows runs in the smallest captured batch B >= b; the B - b padding rows write into a scratch KV
+slot that no request owns (position 0, token 0), so real rows are unaffected. The KV length attended is the smallest
+rung >= the longest position + 1 (a static int, so the graph's shapes are fixed).
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from ...engines.cuda_graphs import GraphCache
+
+
+class DecodeGraphs:
+    """`decode(tokens, slots, positions, kv_len=...)` is the LM's decode step, eager or compiled (`compiled.py`)."""
+
+    def __init__(self, decode, batches: list[int], kv_lens: list[int], scratch_slot: int, device):
+        self.batches = sorted(set(batches))
+        self.kv_lens = sorted(set(kv_lens))
+        self.scratch = scratch_slot
+        self.device = torch.device(device)
+        self.graphs: dict[int, GraphCache] = {}
+        for kv in self.kv_lens:
+            cache = GraphCache(lambda t, s, p, kv=kv: decode(t, s, p, kv_len=kv), self.device)
+            for B in sorted(self.batches, reverse=True):
+                t = torch.zeros(B, dtype=torch.long, device=self.device)
+                s = torch.full((B,), scratch_slot, dtype=torch.long, device=self.device)
+                p = torch.zeros(B, dtype=torch.long, device=self.device)
+                cache.capture(B, (t, s, p))
+            self.graphs[kv] = cache
+        self.replays = 0
+
+    def fits(self, b: int, kv_len: int) -> bool:
+        return b <= self.batches[-1] and kv_len <= self.kv_lens[-1]
+
+    def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, need_kv: int):
+        b = tokens.shape[0]
+        B = self.batches[bisect.bisect_left(self.batches, b)]
+        kv = self.kv_lens[bisect.bisect_left(self.kv_lens, need_kv)]
+        if B > b:
+            pad = B - b
+            tokens = torch.cat([tokens, tokens.new_zeros(pad)])
+            slots = torch.cat([slots, slots.new_full((pad,), self.scratch)])
+            positions = torch.cat([positions, positions.new_zeros(pad)])
+        self.replays += 1
+        return self.graphs[kv].run(B, tokens, slots, positions)[:b]
+
+
+class PrefillGraphs:
+    """CUDA graphs for the AR prefill: one graph per (batch bucket, padded length), replayed for every admission.
+
+    `prefill(embeds [B, T, H], lengths [B], slots [B])` is the LM's prefill, eager or compiled. A call of b rows and
+    t positions runs in the smallest captured (B >= b, T >= t): padding rows get length 1 and the scratch slot,
+    padding positions are zeros past each row's length (masked, and their K/V are overwritten by decode before any
+    read). A 150-token prefill is launch-bound (about 500 kernels): the graph turns those into one launch.
+    Captured largest first; only (B, T) with B * T <= max_tokens."""
+
+    def __init__(self, prefill, batches: list[int], lengths: list[int], max_tokens: int, hidden: int, dtype,
+                 scratch_slot: int, device):
+        self.batches = sorted(set(batches))
+        self.lengths = sorted(set(lengths))
+        self.max_tokens = max_tokens
+        self.scratch = scratch_slot
+        self.device = torch.device(device)
+        self.cache = GraphCache(prefill, self.device)
+        self.keys = sorted(((B, T) for B in self.batches for T in self.lengths if B * T <= max_tokens),
+                           key=lambda k: -k[0] * k[1])
+        for B, T in self.keys:
+            self.cache.capture((B, T), (torch.zeros(B, T, hidden, dtype=dtype, device=self.device),
+                                        torch.ones(B, dtype=torch.long, device=self.device),
+                                        torch.full((B,), scratch_slot, dtype=torch.long, device=self.device)))
+        self.replays = 0
+
+    def bucket(self, b: int, t: int) -> tuple[int, int] | None:
+        """The cheapest captured (B, T) that holds b rows of t positions, or None."""
+        fits = [(B, T) for B, T in self.keys if B >= b and T >= t]
+        return min(fits, key=lambda k: (k[0] * k[1], k[1])) if fits else None
+
+    def __call__(self, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        b, t, _ = embeds.shape
+        key = self.bucket(b, t)
+        if key is None:
+            raise ValueError(f"no prefill graph holds {b} rows x {t} positions")  # callers check bucket() first
+        B, T = key
+        embeds = torch.nn.functional.pad(embeds, (0, 0, 0, T - t, 0, B - b))
+        lengths = torch.cat([lengths, lengths.new_ones(B - b)])
+        slots = torch.cat([slots, slots.new_full((B - b,), self.scratch)])
+        self.replays += 1
+        return self.cache.run(key, embeds, lengths, slots)[:b]

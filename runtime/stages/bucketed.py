@@ -1,0 +1,174 @@
+"""Bucketed stage calls: pick the smallest bucket that fits, pad, run the engine, crop; eager fallback otherwise.
+
+`BucketedDiT` is a drop-in `estimator` for Flow.solve: calls arrive as CFG batches (2B rows) of T frames.
+Every call is recorded in a ShapeStats (hits, padding waste, fallbacks with their reason) for metrics() and the
+coverage report.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...engines.buckets import BucketTable, ShapeStats
+
+
+class BucketedDiT:
+    """estimator(x, mask, mu, t, spks, cond, streaming=...) over per-mode engine runners with an eager fallback."""
+
+    def __init__(self, eager_dit, runners: dict, tables: dict[str, BucketTable], stats: ShapeStats | None = None):
+        self.eager = eager_dit
+        self.runners = runners  # mode -> EngineRunner
+        self.tables = tables  # mode -> BucketTable
+        self.stats = stats or ShapeStats()
+
+    def __call__(self, x, mask, mu, t, spks, cond, streaming: bool = False):
+        mode = "stream" if streaming else "offline"
+        b, _, n = x.shape
+        runner = self.runners.get(mode)
+        table = self.tables.get(mode)
+        t0 = time.perf_counter()
+        if runner is None or table is None:
+            out = self.eager(x, mask, mu, t, spks, cond, streaming=streaming)
+            self.stats.record("dit", mode, b, n, None, time.perf_counter() - t0, reason="no engine for this mode")
+            return out
+        bucket = table.select(b, n)
+        if bucket is None:
+            out = self.eager(x, mask, mu, t, spks, cond, streaming=streaming)
+            self.stats.record("dit", mode, b, n, None, time.perf_counter() - t0, reason=table.miss_reason(b, n))
+            return out
+        try:
+            out = self._run(runner, bucket, x, mask, mu, t, spks, cond)
+        except Exception as e:  # noqa: BLE001 - an engine failure must not take the request down
+            out = self.eager(x, mask, mu, t, spks, cond, streaming=streaming)
+            self.stats.record("dit", mode, b, n, None, time.perf_counter() - t0, reason=f"engine error: {e}")
+            return out
+        self.stats.record("dit", mode, b, n, bucket, time.perf_counter() - t0)
+        return out
+
+    @staticmethod
+    def _run(runner, bucket, x, mask, mu, t, spks, cond):
+        b, _, n = x.shape
+        B, L = bucket.batch, bucket.run_length(n)
+        dtype = _engine_dtype(runner, x.dtype)
+
+        def pad(a: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+            shape = (B,) + tuple(a.shape[1:-1]) + ((L,) if a.dim() == 3 else ())
+            if a.dim() < 3:
+                shape = (B,) + tuple(a.shape[1:])
+            out = torch.full(shape, fill, dtype=dtype, device=a.device)
+            if a.dim() == 3:
+                out[:b, :, :n] = a
+            else:
+                out[:b] = a
+            return out
+
+        m = pad(mask)
+        m[b:] = 1.0  # unused batch rows attend to something (no all-masked rows, no NaNs)
+        t_in = pad(t)
+        t_in[b:] = t[0]
+        inputs = {"x": pad(x), "mask": m, "mu": pad(mu), "t": t_in, "spks": pad(spks), "cond": pad(cond)}
+        out = runner.run(inputs, bucket)[runner.output_names[0]]
+        return out[:b, :, :n].to(x.dtype)
+
+
+def _engine_dtype(runner, default: torch.dtype) -> torch.dtype:
+    from ...engines.base import torch_dtype
+
+    try:
+        return torch_dtype(runner.spec.dtype)
+    except Exception:  # noqa: BLE001
+        return default
+
+
+class BucketedHiFT:
+    """Offline HiFT over engine buckets: `inference_batch(mels, finalize=True)` exact per row (see the tail rule)."""
+
+    def __init__(self, eager_hift, runners: dict, tables: dict[str, BucketTable], stats: ShapeStats | None = None):
+        self.hift = eager_hift
+        self.runners = runners
+        self.tables = tables
+        self.stats = stats or ShapeStats()
+
+    def inference_batch(self, mels: list[torch.Tensor], finalize: bool = True) -> list[torch.Tensor]:
+        """mels: [80, T_i] each. Runs one engine call on the padded batch when a bucket fits (finalize only; chunk
+        calls go to the eager HiFT), then recomputes the last frame of every padded row eagerly: zero padding changes
+        only what a padded row's final frame sees (its STFT/iSTFT edge), so each row equals the row run alone."""
+        mels = [m[0] if m.ndim == 3 else m for m in mels]
+        lengths = [int(m.shape[-1]) for m in mels]
+        b, n = len(mels), max(lengths)
+        mode = "offline" if finalize else "stream"
+        runner, table = self.runners.get(mode), self.tables.get(mode)
+        t0 = time.perf_counter()
+        bucket = table.select(b, n) if (runner is not None and table is not None and finalize) else None
+        if bucket is None:
+            reason = "no engine for this mode" if runner is None or not finalize else table.miss_reason(b, n)
+            out = self.hift.inference_batch(mels, finalize)
+            self.stats.record("hift", mode, b, n, None, time.perf_counter() - t0, reason=reason)
+            return out
+        try:
+            out = self._run(runner, bucket, mels, lengths)
+        except Exception as e:  # noqa: BLE001
+            out = self.hift.inference_batch(mels, finalize)
+            self.stats.record("hift", mode, b, n, None, time.perf_counter() - t0, reason=f"engine error: {e}")
+            return out
+        self.stats.record("hift", mode, b, n, bucket, time.perf_counter() - t0)
+        return out
+
+    def _run(self, runner, bucket, mels, lengths):
+        h = self.hift
+        spf = h.samples_per_frame
+        L = bucket.run_length(max(lengths))
+        batch = torch.zeros(bucket.batch, mels[0].shape[0], L, dtype=torch.float32, device=mels[0].device)
+        for i, m in enumerate(mels):
+            batch[i, :, :m.shape[-1]] = m
+        h.check_noise(L)
+        noise = h.noise_slice(0, L).to(batch.device)
+        wav = runner.run({"mel": batch, "sine_noise": noise}, bucket)[runner.output_names[0]]
+        out = [wav[i, :t * spf] for i, t in enumerate(lengths)]
+        ctx = h.decode_left_context() + 1
+        for i, t in enumerate(lengths):
+            if t == L:
+                continue
+            if t <= ctx:  # too short for a window: run the row alone
+                out[i] = h.inference(mels[i].unsqueeze(0), True)[0][0]
+                continue
+            f0 = h.predict_f0(mels[i].unsqueeze(0), True)
+            src = h.sine_source(f0)
+            tail = h.decode(mels[i][None, :, t - ctx:], src[:, :, (t - ctx) * spf:t * spf], finalize=True)[:, -spf:]
+            out[i] = torch.cat([out[i][:-spf], tail[0]])
+        return out
+
+
+class BucketedStreamDecoder:
+    """Streaming HiFT windows (the conv stack of `HiFT.decode`) over static buckets, e.g. CUDA graphs.
+
+    Non-final windows are right-padded to the bucket (zeros; unused batch rows zero) and cropped: padding is exact
+    there because a non-final decode's output stops 5 frames before the window end (4 conv_pre look-ahead frames and the
+    480-sample cut), so no kept sample sees a padded frame. Final windows end at their own iSTFT edge and run eagerly."""
+
+    def __init__(self, hift, run, table: BucketTable, stats: ShapeStats | None = None):
+        self.hift = hift
+        self.run = run  # run(bucket, mel [B, 80, L], source [B, 1, L * 480]) -> wav [B, (L - 5) * 480]
+        self.table = table
+        self.stats = stats or ShapeStats()
+
+    def __call__(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool) -> torch.Tensor:
+        b, _, n = mel.shape
+        t0 = time.perf_counter()
+        bucket = None if finalize else self.table.select(b, n)
+        if bucket is None:
+            out = self.hift.decode(mel, source, finalize)
+            self.stats.record("hift", "stream", b, n, None, time.perf_counter() - t0,
+                              reason="final window (own iSTFT edge)" if finalize else self.table.miss_reason(b, n))
+            return out
+        spf = self.hift.samples_per_frame
+        L = bucket.run_length(n)
+        mel_p = mel.new_zeros(bucket.batch, mel.shape[1], L)
+        mel_p[:b, :, :n] = mel
+        src_p = source.new_zeros(bucket.batch, 1, L * spf)
+        src_p[:b, :, :n * spf] = source
+        keep = self.hift.decode_output_samples(n, finalize=False)
+        out = self.run(bucket, mel_p, src_p)[:b, :keep]
+        self.stats.record("hift", "stream", b, n, bucket, time.perf_counter() - t0)
+        return out

@@ -1,0 +1,155 @@
+"""torch.compile for the hot stage functions: the AR prefill and decode step, the DiT estimator and the HiFT vocoder.
+
+Eager PyTorch runs these as hundreds of small kernels per call (24 LM layers x ~45 kernels for one decode step; 22
+DiT blocks x ~30 per estimator call), so at serving batch sizes they are launch-bound even inside a CUDA graph.
+Inductor fuses the elementwise work (RMSNorm, RoPE, KV write, SiLU-gating, AdaLN modulation, gating residuals) into
+a few Triton kernels around the GEMMs and attention (H200: decode step 3.2 -> 1.75 ms, DiT step 2x faster than the
+eager module's graph; BENCHMARKS.md).
+
+Shapes are dynamic (`dynamic=True`), so a new batch size or length reuses the compiled code. Dynamo still
+specializes batch 1 and a slice spanning a whole buffer; the scheduler avoids both (batch-1 LM calls get a padding
+row, the KV cache has a spare position), so the LM compiles once for prefill and twice for decode (<= 2 rows and more:
+the decode attention takes another form for small batches, `llm.decode_attention`). The DiT compiles
+once per attention mode (its convolutions are opaque to the compiler: `dit._conv1d`). On CUDA the
+compiled function is then captured once per bucket in a CUDA graph, exactly like the eager one (`GraphCache`), so a
+replay costs one launch.
+
+`save_compile_cache` / `load_compile_cache` move Inductor's compiled artifacts between processes or machines of the
+same GPU and torch version (torch.compiler's portable cache), so a server restart (or a benchmark on a fresh GPU
+machine) skips most of the compile time.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+from ..models.dit import DiT, FixedModeDiT
+from ...engines.errors import InputError
+
+
+_MEMO = "_cosytrt_compiled"  # attribute of the owning object: its compiled functions live and die with it
+
+
+def _memo(owner) -> dict:
+    memo = vars(owner).get(_MEMO)
+    if memo is None:
+        memo = vars(owner)[_MEMO] = {}
+    return memo
+
+
+def compile_fn(fn: Callable) -> Callable:
+    """`fn` compiled by Inductor with dynamic shapes and no graph breaks (no CUDA graphs of its own: callers capture
+    per bucket). A bound method of a live object (`lm.decode`) is compiled once per process: later calls return the
+    same compiled function, so a second scheduler over the same model does not compile again."""
+    import torch._dynamo
+
+    # one dynamo cache entry per specialization (DiT modes, batch guards): stay far from the default limit of 8
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+    owner, name = getattr(fn, "__self__", None), getattr(fn, "__name__", None)
+    if owner is None or name is None:
+        return torch.compile(fn, dynamic=True, fullgraph=True)
+    per_owner = _memo(owner)
+    if name not in per_owner:
+        per_owner[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return per_owner[name]
+
+
+class CompiledDiT:
+    """A drop-in `estimator(x, mask, mu, t, spks, cond, streaming=...)`: the DiT compiled once per attention mode
+    (`CompiledDiT.of(dit)` returns the one instance per DiT)."""
+
+    def __init__(self, dit: DiT):
+        self.dit = dit
+        self.modes = {streaming: compile_fn(FixedModeDiT(dit, streaming).forward) for streaming in (False, True)}
+
+    @classmethod
+    def of(cls, dit: DiT) -> "CompiledDiT":
+        per_owner = _memo(dit)
+        if "CompiledDiT" not in per_owner:
+            per_owner["CompiledDiT"] = cls(dit)
+        return per_owner["CompiledDiT"]
+
+    def fixed(self, streaming: bool) -> Callable:
+        """The compiled 6-input function of one mode (what CUDA graphs capture)."""
+        return self.modes[streaming]
+
+    def __call__(self, x, mask, mu, t, spks, cond, streaming: bool = False):
+        return self.modes[bool(streaming)](x, mask, mu, t, spks, cond)
+
+
+COMPILED_HIFT_MIN_ROWS = 2
+
+
+class CompiledHiFT:
+    """The vocoder compiled by Inductor (f0 predictor, sine source, conv stack with its Snake activations fused, STFT /
+    iSTFT; one dynamic-shape graph per entry point): `offline(mel)` is `hift.inference(mel, finalize=True)[0]`, `stream_window(mel, source)`
+    is a non-final `hift.decode` window. H200, run 13: 1.75-1.9x faster than the eager vocoder's CUDA graph.
+    Dynamo specializes batch 1, so calls of fewer than COMPILED_HIFT_MIN_ROWS rows run the eager vocoder instead of
+    compiling a second time (`CompiledHiFT.of(hift)` returns the one instance per vocoder)."""
+
+    def __init__(self, hift):
+        self.hift = hift
+        self._offline = compile_fn(self._offline_eager)
+        self._window = compile_fn(self._window_eager)
+
+    @classmethod
+    def of(cls, hift) -> "CompiledHiFT":
+        per_owner = _memo(hift)
+        if "CompiledHiFT" not in per_owner:
+            per_owner["CompiledHiFT"] = cls(hift)
+        return per_owner["CompiledHiFT"]
+
+    def _offline_eager(self, mel: torch.Tensor) -> torch.Tensor:
+        return self.hift.inference(mel, finalize=True)[0]
+
+    def _window_eager(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return self.hift.decode(mel, source, finalize=False)
+
+    def offline(self, mel: torch.Tensor) -> torch.Tensor:
+        fn = self._offline if mel.shape[0] >= COMPILED_HIFT_MIN_ROWS else self._offline_eager
+        return fn(mel)
+
+    def stream_window(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        fn = self._window if mel.shape[0] >= COMPILED_HIFT_MIN_ROWS else self._window_eager
+        return fn(mel, source)
+
+
+def attach_compiled(pipeline) -> CompiledDiT:
+    """Route the pipeline's DiT calls through the compiled estimator (no buckets, no CUDA graphs: the CPU path; on
+    CUDA `attach_cuda_graphs(..., compile=True)` captures the compiled estimator per bucket instead)."""
+    est = CompiledDiT.of(pipeline.models.flow.estimator)
+    pipeline.token2wav.estimator = est
+    return est
+
+
+def compiled_graph_count() -> int:
+    """Graphs torch.compile has compiled in this process so far (all functions). A compile while serving stalls every
+    request in flight for as long as it takes (a minute for the full-size DiT on an H200), so the scheduler reports
+    how many happened since it started (`stats()["compiles_since_start"]`) and the benchmark logs them per cell."""
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def save_compile_cache(path: str) -> int:
+    """Write Inductor's compiled artifacts of this process to `path`; returns the bytes written (0: nothing yet)."""
+    got = torch.compiler.save_cache_artifacts()
+    if got is None:
+        return 0
+    blob, _info = got
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(blob)
+    os.replace(tmp, path)
+    return len(blob)
+
+
+def load_compile_cache(path: str) -> bool:
+    """Pre-load artifacts written by `save_compile_cache` (same torch version and GPU) so the next compiles hit."""
+    if not os.path.isfile(path):
+        raise InputError(f"compile cache not found: {path}")
+    with open(path, "rb") as f:
+        blob = f.read()
+    return torch.compiler.load_cache_artifacts(blob) is not None

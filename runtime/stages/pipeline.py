@@ -1,0 +1,124 @@
+"""One request end to end, eagerly: frontend → AR LM → flow → HiFT, offline or streaming, with per-stage timings.
+
+This is the reference path (and the runtime's single-request fallback); the scheduler in `scheduler.py` runs the same
+steps batched across requests.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from ..models.frontend import Frontend, SavedSpeaker
+from ..models.loading import CosyVoice3Models, load_models
+from ..scheduling.request import Request, RequestMetrics, default_voice_wav, prepare_inputs
+from ..models.sampling import generate
+from ..models.text import ByteTokenizer
+from .token2wav import Token2Wav
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Pipeline:
+    """Eager single-request synthesis over loaded models."""
+
+    def __init__(self, models: CosyVoice3Models, frontend: Frontend, default_speaker: SavedSpeaker | None,
+                 token2wav: Token2Wav | None = None):
+        self.models = models
+        self.frontend = frontend
+        self.default_speaker = default_speaker
+        self.token2wav = token2wav or Token2Wav(models.flow, models.hift)
+        self.sample_rate = models.config.sample_rate
+        self.device = next(models.llm.parameters()).device
+        if self.device.type == "cuda":
+            # HiFT runs in float32 and its sine-source phase is sensitive: keep cuDNN convolutions out of TF32
+            # (the LM and DiT run in bf16/fp16, which TF32 does not affect)
+            torch.backends.cudnn.allow_tf32 = False
+
+    @classmethod
+    def load(cls, model: str = "tiny", device: str = "cpu", dtype: torch.dtype | None = None) -> "Pipeline":
+        models = load_models(model, device=device, dtype=dtype)
+        frontend, speaker = make_frontend(models)
+        return cls(models, frontend, speaker)
+
+    def run(self, req: Request, metrics: RequestMetrics | None = None) -> Iterator[np.ndarray]:
+        """Yield float32 PCM chunks (one chunk when offline); fills `metrics` as it goes."""
+        m = metrics or RequestMetrics(request_id=req.request_id, stream=req.stream)
+        t0 = time.perf_counter()
+        inputs = prepare_inputs(self.frontend, req, self.default_speaker)
+        m.t_tokenizer = time.perf_counter() - t0
+        llm = self.models.llm
+        dev = self.device
+        t2w = self.token2wav
+        lm_input = llm.build_lm_input(inputs.text_ids.to(dev), inputs.prompt_speech_tokens.to(dev))
+        prompt = (inputs.flow_prompt_tokens.to(dev), inputs.flow_prompt_mel.to(dev), inputs.embedding.to(dev))
+        self._check_noise(inputs, req)
+        tokens: list[int] = []
+        state = t2w.start(*prompt) if req.stream else None
+        t_ar = time.perf_counter()
+        for tok in generate(llm, lm_input, inputs.text_len, req.sampling):
+            tokens.append(tok)
+            if state is not None and state.ready(len(tokens)):
+                _sync(dev)
+                m.t_ar += time.perf_counter() - t_ar
+                yield self._emit(t2w.step(state, torch.tensor(tokens, device=dev), final=False), m)
+                t_ar = time.perf_counter()
+        _sync(dev)
+        m.t_ar += time.perf_counter() - t_ar
+        m.tokens = len(tokens)
+        tok_t = torch.tensor(tokens, dtype=torch.long, device=dev)
+        if state is not None:
+            yield self._emit(t2w.step(state, tok_t, final=True), m)
+        else:
+            yield self._emit(t2w.offline(tok_t, *prompt), m)
+        m.t_dit, m.t_vocoder = t2w.take_timings()
+        m.total = time.perf_counter() - m.t_submit
+
+    def _emit(self, wav: torch.Tensor, m: RequestMetrics) -> np.ndarray:
+        out = wav.detach().float().cpu().numpy().reshape(-1)
+        m.mark_chunk(out.size, self.sample_rate)
+        return out
+
+    def _check_noise(self, inputs, req: Request) -> None:
+        """Fail before any work when prompt + the longest possible output exceeds the fixed noise buffers."""
+        from ...engines.errors import RequestTooLongError
+        from ..models.sampling import TokenPolicy
+
+        policy = TokenPolicy(inputs.text_len, req.sampling, self.models.config.llm.speech_token_size)
+        frames = 2 * (int(inputs.flow_prompt_tokens.numel()) + policy.max_len)
+        limit = min(self.models.flow.max_frames, self.models.hift.max_frames)
+        if frames > limit:
+            raise RequestTooLongError(
+                f"request needs up to {frames} mel frames (prompt {2 * int(inputs.flow_prompt_tokens.numel())} + up to "
+                f"{2 * policy.max_len} generated) but the fixed noise buffers hold {limit}: shorten the text or the "
+                f"prompt, or set max_tokens")
+
+    def synthesize(self, req: Request) -> tuple[np.ndarray, RequestMetrics]:
+        m = RequestMetrics(request_id=req.request_id, stream=req.stream)
+        chunks = list(self.run(req, m))
+        return (np.concatenate(chunks) if chunks else np.zeros(0, np.float32)), m
+
+
+def make_frontend(models: CosyVoice3Models) -> tuple[Frontend, SavedSpeaker | None]:
+    """The frontend for a model source, and its built-in voice (the tiny model has one; real models do not)."""
+    if models.kind == "real":
+        from ..models.config import ENDOFPROMPT_TEXT_ID
+        from ..models.text import QwenTokenizer
+
+        full_vocab = models.config.llm.qwen.vocab_size == 151936  # the released Qwen2 text vocabulary
+        tok = QwenTokenizer(os.path.join(models.model_dir, "CosyVoice-BlankEN"),
+                            expected_endofprompt_id=ENDOFPROMPT_TEXT_ID if full_vocab else None)
+        return Frontend.from_model_dir(models.model_dir, tokenizer=tok), None
+    from ..models.loading import ensure_tiny_dir
+
+    d = models.model_dir if os.path.isfile(os.path.join(models.model_dir, "campplus.onnx")) else ensure_tiny_dir()
+    frontend = Frontend(ByteTokenizer(models.config.llm.qwen.vocab_size), os.path.join(d, "speech_tokenizer_v3.onnx"),
+                        os.path.join(d, "campplus.onnx"))
+    feats = frontend.prompt_features(default_voice_wav(16000), 16000)
+    return frontend, SavedSpeaker(features=feats, prompt_text="This is the built-in voice.")

@@ -1,0 +1,145 @@
+"""token2wav: speech tokens → mel (flow) → audio (HiFT), offline and streaming.
+
+Streaming follows the upstream hop schedule (CosyVoice2Model.tts): the first hop is padded so that prompt + hop ends on
+a 50-frame chunk boundary, hops grow 25 → 50 → 100 tokens, each non-final call runs the flow (block-causal mask) on all
+tokens so far plus 3 look-ahead tokens and keeps the new mel, and the last call runs the flow with full attention and
+finalize. Unlike upstream, HiFT does not re-run over the whole accumulated mel: `HiFTStream` keeps the causal state a
+chunk needs, so each chunk costs O(chunk) while yielding the same samples.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ..models.hift_stream import HiFTStream
+
+TOKEN_HOP = 25
+TOKEN_MAX_HOP = 100
+HOP_SCALE = 2
+LOOKAHEAD = 3
+
+
+def first_hop(prompt_tokens: int, hop: int = TOKEN_HOP) -> int:
+    """First hop = hop + pad, with pad making prompt + hop end on a chunk boundary (25 tokens = 50 frames)."""
+    pad = -(-prompt_tokens // hop) * hop - prompt_tokens
+    return hop + pad
+
+
+@dataclass
+class StreamState:
+    """Per-request streaming position."""
+
+    prompt_token: torch.Tensor  # [P]
+    prompt_feat: torch.Tensor  # [2P, 80]
+    embedding: torch.Tensor  # [192]
+    hift_stream: HiFTStream
+    offset: int = 0  # generated tokens already turned into mel
+    base_hop: int = TOKEN_HOP  # upstream's token_hop_len (grows x2 up to 100)
+    hop: int = 0  # the next hop (first one padded)
+    finished: bool = False
+    chunks: int = 0
+    calls: list = field(default_factory=list)  # (dit_frames, new_mel_frames, final) per call, for coverage
+
+    def ready(self, n_tokens: int) -> bool:
+        """Upstream fires a chunk when len(tokens) - offset >= hop + look-ahead."""
+        return not self.finished and n_tokens - self.offset >= self.hop + LOOKAHEAD
+
+
+class Token2Wav:
+    """Eager token2wav over a Flow and a HiFT; `estimator` overrides the DiT call (engines plug in here)."""
+
+    def __init__(self, flow, hift, estimator=None, hift_runner=None):
+        self.flow = flow
+        self.hift = hift
+        self.estimator = estimator
+        self.hift_runner = hift_runner  # BucketedHiFT when an engine set is attached
+        self._t_dit = 0.0
+        self._t_vocoder = 0.0
+
+    def take_timings(self) -> tuple[float, float]:
+        """(seconds in the flow, seconds in HiFT) since the last call."""
+        out = (self._t_dit, self._t_vocoder)
+        self._t_dit = self._t_vocoder = 0.0
+        return out
+
+    def _timed(self, which: str, fn, *args, **kw):
+        dev = next(self.flow.parameters()).device
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        dt = time.perf_counter() - t0
+        if which == "dit":
+            self._t_dit += dt
+        else:
+            self._t_vocoder += dt
+        return out
+
+    def _flow(self, tokens: torch.Tensor, st_or_prompt, streaming: bool, finalize: bool) -> torch.Tensor:
+        p_tok, p_feat, emb = st_or_prompt
+        kw = {} if self.estimator is None else {"estimator": self.estimator}
+        return self._timed("dit", self.flow.inference, tokens.view(1, -1), p_tok.view(1, -1), p_feat.unsqueeze(0), emb.view(1, -1),
+                                   streaming=streaming, finalize=finalize, **kw)
+
+    # ------------------------------------------------------------------ offline
+    @torch.inference_mode()
+    def offline(self, tokens, prompt_token, prompt_feat, embedding) -> torch.Tensor:
+        """All tokens through flow (full attention, finalize) and HiFT (finalize). Returns wav [S]."""
+        mel = self._flow(tokens, (prompt_token, prompt_feat, embedding), streaming=False, finalize=True)
+        return self._timed("vocoder", self.vocode_batch, [mel[0]])[0]
+
+    def vocode_batch(self, mels: list) -> list:
+        """Offline HiFT of several mels [80, T_i] (engine buckets when attached); exact per row."""
+        if self.hift_runner is not None:
+            return [w.reshape(-1) for w in self.hift_runner.inference_batch(mels, finalize=True)]
+        if len(mels) == 1:
+            return [self.hift.inference(mels[0].unsqueeze(0), finalize=True)[0].reshape(-1)]
+        return [w.reshape(-1) for w in self.hift.inference_batch(mels, finalize=True)]
+
+    # ------------------------------------------------------------------ streaming
+    def start(self, prompt_token, prompt_feat, embedding) -> StreamState:
+        st = StreamState(prompt_token=prompt_token.reshape(-1), prompt_feat=prompt_feat, embedding=embedding.reshape(-1),
+                         hift_stream=HiFTStream(self.hift))
+        st.hop = first_hop(int(st.prompt_token.numel()), st.base_hop)
+        return st
+
+    @torch.inference_mode()
+    def step(self, st: StreamState, tokens: torch.Tensor, final: bool) -> torch.Tensor | None:
+        """Advance one request: returns a PCM chunk [S] when one is due (or when `final`), else None.
+
+        `tokens` are all generated tokens so far; `final` means the LM has finished."""
+        n = int(tokens.numel())
+        prompt = (st.prompt_token, st.prompt_feat, st.embedding)
+        if not final:
+            if not st.ready(n):
+                return None
+            upto = st.offset + st.hop
+            mel = self._flow(tokens[: upto + LOOKAHEAD], prompt, streaming=True, finalize=False)
+            new_mel = mel[:, :, 2 * st.offset:]
+            st.calls.append((int(mel.shape[-1]) + 2 * int(st.prompt_token.numel()), int(new_mel.shape[-1]), False))
+            st.offset = upto
+            st.base_hop = min(TOKEN_MAX_HOP, st.base_hop * HOP_SCALE)
+            st.hop = st.base_hop
+            wav = self._timed("vocoder", st.hift_stream.push, new_mel, finalize=False)
+        else:
+            if st.finished:
+                return None
+            mel = self._flow(tokens, prompt, streaming=False, finalize=True)
+            new_mel = mel[:, :, 2 * st.offset:]
+            st.calls.append((int(mel.shape[-1]) + 2 * int(st.prompt_token.numel()), int(new_mel.shape[-1]), True))
+            st.offset = n
+            st.finished = True
+            wav = self._timed("vocoder", st.hift_stream.push, new_mel, finalize=True)
+        st.chunks += 1
+        return wav.reshape(-1)
+
+    def stream_all(self, tokens, prompt_token, prompt_feat, embedding) -> Iterator[torch.Tensor]:
+        """Stream a request whose tokens are all known (the golden streaming loop): hops as tokens allow, then final."""
+        st = self.start(prompt_token, prompt_feat, embedding)
+        tokens = tokens.reshape(-1)
+        while st.ready(int(tokens.numel())):
+            yield self.step(st, tokens, final=False)
+        yield self.step(st, tokens, final=True)
