@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
-from ..runtime.models.config import SAMPLES_PER_MEL_FRAME
+from .signatures import SAMPLES_PER_MEL_FRAME
 from .errors import BucketError, InputError
 
 if TYPE_CHECKING:  # torch is only needed by the padding helpers

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from ...engines.errors import ConfigError
+from ...engines.signatures import SAMPLES_PER_MEL_FRAME
 
 # Speech-token layout of CosyVoice3LM: 6561 FSQ ids, then 200 specials.
 SPEECH_TOKEN_SIZE = 6561
@@ -25,7 +26,6 @@ FILL = 6564
 NUM_SPECIAL = 200
 SILENT_TOKENS = (1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323)
 ENDOFPROMPT_TEXT_ID = 151646
-SAMPLES_PER_MEL_FRAME = 480
 
 
 @dataclass(frozen=True)
