@@ -165,7 +165,7 @@ def tiny_open_loop(tmp_path_factory, one_torch_thread):
     out = tmp_path_factory.mktemp("open_loop")
     assert main(["bench", "--device", "cpu", "--model", "tiny", "--dtype", "float32", "--suite", "open_loop",
                  "--variants", "eager", "--rates", "2", "--duration-s", "2", "--drain-s", "60", "--lengths",
-                 "1:0.3", "--min-s", "0.6", "--max-s", "1.6", "--stream-fraction", "0.5", "--seed", "1",
+                 "1:0.3", "--min-s", "0.6", "--max-s", "1.6", "--stream-fraction", "0.5", "--seed", "3",
                  "--ab", "async_d2h,no_such_flag", "--out", str(out)]) == 0
     return out, json.loads((out / "results.json").read_text())
 
@@ -173,7 +173,8 @@ def tiny_open_loop(tmp_path_factory, one_torch_thread):
 def test_tiny_open_loop_sweep(tiny_open_loop):
     _, res = tiny_open_loop
     ol = res["open_loop"]
-    arrivals = generate(OpenLoopSpec(2, 2, 1, 0.5, (LogNormal(1, 0.3),), 0.6, 1.6))
+    arrivals = generate(OpenLoopSpec(2, 2, 3, 0.5, (LogNormal(1, 0.3),), 0.6, 1.6))
+    assert len(arrivals) == 3 and 0 < sum(a.stream for a in arrivals) < 3  # streaming and offline
     assert [s["label"] for s in ol["settings"]] == ["async_d2h off", "async_d2h on"]
     assert len(ol["ab_skipped"]) == 1 and "no_such_flag" in ol["ab_skipped"][0]
     assert [c["setting"] for c in ol["cells"]] == ["async_d2h off", "async_d2h on"]

@@ -307,10 +307,11 @@ def open_loop_plot(res: dict, out_dir: str) -> str | None:
     axes[2].plot([0, top], [0, top], color="gray", linewidth=0.8, linestyle=":", label="achieved = offered")
     axes[0].set(yscale="log", xlabel="offered load, audio s/s", ylabel="time to first audio, s (log)",
                 title="TTFA (streams)")
-    from matplotlib.ticker import FormatStrFormatter
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
+    axes[0].yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     axes[0].yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    axes[0].yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    axes[0].yaxis.set_minor_formatter(NullFormatter())
     axes[1].set(xlabel="offered load, audio s/s", ylabel="fraction of streams", title="playback underruns",
                 ylim=(-0.02, 1.02))
     axes[2].set(xlabel="offered load, audio s/s", ylabel="audio s/s", title="achieved vs offered")
