@@ -233,3 +233,15 @@ def test_report_of_a_small_open_loop_json(tmp_path):
     path = report.open_loop_plot(res, str(tmp_path))
     assert path == str(tmp_path / "bench_open_loop.png") and (tmp_path / "bench_open_loop.png").stat().st_size > 0
     assert report.open_loop_tables({"serving": {}}) == "" and report.open_loop_plot({}, str(tmp_path)) is None
+
+
+def test_open_loop_arguments_are_checked_before_any_model_work(tmp_path, capsys):
+    from cosytrt.tools.trtbuild import main
+
+    base = ["bench", "--device", "cpu", "--model", "tiny", "--suite", "open_loop", "--out", str(tmp_path)]
+    for extra, what in ((["--rates", "4,x"], "--rates"), (["--rates", "0,4"], "positive rates"),
+                        (["--lengths", "8"], "MEDIAN:SIGMA"), (["--stream-fraction", "2"], "stream fraction"),
+                        (["--drain-s", "-1"], "--drain-s")):
+        assert main(base + extra) == 2
+        assert what in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()

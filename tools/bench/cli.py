@@ -35,7 +35,7 @@ def add_arguments(p) -> None:
     p.add_argument("--compile-cache", default=None,
                    help="file of torch.compile artifacts: loaded first if it exists, (re)written at the end")
     g = p.add_argument_group("open_loop suite (Poisson arrivals, mixed lengths)")
-    g.add_argument("--rates", default="4,8,16", help="arrival rates in requests/s, swept upwards until saturation")
+    g.add_argument("--rates", default="4,8,16,24", help="arrival rates in requests/s, swept upwards until saturation")
     g.add_argument("--duration-s", type=float, default=20.0, help="seconds of arrivals per cell")
     g.add_argument("--drain-s", type=float, default=15.0,
                    help="after the arrivals, wait this long for requests in flight, then cancel them (unfinished)")
