@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One benchmark run on the lent GPU machine (see BENCHMARKS.md): installs the carried wheels (dist/: cosytrt,
 # .whl/: soxr, soundfile, kaldi-native-fbank) next to the machine's own torch, restores a carried torch.compile
-# cache if there is one (compile_cache/cc.bin.gz.part-*), runs `python -m cosytrt.tools.bench "$@"` with the
-# results in $OUT, and hands the compile cache back in <= 15 MB parts.
+# cache if there is one (compile_cache/cc.bin.gz.part-*), runs `python -m cosytrt.tools.bench "$@"` (the package
+# tools/bench/: `trtbuild bench`) with the results in $OUT, renders the report (`python -m cosytrt.tools.bench.report`:
+# $OUT/bench_tables.md and PNGs, when matplotlib is there) and hands the compile cache back in <= 15 MB parts.
 # The bench itself is stopped after $BENCH_TIMEOUT_S seconds (default 480), so that the compile cache still gets
 # written back inside the device call's own limit (run 2 of 2026-12-02 lost its cache to a call timeout).
 #   usage (from the repo root there): BENCH_TIMEOUT_S=480 bash benchmarks/device_run.sh --suite micro --budget-s 400
+#   open loop: BENCH_TIMEOUT_S=470 bash benchmarks/device_run.sh --suite open_loop --variants graphs --rates 4,8,16 \
+#              --duration-s 20 --ab flow_prefix_cache --budget-s 400
 set -uo pipefail
 export COSYTRT_COMMIT=${COSYTRT_COMMIT:-$(cat benchmarks/COMMIT 2>/dev/null || echo unknown)}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl dist/*.whl \
@@ -17,7 +20,11 @@ if ls compile_cache/cc.bin.gz.part-* >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
 cd /tmp && timeout "${BENCH_TIMEOUT_S:-480}" python3 -X faulthandler -m cosytrt.tools.bench --out "$OUT" --compile-cache /tmp/cc.bin "$@" 2>&1 | tee "$OUT/log.txt"
-rc=$?
+rc=${PIPESTATUS[0]}
+if [ -s "$OUT/results.json" ]; then
+  python3 -m cosytrt.tools.bench.report "$OUT/results.json" --out "$OUT" > "$OUT/report_log.txt" 2>&1 \
+    || echo "report failed (see report_log.txt): render it here with python -m cosytrt.tools.bench.report"
+fi
 if [ -s /tmp/cc.bin ]; then
   mkdir -p "$OUT/cc" && gzip -c /tmp/cc.bin | split -b 15M - "$OUT/cc/cc.bin.gz.part-" && ls -la "$OUT/cc"
 fi

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from cosytrt.tools import bench_report
-from cosytrt.tools.bench_serving import FEATURES, comparison_cells, full_matrix
+from cosytrt.tools.bench import report as bench_report
+from cosytrt.tools.bench.serving import FEATURES, comparison_cells, full_matrix
 from cosytrt.tools.trtbuild import main
 
 
@@ -104,7 +104,7 @@ def test_aoti_child_builds_loads_and_times_the_dit(tmp_path):
     model it returns one row per shape, matching the eager DiT."""
     import torch
 
-    from cosytrt.tools.bench import AotiBuild
+    from cosytrt.tools.bench.aoti import AotiBuild
 
     child = AotiBuild("tiny", torch.float32, "cpu", str(tmp_path))
     got = child.measure([(2, 40), (4, 64)])
@@ -117,7 +117,7 @@ def test_aoti_child_builds_loads_and_times_the_dit(tmp_path):
 def test_aoti_child_failure_is_an_error_with_its_log(tmp_path):
     import torch
 
-    from cosytrt.tools.bench import AotiBuild
+    from cosytrt.tools.bench.aoti import AotiBuild
 
     child = AotiBuild("tiny", torch.float32, "no-such-device", str(tmp_path))
     with pytest.raises(RuntimeError, match=r"AOTInductor DiT child exited with 1 .*\n(.|\n)*Traceback"):
@@ -128,7 +128,7 @@ def test_hift_micro_rows_and_report(tiny_tts, monkeypatch, tmp_path):
     """`bench_hift` on the CPU (tiny HiFT; CUDA timing and graphs replaced by direct calls; the compiled column is
     left out: compiling even the tiny HiFT takes minutes on 2 cores), and its report table."""
     from cosytrt.engines import cuda_graphs
-    from cosytrt.tools import bench
+    from cosytrt.tools.bench import micro
 
     class Direct:
         def __init__(self, fn, device):
@@ -141,8 +141,8 @@ def test_hift_micro_rows_and_report(tiny_tts, monkeypatch, tmp_path):
             return self.fn(*inputs)
 
     monkeypatch.setattr(cuda_graphs, "GraphCache", Direct)
-    monkeypatch.setattr(bench, "time_cuda", lambda fn, reps=10, warmup=2: (fn(), 2.0)[1])
-    rows = bench.bench_hift(tiny_tts.pipeline.models.hift, "cpu", quick=True, compile=False)
+    monkeypatch.setattr(micro, "time_cuda", lambda fn, reps=10, warmup=2: (fn(), 2.0)[1])
+    rows = micro.bench_hift(tiny_tts.pipeline.models.hift, "cpu", quick=True, compile=False)
     assert [(r["batch"], r["frames"]) for r in rows] == [(1, 100), (2, 500), (8, 500)]
     assert all(r["graph_ms"] == 2.0 and "compiled_graph_ms" not in r for r in rows)
     assert rows[2]["ms_per_audio_s"] == pytest.approx(2.0 / (8 * 500 * 480 / 24000))

@@ -8,8 +8,9 @@ import torch
 
 from cosytrt.build.engine_set import build_engine_set
 from cosytrt.engines.buckets import Bucket, BucketTable, parse_key
+from cosytrt.tools.bench.workload import generate, parse_open_loop
 from cosytrt.tools.coverage_run import (CallRecorder, WorkloadRequest, build_report, default_matrix, load_workload,
-                                      suggest_buckets, text_of_tokens)
+                                      open_loop_workload, suggest_buckets, text_of_tokens)
 from cosytrt.engines.errors import InputError
 from cosytrt.runtime.models.loading import load_models
 from cosytrt.runtime.stages.profile import profile_from_dict
@@ -90,6 +91,38 @@ def test_default_matrix():
         default_matrix(0)
     tok = ByteTokenizer()
     assert len(tok.encode(text_of_tokens(tok, 40))) >= 40 > len(tok.encode(text_of_tokens(tok, 40))) - 12
+
+
+def test_open_loop_workload_and_timed_lines(tmp_path):
+    spec = parse_open_loop("rate=4,duration=10,seed=0,stream=0.5")
+    reqs = open_loop_workload(spec)
+    arrivals = generate(spec)
+    assert len(reqs) == len(arrivals) and {r.group for r in reqs} == {"open-loop"}
+    for r, a in zip(reqs, arrivals):
+        assert (r.arrival_s, r.speech_tokens, r.stream, r.seed) == (a.t, a.tokens, a.stream, a.seed)
+        assert r.text is None and r.text_tokens == max(4, a.tokens // 4) and r.prompt_seconds is None
+        assert 50 <= r.speech_tokens <= 1000
+    p = tmp_path / "timed.jsonl"
+    p.write_text('{"text": "a", "arrival_s": 0.5, "concurrency": 2}\n{"text": "b", "arrival_s": 0}\n')
+    assert [r.arrival_s for r in load_workload(str(p))] == [0.5, 0.5, 0.0]
+    for text, what in (('{"text": "a", "arrival_s": 1}\n{"text": "b"}\n', "arrival_s on every line or on none"),
+                       ('{"text": "a", "arrival_s": -1}\n', "field 'arrival_s'")):
+        p.write_text(text)
+        with pytest.raises(InputError, match=what):
+            load_workload(str(p))
+
+
+def test_coverage_of_open_loop_traffic(ort_set, tmp_path, capsys):
+    """`--open-loop`: generated Poisson traffic of mixed lengths replayed at its arrival times (tiny lengths here)."""
+    spec = "rate=3,duration=1.5,seed=4,stream=0.5,lengths=1.2:0.2,min=0.8,max=1.6"
+    rc = main(["coverage", "--engines", ort_set, "--open-loop", spec, "--out", str(tmp_path), "--quiet"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    r = json.loads((tmp_path / "report.json").read_text())
+    n = len(generate(parse_open_loop(spec)))
+    assert r["workload"]["requests"] == n and r["workload"]["groups"] == 1 and r["workload"]["failed"] == []
+    assert r["workload"]["source"] == f"open loop {spec}" and r["workload"]["wall_seconds"] > 1.37
+    assert r["totals"]["calls"] > 0 and "bucket hit rate" in text
 
 
 def test_suggest_buckets_fewest_within_waste():

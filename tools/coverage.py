@@ -1,10 +1,12 @@
 """`trtbuild coverage --engines DIR`: replay a workload through the runtime and report how its calls fit the buckets.
 
-Workload: `--workload FILE` (JSONL, fields in cosytrt.tools.coverage_run) or `--matrix default` (text short / medium /
-long x stream / offline x reference audio yes / no x concurrency 1 / 8 / 32); `--quick` or `--scale F` keep CPU runs
-small. Prints per stage and bucket: calls, share of calls and work, padding waste (mean, p95, max), eager fallbacks
-with their share of time, and the extra buckets that would remove the fallbacks or cut the waste. `--out DIR` writes
-report.json and heatmap.png there.
+Workload: `--workload FILE` (JSONL, fields in cosytrt.tools.coverage_run), `--matrix default` (text short / medium /
+long x stream / offline x reference audio yes / no x concurrency 1 / 8 / 32; `--quick` or `--scale F` keep CPU runs
+small) or `--open-loop rate=8,duration=30,seed=0` (real traffic: Poisson arrivals submitted at their times, log-normal
+mixed lengths around 8 s, 2-40 s; optional keys stream, lengths, min, max as in `trtbuild bench --suite open_loop`).
+Prints per stage: bucket hit rate, and per bucket: calls, share of calls and work, padding waste (mean, p95, max),
+eager fallbacks with their share of time, and the extra buckets that would remove the fallbacks or cut the waste.
+`--out DIR` writes report.json and heatmap.png there.
 """
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", default=None, help="workload JSONL (one request per line)")
     src.add_argument("--matrix", default=None, choices=["default"], help="the built-in request matrix (default)")
+    src.add_argument("--open-loop", default=None, metavar="SPEC",
+                     help="generated open-loop traffic, e.g. rate=8,duration=30,seed=0[,stream=0.8][,lengths=8:0.6]"
+                          "[,min=2][,max=40]: Poisson arrivals, mixed lengths, submitted at their arrival times")
     p.add_argument("--quick", action="store_true", help="small matrix: concurrency 1/2/4, 30-100 speech tokens")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the matrix concurrency and speech tokens")
     p.add_argument("--out", default=None, help="report folder: report.json and heatmap.png")
@@ -52,7 +57,8 @@ def format_report(r: dict) -> str:
         rows.append(["eager fallback", st["fallbacks"], _f(calls_pct, ".1f"),
                      _f(100 * st["fallback_work_share"], ".1f"), "-", "-", "-", _f(st["fallback_seconds"]),
                      _f(time_share, ".1f")])
-        title = (f"\n{sm}: {st['calls']} calls, padding waste mean {_f(st['waste']['mean'])} p95 "
+        hit = f", bucket hit rate {100 * st['hits'] / st['calls']:.1f}%" if st["calls"] else ""
+        title = (f"\n{sm}: {st['calls']} calls{hit}, padding waste mean {_f(st['waste']['mean'])} p95 "
                  f"{_f(st['waste']['p95'])} max {_f(st['waste']['max'])}"
                  + ("" if st["has_engine"] else " (no engine in this set: every call runs eagerly)"))
         out.append(format_table(["bucket", "calls", "calls %", "work %", "waste mean", "p95", "max", "seconds",
@@ -89,6 +95,12 @@ def run(args) -> int:
 
     if args.workload:
         reqs, source = load_workload(args.workload), args.workload
+    elif args.open_loop:
+        from .bench.workload import parse_open_loop
+        from .coverage_run import open_loop_workload
+
+        spec = parse_open_loop(args.open_loop)
+        reqs, source = open_loop_workload(spec), f"open loop {args.open_loop}"
     else:
         reqs = default_matrix(args.scale, quick=args.quick)
         source = ("matrix default" + (" (quick)" if args.quick else "")

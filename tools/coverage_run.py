@@ -14,7 +14,13 @@ Workload JSONL, one request per line (a JSON object):
                   another in file order (default: each line is its own group)
   concurrency     optional int (default 1): submit this many copies of the line (seeds seed, seed+1, ...) in its group
   seed            optional int (default 0)
+  arrival_s       optional number >= 0: open-loop replay, each request submitted this many seconds after the start
+                  (then every line needs it, and groups only label requests)
 Unknown fields are errors (InputError naming the line and field).
+
+`open_loop_workload(spec)`: the bench's open-loop traffic (tools/bench/workload.py: Poisson arrivals at a rate,
+log-normal mixed lengths, a stream fraction; `trtbuild coverage --open-loop rate=8,duration=30,seed=0`), each request
+in the saved-speaker voice with about a quarter as many text tokens as speech tokens.
 
 The built-in matrix (`default_matrix`): text short / medium / long x stream / offline x reference audio yes / no x
 concurrency 1 / 8 / 32, each cell one group. `scale` multiplies the concurrency and speech-token counts; `quick`
@@ -58,7 +64,8 @@ FILLER = ("The quick brown fox jumps over the lazy dog while the river keeps run
           "every evening the people of the valley gather to tell long stories about the seasons, the harvest, "
           "the travellers who came and went, and the songs that nobody remembers how to finish. ")
 
-_FIELDS = ("text", "text_tokens", "speech_tokens", "prompt_seconds", "stream", "group", "concurrency", "seed")
+_FIELDS = ("text", "text_tokens", "speech_tokens", "prompt_seconds", "stream", "group", "concurrency", "seed",
+           "arrival_s")
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,7 @@ class WorkloadRequest:
     stream: bool = False
     group: str = ""
     seed: int = 0
+    arrival_s: float | None = None  # open-loop replay: submit at this time after the start
 
 
 # ------------------------------------------------------------------------------------------------------ workload
@@ -107,8 +115,11 @@ def parse_request(d, where: str, default_group: str) -> list[WorkloadRequest]:
     conc = _int_field(d, "concurrency", where, 1) or 1
     seed = _int_field(d, "seed", where, 0) or 0
     st = _int_field(d, "speech_tokens", where, 1)
-    return [WorkloadRequest(text, tt, st, None if ps is None else float(ps), stream, str(group), seed + i)
-            for i in range(conc)]
+    at = d.get("arrival_s")
+    if at is not None and (isinstance(at, bool) or not isinstance(at, (int, float)) or not 0 <= at < math.inf):
+        raise InputError(f"{where}: field 'arrival_s' must be a number >= 0 or null, got {at!r}")
+    return [WorkloadRequest(text, tt, st, None if ps is None else float(ps), stream, str(group), seed + i,
+                            None if at is None else float(at)) for i in range(conc)]
 
 
 def load_workload(path: str) -> list[WorkloadRequest]:
@@ -127,7 +138,19 @@ def load_workload(path: str) -> list[WorkloadRequest]:
             out += parse_request(d, where, f"line{i}")
     if not out:
         raise InputError(f"workload file {path} holds no requests")
+    timed = sum(r.arrival_s is not None for r in out)
+    if 0 < timed < len(out):
+        raise InputError(f"workload file {path}: give arrival_s on every line or on none ({timed} of {len(out)} "
+                         "requests have one)")
     return out
+
+
+def open_loop_workload(spec) -> list[WorkloadRequest]:
+    """The open-loop arrivals of `spec` (a tools.bench.workload.OpenLoopSpec) as timed workload requests."""
+    from .bench.workload import generate
+
+    return [WorkloadRequest(None, max(4, a.tokens // 4), a.tokens, None, a.stream, "open-loop", a.seed, a.t)
+            for a in generate(spec)]
 
 
 MATRIX_TEXTS = {"short": (12, 50), "medium": (40, 150), "long": (120, 450)}  # (text tokens, speech tokens)
@@ -216,9 +239,15 @@ def replay(tts, requests: list[WorkloadRequest], timeout_s: float = 600.0, progr
     if es is None:
         raise InputError("coverage needs a TTS loaded with an engine set (TTS.load(..., engines=DIR))")
     tok = tts.pipeline.frontend.tokenizer
+    timed = sum(r.arrival_s is not None for r in requests)
+    if 0 < timed < len(requests):
+        raise InputError("coverage replay: give every request an arrival time or none")
     groups: dict[str, list[WorkloadRequest]] = {}
-    for r in requests:
-        groups.setdefault(r.group, []).append(r)
+    if timed:  # open loop: one wave, each request submitted at its arrival time
+        groups = {"open-loop": sorted(requests, key=lambda r: r.arrival_s)}
+    else:
+        for r in requests:
+            groups.setdefault(r.group, []).append(r)
     speaker = None
     wavs: dict[float, object] = {}
     es.stats.reset()
@@ -233,7 +262,10 @@ def replay(tts, requests: list[WorkloadRequest], timeout_s: float = 600.0, progr
     try:
         for name, reqs in it:
             handles = []
+            t_wave = time.perf_counter()
             for r in reqs:
+                if r.arrival_s is not None:
+                    time.sleep(max(0.0, t_wave + r.arrival_s - time.perf_counter()))
                 kw = {"stream": r.stream, "seed": r.seed}
                 if r.speech_tokens is not None:
                     kw["force_tokens"] = r.speech_tokens
@@ -256,7 +288,8 @@ def replay(tts, requests: list[WorkloadRequest], timeout_s: float = 600.0, progr
                     failed.append({"group": name, "error": f"{type(e).__name__}: {e}"})
     finally:
         rec.detach()
-    return ReplayResult(rec.calls, len(requests), len(groups), time.perf_counter() - t0, failed)
+    n_groups = len({r.group for r in requests}) if timed else len(groups)
+    return ReplayResult(rec.calls, len(requests), n_groups, time.perf_counter() - t0, failed)
 
 
 class _ThreadHandle:

@@ -13,7 +13,7 @@ SUBCOMMANDS = {
     "inspect": ("inspect_cmd", "print an engine set's manifest as a table"),
     "coverage": ("coverage", "bucket coverage report for a workload"),
     "parity": ("parity", "engine-vs-eager parity check"),
-    "bench": ("bench", "GPU benchmarks (stage micro-benchmarks and the serving matrix)"),
+    "bench": ("bench.cli", "GPU benchmarks (stage micro-benchmarks, the serving matrix, open-loop traffic)"),
     "serve": ("serve", "OpenAI-compatible speech server"),
 }
 

@@ -5,7 +5,7 @@ Variants (same models, same process, so ratios compare like with like):
 - `eager`: the scheduler with every stage eager (no CUDA graphs, no compile).
 - `graphs`: AR decode CUDA graphs per (batch bucket, KV rung) + DiT / offline HiFT / streaming HiFT windows captured
   per bucket of the graph profile (eager modules).
-- `compiled`: the same graphs, captured from torch.compile'd AR decode / prefill and DiT (`runtime/compiled.py`).
+- `compiled`: the same graphs, captured from torch.compile'd AR decode / prefill and DiT (`runtime/stages/compiled.py`).
 
 Cells: text short / medium / long (125 / 375 / 1000 forced speech tokens = 5 / 15 / 40 s of audio; `mixed`
 alternates short and long) x concurrency x stream / offline x reference audio (prompt audio through the frontend for
@@ -18,13 +18,14 @@ import time
 
 import torch
 
-from ..runtime.stages.compiled import compiled_graph_count
-from ..runtime.scheduling.stage_clock import occupancy
-from ..runtime.scheduling.metrics import aggregate
-from ..runtime.scheduling.scheduler import POLICIES as FEATURES
+from .common import (VARIANTS, jsonable as _jsonable, log as _log, make_pipeline, random_models, scheduler_config,
+                     start_tts as _start)
+from ...runtime.stages.compiled import compiled_graph_count
+from ...runtime.scheduling.stage_clock import occupancy
+from ...runtime.scheduling.metrics import aggregate
+from ...runtime.scheduling.scheduler import POLICIES as FEATURES
 
 TOKENS = {"short": (125,), "medium": (375,), "long": (1000,), "mixed": (125, 1000)}  # 25 tokens = 1 s of audio
-VARIANTS = ("compiled", "graphs", "eager")
 CELL_TIMEOUT_S = 120.0  # a request of a cell not done by then fails the cell (recorded) and the run goes on
 
 
@@ -68,8 +69,8 @@ def feature_cells() -> list[Cell]:
 
 
 def run_cell(tts, cell: Cell, prompt_wav) -> dict:
-    from ..runtime.scheduling.request import Request
-    from ..runtime.models.sampling import SamplingParams
+    from ...runtime.scheduling.request import Request
+    from ...runtime.models.sampling import SamplingParams
 
     lengths = TOKENS[cell.text]
     compiles = compiled_graph_count()
@@ -104,38 +105,7 @@ def run_cell(tts, cell: Cell, prompt_wav) -> dict:
             "occupancy": occupancy(busy0, tts.scheduler.clock.busy_s(), wall)}  # busy fraction per stage
 
 
-def scheduler_config(variant: str):
-    from ..runtime.scheduling.scheduler import SchedulerConfig
-
-    return SchedulerConfig(max_in_flight=128, ar_max_batch=64, dit_max_requests=8, hift_max_batch=16,
-                           cuda_graphs=variant != "eager", compile=variant == "compiled", ar_max_len=2048)
-
-
-def make_pipeline(models, variant: str, graph_profile: str):
-    from ..runtime.stages.engine_set import attach_cuda_graphs
-    from ..runtime.stages.pipeline import Pipeline
-    from ..runtime.stages.profile import load_profile
-    from .bench import _pipeline_with_random_frontend
-
-    pipe = _pipeline_with_random_frontend(models, Pipeline)
-    if variant == "eager":
-        return pipe
-    if pipe.device.type == "cuda":
-        attach_cuda_graphs(pipe, load_profile(graph_profile), compile=variant == "compiled")
-    elif variant == "compiled":
-        from ..runtime.stages.compiled import attach_compiled
-
-        attach_compiled(pipe)
-    else:
-        from ..engines.errors import InputError
-
-        raise InputError("the 'graphs' serving variant needs CUDA")
-    return pipe
-
-
 def _run_cells(tts, cells, label: str, out: list, bench, prompt) -> None:
-    from .bench import _log
-
     for cell in cells:
         if bench.over_budget():
             _log(f"{label}: time budget spent")
@@ -160,26 +130,14 @@ def _run_cells(tts, cells, label: str, out: list, bench, prompt) -> None:
         bench.save()
 
 
-def _start(pipe, sched_cfg):
-    from ..runtime.tts import TTS
-
-    tts = TTS(pipe, scheduler=sched_cfg)
-    tts.synthesize("a" * 40, seed=0, force_tokens=50)  # starts the scheduler (captures decode graphs), warms up
-    list(tts.stream("a" * 40, seed=0, force_tokens=50))
-    return tts
-
-
 def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells: str = "full",
                   matrix: bool = True, features: bool = False) -> dict:
     """`matrix`: the comparison cells for every variant (the others first, the primary `variants[0]` last), then the
     rest of the cell set `cells` (full / quick / smoke) on the primary. `features`: on the primary variant's
     pipeline, the feature off/on comparison (results under "features"), before the rest of the matrix.
     Ratio-critical cells come first, so a run cut short by --budget-s keeps them."""
-    from ..runtime.models.loading import CosyVoice3Models
-    from ..runtime.scheduling.request import default_voice_wav
-    from .bench import _log
-
-    models = CosyVoice3Models(cfg, llm, flow, hift, "random-full", "", "random")
+    from ...runtime.scheduling.request import default_voice_wav
+    models = random_models(cfg, llm, flow, hift)
     prompt = default_voice_wav(16000, 3.0)
     out: dict = {"cells": []}
     bench.results["serving"] = out
@@ -230,9 +188,7 @@ def _features(tts, variant: str, cells: str, bench, prompt) -> dict:
     """Each batching policy off vs all on, switched on the running scheduler (`Scheduler.set_policies`): same
     graphs, same caches, no second scheduler. "all on" runs first and again last (ALL_ON_REPEAT): the two show
     how much a cell moves between runs of the same setting (the report compares against their mean)."""
-    from ..runtime.stages.engine_set import use_hift_variant
-    from .bench import _log
-
+    from ...runtime.stages.engine_set import use_hift_variant
     out: dict = {"variant": variant, "cells": []}
     es = getattr(tts.pipeline, "engine_set", None)
     hift_variants, hift_default = getattr(es, "hift_fns", {}), getattr(es, "hift_variant", None)
@@ -254,9 +210,3 @@ def _features(tts, variant: str, cells: str, bench, prompt) -> dict:
         if hift_variants:
             use_hift_variant(tts.pipeline, hift_default)
     return out
-
-
-def _jsonable(d):
-    import json
-
-    return json.loads(json.dumps(d, default=str))

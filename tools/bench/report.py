@@ -1,6 +1,6 @@
 """Turn a `trtbuild bench` results.json into markdown tables and PNG plots.
 
-    python -m cosytrt.tools.bench_report RESULTS.json --out DIR   # writes DIR/bench_tables.md, DIR/*.png
+    python -m cosytrt.tools.bench.report RESULTS.json --out DIR   # writes DIR/bench_tables.md, DIR/*.png
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 import json
 import os
 
-from .table import format_table
+from ..table import format_table
 
 
 def _md(headers, rows) -> str:
@@ -223,18 +223,130 @@ def plots(res: dict, out_dir: str) -> list[str]:
     return written
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+# ------------------------------------------------------------------ open loop
+
+def _open_cells(res: dict) -> list[dict]:
+    ol = res.get("open_loop")
+    return [c for c in (ol or {}).get("cells", []) if isinstance(c, dict) and "error" not in c] \
+        if isinstance(ol, dict) else []
+
+
+def open_loop_tables(res: dict) -> str:
+    """The open-loop cells: latency and playback per (setting, rate), then where the time went."""
+    ol = res.get("open_loop")
+    if not isinstance(ol, dict) or not ol.get("cells"):
+        return ""
+    sp = ol.get("spec") or {}
+    mix = " + ".join(f"{w:g} x log-normal(median {m:g} s, sigma {s:g})" for m, s, w in sp.get("lengths", []))
+    head = (f"**Open loop ({ol.get('variant')} variant)**: Poisson arrivals for {sp.get('duration_s'):g} s per rate "
+            f"(seed {sp.get('seed')}), lengths {mix} clipped to {sp.get('min_s'):g}-{sp.get('max_s'):g} s, "
+            f"{100 * sp.get('stream_fraction', 1):.0f}% streaming, saved-speaker voice. TTFA and underruns: streams; "
+            "achieved: audio delivered during the arrival window / window.")
+    rows, res_rows = [], []
+    cells = ol["cells"]
+    sms = sorted({sm for c in cells for sm in (c.get("buckets") or {})})
+    for c in cells:
+        label = [c.get("setting"), c.get("rate")]
+        if "error" in c:
+            rows.append(label + ["error: " + c["error"][:80]])
+            continue
+        t, lat = c.get("ttfa") or {}, c.get("offline_latency") or {}
+        rows.append(label + [c["offered_audio_s_per_s"], c["achieved_audio_s_per_s"], c.get("delivered_audio_s_per_s"),
+                             f"{c['streams']}/{c['offline']}", t.get("p50"), t.get("p95"), t.get("p99"),
+                             c.get("inter_chunk_p95"), f"{c['underrun_requests']} of {c['streams']}",
+                             c.get("underrun_fraction"), c.get("stall_s"), lat.get("p95"),
+                             c.get("unfinished"), c.get("failed"), c.get("saturated") or ""])
+        busy, frames = c.get("busy") or {}, c.get("dit_frames") or {}
+        res_rows.append(label + [busy.get(s) for s in ("ar", "dit", "hift")]
+                        + [((c.get("buckets") or {}).get(sm) or {}).get("hit_rate") for sm in sms]
+                        + [c.get("fallbacks"), frames.get("frames_computed"), frames.get("frames_reused"),
+                           c.get("compiles"), c.get("peak_gpu_gb")])
+    parts = [head + "\n\n" + _md(
+        ["setting", "req/s", "offered audio s/s", "achieved", "delivered (with drain)", "streams/offline", "TTFA p50 s",
+         "TTFA p95 s", "TTFA p99 s", "inter-chunk p95 s", "streams with underrun", "underrun fraction", "stall s",
+         "offline latency p95 s", "unfinished", "failed", "saturated"], rows)]
+    if res_rows:
+        parts.append("**Open loop: stage busy fraction, bucket hit rate per stage/mode, eager fallbacks, DiT frames**"
+                     "\n\n" + _md(["setting", "req/s", "AR busy", "DiT busy", "HiFT busy"]
+                                   + [f"hits {sm}" for sm in sms]
+                                   + ["eager fallbacks", "DiT frames computed", "DiT frames reused", "compiles",
+                                      "peak GB"], res_rows))
+    skipped = ol.get("ab_skipped") or []
+    if skipped:
+        parts.append("A/B: " + "; ".join(skipped))
+    return "\n\n".join(parts)
+
+
+def open_loop_plot(res: dict, out_dir: str) -> str | None:
+    """TTFA p50 / p95 / p99, the fraction of streams with an underrun and achieved throughput vs offered load, one
+    line style per setting (e.g. a flag off: solid, on: dashed); legend below the panels, off the data."""
+    cells = _open_cells(res)
+    if not cells:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = list(dict.fromkeys(c.get("setting") for c in cells))
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    top = 0.0
+    for i, setting in enumerate(settings):
+        pts = sorted((c for c in cells if c.get("setting") == setting), key=lambda c: c["offered_audio_s_per_s"])
+        xs = [c["offered_audio_s_per_s"] for c in pts]
+        top = max([top] + xs + [c["achieved_audio_s_per_s"] for c in pts])
+        ls = styles[i % len(styles)]
+        for q, color, marker in (("p50", "C0", "o"), ("p95", "C1", "s"), ("p99", "C3", "^")):
+            ys = [(c.get("ttfa") or {}).get(q) for c in pts]
+            axes[0].plot(xs, ys, ls, color=color, marker=marker, label=f"{setting}: TTFA {q}")
+        axes[1].plot(xs, [c.get("underrun_fraction") for c in pts], ls, color=f"C{4 + i}", marker="o",
+                     label=f"{setting}: streams with an underrun")
+        axes[2].plot(xs, [c["achieved_audio_s_per_s"] for c in pts], ls, color=f"C{4 + i}", marker="o",
+                     label=f"{setting}: achieved")
+    axes[2].plot([0, top], [0, top], color="gray", linewidth=0.8, linestyle=":", label="achieved = offered")
+    axes[0].set(yscale="log", xlabel="offered load, audio s/s", ylabel="time to first audio, s (log)",
+                title="TTFA (streams)")
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+    axes[0].yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    axes[0].yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    axes[0].yaxis.set_minor_formatter(NullFormatter())
+    axes[1].set(xlabel="offered load, audio s/s", ylabel="fraction of streams", title="playback underruns",
+                ylim=(-0.02, 1.02))
+    axes[2].set(xlabel="offered load, audio s/s", ylabel="audio s/s", title="achieved vs offered")
+    meta = res.get("meta") or {}
+    ol = res.get("open_loop") or {}
+    fig.suptitle(f"Open loop, {ol.get('variant', '?')} variant - commit {meta.get('commit') or '?'}, "
+                 f"{meta.get('gpu') or 'no GPU (CPU)'}, {meta.get('model', '?')} model")
+    handles, labels = [], []
+    for ax in axes:
+        h, lab = ax.get_legend_handles_labels()
+        handles += h
+        labels += lab
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(4, len(labels)),
+               fontsize=8, frameon=False)
+    path = os.path.join(out_dir, "bench_open_loop.png")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cosytrt.tools.bench.report")
     ap.add_argument("results")
     ap.add_argument("--out", default=".")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     with open(a.results) as f:
         res = json.load(f)
     os.makedirs(a.out, exist_ok=True)
-    md = tables(res) + "\n\n" + ratios(res)
+    md = "\n\n".join(p for p in (tables(res), ratios(res), open_loop_tables(res)) if p)
     with open(os.path.join(a.out, "bench_tables.md"), "w") as f:
         f.write(md + "\n")
-    for p in plots(res, a.out):
+    written = plots(res, a.out)
+    ol = open_loop_plot(res, a.out)
+    for p in written + ([ol] if ol else []):
         print("wrote", p)
     print(format_table(["section"], [[k] for k in res]))
     return 0

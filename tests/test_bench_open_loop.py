@@ -1,0 +1,247 @@
+"""`trtbuild bench --suite open_loop` on the CPU: the playback underrun math on hand-made chunk timelines, the seeded
+Poisson / log-normal workload, the A/B settings and stats deltas, one tiny open-loop sweep end to end, and the report
+(tables + PNG) from a small results JSON."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from cosytrt.engines.errors import InputError
+from cosytrt.tools.bench import report
+from cosytrt.tools.bench.open_loop import ab_settings, stats_delta
+from cosytrt.tools.bench.playback import OK, UNFINISHED, RequestRecord, percentile, saturated, summarize, underruns
+from cosytrt.tools.bench.workload import (LogNormal, OpenLoopSpec, generate, offered_audio_s_per_s, parse_lengths,
+                                          parse_open_loop)
+
+
+# ------------------------------------------------------------------ playback underruns
+
+@pytest.mark.parametrize("arrivals, durations, expected", [
+    ([], [], (0, 0.0)),
+    ([3.0], [1.0], (0, 0.0)),                               # one chunk: nothing to wait for
+    ([0.0, 0.5, 1.0], [1.0, 1.0, 1.0], (0, 0.0)),           # each chunk arrives while the one before plays
+    ([0.0, 1.0, 2.0], [1.0, 1.0, 1.0], (0, 0.0)),           # exactly when the audio before it ends: no gap
+    ([0.0, 1.5, 2.0], [1.0, 1.0, 1.0], (1, 0.5)),           # 0.5 s of silence, then the buffer holds
+    ([0.0, 0.1, 0.2, 2.5], [1.0, 1.0, 1.0, 1.0], (0, 0.0)),  # 3 s buffered absorb a late fourth chunk
+    ([0.0, 2.0, 4.0], [1.0, 1.0, 1.0], (2, 2.0)),           # every chunk late: playback restarts at each arrival
+    ([1.0, 1.2, 3.0, 3.1], [0.5, 0.5, 2.0, 0.1], (1, 1.0)),  # ends 1.5, 2.0; third at 3.0 stalls 1.0; fourth is fine
+])
+def test_underruns_of_hand_made_timelines(arrivals, durations, expected):
+    n, stall = underruns(arrivals, durations)
+    assert n == expected[0] and stall == pytest.approx(expected[1])
+
+
+def test_underrun_tolerance_and_bad_input():
+    assert underruns([0.0, 1.01], [1.0, 1.0]) == (1, pytest.approx(0.01))
+    assert underruns([0.0, 1.01], [1.0, 1.0], tolerance_s=0.02) == (0, 0.0)
+    with pytest.raises(ValueError):
+        underruns([0.0, 1.0], [1.0])
+
+
+def test_percentile_matches_numpy():
+    import numpy as np
+
+    vals = [0.3, 0.1, 2.0, 0.7, 0.2]
+    for q in (50, 95, 99):
+        assert percentile(vals, q) == pytest.approx(float(np.percentile(vals, q)))
+    assert percentile([], 50) is None
+
+
+def test_summarize_cell():
+    recs = [
+        RequestRecord(0.0, 3.0, True, [0.2, 1.0, 2.0], [1.0, 1.0, 1.0]),          # smooth
+        RequestRecord(1.0, 2.0, True, [1.5, 3.0], [1.0, 1.0]),                    # stalls 0.5 s
+        RequestRecord(2.0, 4.0, True, [2.4, 4.0, 6.5, 6.6], [1.0, 1.0, 1.0, 1.0]),  # stalls 0.6 and 1.5
+        RequestRecord(3.0, 2.0, False, [3.8], [2.0]),                             # offline: latency 0.8
+        RequestRecord(9.5, 8.0, True, [], [], UNFINISHED, "cut"),                # no audio by the end (12.0)
+    ]
+    s = summarize(recs, duration_s=10.0, end_t=12.0)
+    assert (s["requests"], s["streams"], s["offline"], s["completed"], s["unfinished"]) == (5, 4, 1, 4, 1)
+    ttfa = [0.2, 0.5, 0.4, 12.0 - 9.5]
+    assert s["ttfa"]["n"] == 4 and s["ttfa"]["censored"] == 1
+    assert s["ttfa"]["p50"] == pytest.approx(percentile(ttfa, 50)) and s["ttfa"]["max"] == pytest.approx(2.5)
+    assert s["offline_latency"]["p50"] == pytest.approx(0.8)
+    assert s["underrun_requests"] == 2 and s["underrun_fraction"] == pytest.approx(2 / 3)
+    assert s["underrun_events"] == 3 and s["stall_s"] == pytest.approx(0.5 + 0.6 + 1.5)
+    assert s["stall_max_s"] == pytest.approx(2.1)
+    assert s["offered_audio_s_per_s"] == pytest.approx((3 + 2 + 4 + 2 + 8) / 10)
+    assert s["achieved_audio_s_per_s"] == pytest.approx((3 + 2 + 4 + 2) / 10)  # every chunk arrived by t = 10
+    assert s["delivered_audio_s_per_s"] == pytest.approx(11 / 12)
+    gaps = [0.8, 1.0, 1.5, 1.6, 2.5, 0.1]
+    assert s["inter_chunk_p95"] == pytest.approx(percentile(gaps, 95))
+
+
+def test_saturation_rule():
+    ok = {"offered_audio_s_per_s": 40.0, "achieved_audio_s_per_s": 38.0, "ttfa": {"p95": 0.3}}
+    assert saturated(ok) is None
+    assert "achieved" in saturated({**ok, "achieved_audio_s_per_s": 30.0})
+    assert "TTFA p95" in saturated({**ok, "ttfa": {"p95": 6.0}})
+    assert "TTFA p95" in saturated({**ok, "ttfa": {"p95": None}, "offline_latency": {"p95": 7.0}})
+
+
+# ------------------------------------------------------------------ workload
+
+def test_generator_is_seeded_poisson_within_bounds():
+    spec = OpenLoopSpec(rate=8, duration_s=200, seed=3, stream_fraction=0.75)
+    a = generate(spec)
+    assert a == generate(spec) and a != generate(OpenLoopSpec(rate=8, duration_s=200, seed=4))
+    assert [x.index for x in a] == list(range(len(a))) and [x.seed for x in a] == list(range(len(a)))
+    ts = [x.t for x in a]
+    assert ts == sorted(ts) and 0 <= ts[0] and ts[-1] < 200
+    assert abs(len(a) - 1600) < 4 * math.sqrt(1600)                      # Poisson count: mean 1600, sd 40
+    gaps = [b - c for b, c in zip(ts[1:], ts)]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 8, rel=0.1)
+    assert all(50 <= x.tokens <= 1000 for x in a)                          # 2-40 s at 25 tokens per second
+    assert all(x.audio_s == x.tokens / 25 for x in a)
+    med = sorted(x.audio_s for x in a)[len(a) // 2]
+    assert 7.0 < med < 9.0                                                 # log-normal around 8 s
+    assert 0.7 < sum(x.stream for x in a) / len(a) < 0.8
+    # another rate, same seed: the same lengths and modes, in a different time pattern
+    b = generate(spec.at_rate(16))
+    n = min(len(a), len(b))
+    assert [(x.tokens, x.stream) for x in a[:n]] == [(x.tokens, x.stream) for x in b[:n]]
+    assert offered_audio_s_per_s(a, 200) == pytest.approx(sum(x.audio_s for x in a) / 200)
+
+
+def test_length_mix_and_clipping():
+    spec = OpenLoopSpec(rate=50, duration_s=40, seed=0, lengths=(LogNormal(3, 0.2, 0.5), LogNormal(30, 0.2, 0.5)),
+                        min_s=2.0, max_s=32.0)
+    a = generate(spec)
+    short = sum(1 for x in a if x.audio_s < 10)
+    assert 0.4 < short / len(a) < 0.6 and all(x.audio_s <= 32 for x in a) and all(x.audio_s >= 2 for x in a)
+    assert any(x.audio_s == 32 for x in a)  # the upper tail is clipped
+
+
+def test_spec_parsing():
+    s = parse_open_loop("rate=8,duration=30,seed=0")
+    assert (s.rate, s.duration_s, s.seed, s.stream_fraction, s.lengths) == (8, 30, 0, 1.0, (LogNormal(8.0, 0.6),))
+    s = parse_open_loop("rate=2, duration=5, stream=0.5, lengths=6:0.5:0.8+20:0.4:0.2, min=1, max=30")
+    assert s.lengths == (LogNormal(6, 0.5, 0.8), LogNormal(20, 0.4, 0.2)) and (s.min_s, s.max_s) == (1, 30)
+    assert parse_lengths("8:0.6") == (LogNormal(8, 0.6),)
+    for bad in ("rate=8", "duration=3", "rate=8,duration=30,speed=2", "rate=x,duration=3", "rate=0,duration=3",
+                "rate=1,duration=3,stream=1.5", "rate=1,duration=3,min=5,max=2", "rate=1,duration=3,lengths=8"):
+        with pytest.raises(InputError):
+            parse_open_loop(bad)
+
+
+# ------------------------------------------------------------------ A/B settings and stats
+
+def test_ab_settings_accept_boolean_fields_and_skip_the_rest():
+    from cosytrt.runtime.scheduling.scheduler import SchedulerConfig
+
+    base = SchedulerConfig()
+    settings, skipped = ab_settings(base, ["async_d2h", "no_such_flag", "max_in_flight"])
+    assert settings == [("async_d2h off", {"async_d2h": False}), ("async_d2h on", {"async_d2h": True})]
+    assert len(skipped) == 2 and "no_such_flag" in skipped[0] and "max_in_flight" in skipped[1]
+    assert ab_settings(base, []) == ([("default", {})], [])
+    assert ab_settings(base, ["flow_prefix_cache_not_here"])[0] == [("default", {})]
+
+
+def test_stats_delta_reads_what_is_there():
+    before = {"busy_s": {"ar": 1.0, "dit": 2.0}, "dit": {"frames_computed": 100, "frames_reused": 10},
+              "shapes": {"stages": {"dit/stream": {"calls": 10, "hits": 8, "fallback_reasons": {"no_cover": 2}}}}}
+    after = {"busy_s": {"ar": 2.0, "dit": 4.0, "hift": 1.0}, "dit": {"frames_computed": 300, "frames_reused": 110},
+             "shapes": {"stages": {"dit/stream": {"calls": 30, "hits": 24, "fallback_reasons": {"no_cover": 6}},
+                                   "hift/offline": {"calls": 4, "hits": 4}}}}
+    d = stats_delta(before, after, 4.0)
+    assert d["busy"] == {"ar": 0.25, "dit": 0.5, "hift": 0.25}
+    assert d["buckets"]["dit/stream"] == {"calls": 20, "hits": 16, "fallbacks": 4, "hit_rate": 0.8}
+    assert d["buckets"]["hift/offline"]["hit_rate"] == 1.0 and d["fallbacks"] == 4
+    assert d["fallback_reasons"] == {"dit/stream: no_cover": 4}
+    assert d["dit_frames"] == {"frames_computed": 200, "frames_reused": 100}
+    bare = stats_delta({}, {"busy_s": {"ar": 1.0}}, 2.0)  # no engine set, no DiT frame counters
+    assert bare["buckets"] is None and bare["fallbacks"] is None
+    assert bare["dit_frames"] == {"frames_computed": None, "frames_reused": None}
+
+
+# ------------------------------------------------------------------ end to end (tiny model, CPU) and report
+
+@pytest.fixture(scope="module")
+def tiny_open_loop(tmp_path_factory, one_torch_thread):
+    from cosytrt.tools.trtbuild import main
+
+    out = tmp_path_factory.mktemp("open_loop")
+    assert main(["bench", "--device", "cpu", "--model", "tiny", "--dtype", "float32", "--suite", "open_loop",
+                 "--variants", "eager", "--rates", "2", "--duration-s", "2", "--drain-s", "60", "--lengths",
+                 "1:0.3", "--min-s", "0.6", "--max-s", "1.6", "--stream-fraction", "0.5", "--seed", "3",
+                 "--ab", "async_d2h,no_such_flag", "--out", str(out)]) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_tiny_open_loop_sweep(tiny_open_loop):
+    _, res = tiny_open_loop
+    ol = res["open_loop"]
+    arrivals = generate(OpenLoopSpec(2, 2, 3, 0.5, (LogNormal(1, 0.3),), 0.6, 1.6))
+    assert len(arrivals) == 3 and 0 < sum(a.stream for a in arrivals) < 3  # streaming and offline
+    assert [s["label"] for s in ol["settings"]] == ["async_d2h off", "async_d2h on"]
+    assert len(ol["ab_skipped"]) == 1 and "no_such_flag" in ol["ab_skipped"][0]
+    assert [c["setting"] for c in ol["cells"]] == ["async_d2h off", "async_d2h on"]
+    for c in ol["cells"]:
+        assert "error" not in c and c["rate"] == 2 and c["requests"] == len(arrivals)
+        assert c["completed"] == c["requests"] and c["failed"] == c["unfinished"] == 0
+        assert c["streams"] == sum(a.stream for a in arrivals) and c["ttfa"]["n"] == c["streams"]
+        assert c["offered_audio_s_per_s"] == pytest.approx(sum(a.audio_s for a in arrivals) / 2)
+        assert 0 < c["delivered_audio_s_per_s"] and c["wall_s"] > max(a.t for a in arrivals)
+        # submitted at their arrival times: no chunk before its request was due
+        for (t, audio, stream, first, last, chunks, status), a in zip(c["request_rows"], arrivals):
+            assert t == pytest.approx(a.t, abs=1e-3) and status == OK and first >= t and last >= first
+            assert chunks >= 1 and (stream or chunks == 1)
+        assert set(c["busy"]) == {"ar", "dit", "hift"} and c["buckets"] is None  # eager: no engine set
+        assert c["dit_frames"].keys() == {"frames_computed", "frames_reused"}
+        assert c["underrun_requests"] <= c["streams"]
+
+
+def test_tiny_open_loop_report(tiny_open_loop, tmp_path):
+    out, _ = tiny_open_loop
+    assert report.main([str(out / "results.json"), "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "bench_tables.md").read_text()
+    assert "**Open loop (eager variant)**" in md and "| async_d2h off | 2 |" in md.replace(".0 |", " |")
+    assert (tmp_path / "bench_open_loop.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _cell(setting, rate, offered, achieved, p50, under):
+    return {"setting": setting, "rate": rate, "offered_audio_s_per_s": offered, "achieved_audio_s_per_s": achieved,
+            "delivered_audio_s_per_s": achieved, "requests": 10, "streams": 10, "offline": 0,
+            "ttfa": {"p50": p50, "p95": 2 * p50, "p99": 3 * p50}, "offline_latency": {"p95": None},
+            "inter_chunk_p95": 0.4, "underrun_requests": round(10 * under), "underrun_fraction": under,
+            "stall_s": 3.5, "unfinished": 0, "failed": 0, "saturated": None,
+            "busy": {"ar": 0.5, "dit": 0.9, "hift": 0.4},
+            "buckets": {"dit/stream": {"calls": 50, "hits": 40, "fallbacks": 10, "hit_rate": 0.8},
+                        "hift/offline": {"calls": 5, "hits": 2, "fallbacks": 3, "hit_rate": 0.4}},
+            "fallbacks": 13, "dit_frames": {"frames_computed": 5000, "frames_reused": None}, "compiles": 0,
+            "peak_gpu_gb": 30.0}
+
+
+def test_report_of_a_small_open_loop_json(tmp_path):
+    res = {"meta": {"commit": "abc1234", "gpu": "NVIDIA H200", "model": "full"},
+           "open_loop": {"variant": "compiled", "rates": [4, 8],
+                         "spec": {"rate": 4, "duration_s": 20, "seed": 0, "stream_fraction": 1.0, "min_s": 2,
+                                  "max_s": 40, "lengths": [[8, 0.6, 1]]},
+                         "ab_skipped": ["--ab nope: not a boolean field of SchedulerConfig in this build, skipped"],
+                         "cells": [_cell("flow_prefix_cache off", 4, 37.0, 36.0, 0.27, 0.02),
+                                   _cell("flow_prefix_cache off", 8, 75.0, 61.0, 0.92, 0.18),
+                                   _cell("flow_prefix_cache on", 4, 37.0, 36.5, 0.09, 0.0),
+                                   _cell("flow_prefix_cache on", 8, 75.0, 74.0, 0.12, 0.0),
+                                   {"setting": "flow_prefix_cache on", "rate": 16, "error": "RuntimeError('x')"}]}}
+    md = report.open_loop_tables(res)
+    assert "Poisson arrivals for 20 s per rate" in md and "log-normal(median 8 s, sigma 0.6)" in md
+    assert "| flow_prefix_cache off | 8 | 75 | 61 |" in md and "| 10/0 | 0.92 | 1.84 | 2.76 |" in md
+    assert "| hits dit/stream | hits hift/offline |" in md and "| 0.5 | 0.9 | 0.4 | 0.8 | 0.4 | 13 | 5000 | — |" in md
+    assert "error: RuntimeError('x')" in md and "A/B: --ab nope" in md
+    path = report.open_loop_plot(res, str(tmp_path))
+    assert path == str(tmp_path / "bench_open_loop.png") and (tmp_path / "bench_open_loop.png").stat().st_size > 0
+    assert report.open_loop_tables({"serving": {}}) == "" and report.open_loop_plot({}, str(tmp_path)) is None
+
+
+def test_open_loop_arguments_are_checked_before_any_model_work(tmp_path, capsys):
+    from cosytrt.tools.trtbuild import main
+
+    base = ["bench", "--device", "cpu", "--model", "tiny", "--suite", "open_loop", "--out", str(tmp_path)]
+    for extra, what in ((["--rates", "4,x"], "--rates"), (["--rates", "0,4"], "positive rates"),
+                        (["--lengths", "8"], "MEDIAN:SIGMA"), (["--stream-fraction", "2"], "stream fraction"),
+                        (["--drain-s", "-1"], "--drain-s")):
+        assert main(base + extra) == 2
+        assert what in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()

@@ -1,0 +1,158 @@
+"""What every benchmark suite shares: the log line, the results file with its time budget (`Bench`), the full-size
+models with seeded random weights, the pipeline over them (tiny ONNX frontends, a saved speaker as its voice), and
+the serving variants' pipeline and scheduler settings. Imports nothing else of the bench package."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import torch
+
+from ...engines.errors import InputError  # noqa: F401 - first: engines/ before runtime.models (import order)
+
+H200_HBM_BPS = 4.8e12
+H200_BF16_FLOPS = 790e12
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+VARIANTS = ("compiled", "graphs", "eager")
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def full_models(device: str, dtype: torch.dtype, which: str = "full"):
+    """Full-size (or tiny) architecture with seeded random weights, built directly on the device."""
+    from ...runtime.models.config import full_config, tiny_config
+    from ...runtime.models.loading import build_modules
+
+    cfg = full_config() if which == "full" else tiny_config()
+    torch.manual_seed(0)
+    llm, flow, hift = build_modules(cfg, device=device)
+    with torch.no_grad():
+        hift.f0_predictor.classifier.bias.fill_(180.0)
+    hift.fold_weight_norm()
+    llm.to(dtype)
+    flow.to(dtype)
+    return cfg, llm.eval(), flow.eval(), hift.eval()
+
+
+def random_models(cfg, llm, flow, hift):
+    from ...runtime.models.loading import CosyVoice3Models
+
+    return CosyVoice3Models(cfg, llm, flow, hift, "random-full", "", "random")
+
+
+class Bench:
+    """The results of one run (`results`, written to OUT/results.json after every section) and its time budget."""
+
+    def __init__(self, args):
+        self.args = args
+        self.t0 = time.perf_counter()
+        self.results: dict = {"meta": self._meta(args)}
+        os.makedirs(args.out, exist_ok=True)
+
+    def _meta(self, args) -> dict:
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "model": args.model,
+                "dtype": args.dtype}
+        if torch.cuda.is_available():
+            meta["gpu"] = torch.cuda.get_device_name(0)
+        meta["commit"] = os.environ.get("COSYTRT_COMMIT", "")  # set by the caller where the tree has no .git
+        if not meta["commit"]:
+            try:
+                meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                text=True).stdout.strip()
+            except OSError:
+                pass
+        return meta
+
+    def over_budget(self) -> bool:
+        return time.perf_counter() - self.t0 > self.args.budget_s
+
+    def save(self) -> None:
+        with open(os.path.join(self.args.out, "results.json"), "w") as f:
+            json.dump(self.results, f, indent=1)
+
+    def section(self, name: str, fn) -> None:
+        if self.over_budget():
+            log(f"skip {name}: time budget spent")
+            self.results.setdefault("skipped", []).append(name)
+            return
+        log(f"start {name}")
+        t = time.perf_counter()
+        try:
+            self.results[name] = fn()
+        except Exception as e:  # noqa: BLE001 - a failing section must not lose the others
+            import traceback
+
+            traceback.print_exc()
+            self.results[name] = {"error": repr(e)}
+        log(f"done {name} in {time.perf_counter() - t:.1f}s")
+        self.save()
+        if self.args.compile_cache:  # after every section: a run cut short still leaves its compiles behind
+            from ...runtime.stages.compiled import save_compile_cache
+
+            log(f"saved compile cache {self.args.compile_cache}: "
+                f"{save_compile_cache(self.args.compile_cache) / 1e6:.1f} MB")
+
+
+def pipeline_with_random_frontend(models):
+    """A pipeline over in-memory random models with the tiny ONNX frontends and a synthetic saved speaker as its
+    voice (`pipeline.default_speaker`)."""
+    import tempfile
+
+    from ...runtime.models.frontend import Frontend, SavedSpeaker
+    from ...runtime.models.text import ByteTokenizer
+    from ...runtime.models.tiny_frontends import write_tiny_frontends
+    from ...runtime.scheduling.request import default_voice_wav
+    from ...runtime.stages.pipeline import Pipeline
+
+    d = tempfile.mkdtemp()
+    tok_path, spk_path = write_tiny_frontends(d)
+    fe = Frontend(ByteTokenizer(models.config.llm.qwen.vocab_size), tok_path, spk_path)
+    feats = fe.prompt_features(default_voice_wav(16000, 3.0), 16000)
+    return Pipeline(models, fe, SavedSpeaker(features=feats, prompt_text="a prompt of three seconds"))
+
+
+def scheduler_config(variant: str, **overrides):
+    """The serving benchmarks' scheduler settings for a variant (compiled / graphs / eager)."""
+    from ...runtime.scheduling.scheduler import SchedulerConfig
+
+    return SchedulerConfig(**{**dict(max_in_flight=128, ar_max_batch=64, dit_max_requests=8, hift_max_batch=16,
+                                     cuda_graphs=variant != "eager", compile=variant == "compiled",
+                                     ar_max_len=2048), **overrides})
+
+
+def make_pipeline(models, variant: str, graph_profile: str):
+    """The variant's pipeline: eager modules, or their CUDA graphs per bucket of `graph_profile` (compiled first for
+    the compiled variant; on the CPU the compiled variant runs the compiled modules without graphs)."""
+    from ...runtime.stages.engine_set import attach_cuda_graphs
+    from ...runtime.stages.profile import load_profile
+
+    pipe = pipeline_with_random_frontend(models)
+    if variant == "eager":
+        return pipe
+    if pipe.device.type == "cuda":
+        attach_cuda_graphs(pipe, load_profile(graph_profile), compile=variant == "compiled")
+    elif variant == "compiled":
+        from ...runtime.stages.compiled import attach_compiled
+
+        attach_compiled(pipe)
+    else:
+        raise InputError("the 'graphs' serving variant needs CUDA")
+    return pipe
+
+
+def start_tts(pipe, sched_cfg):
+    """A TTS over `pipe` with its scheduler started (AR graphs captured) and warmed up by two short requests."""
+    from ...runtime.tts import TTS
+
+    tts = TTS(pipe, scheduler=sched_cfg)
+    tts.synthesize("a" * 40, seed=0, force_tokens=50)  # starts the scheduler (captures decode graphs), warms up
+    list(tts.stream("a" * 40, seed=0, force_tokens=50))
+    return tts
+
+
+def jsonable(d):
+    return json.loads(json.dumps(d, default=str))

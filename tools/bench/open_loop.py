@@ -1,0 +1,265 @@
+"""Open-loop serving cells (`trtbuild bench --suite open_loop`): requests arrive as a Poisson process at a rate, for
+a duration, with mixed lengths (workload.py), streaming or offline, in the bench's saved-speaker voice; each
+listener plays its stream from the first chunk on (playback.py counts underruns and stalls).
+
+A timer thread submits every request at its arrival time (not in waves at t = 0); each chunk's arrival time comes
+from its RequestHandle (`metrics.t_submit + metrics.chunk_times`, stamped when the chunk is handed over). After the
+arrival window the cell waits up to `drain_s` for the requests in flight, then cancels the rest (`unfinished`).
+
+Sweep: the rates in increasing order until saturation (`playback.saturated`: achieved < 0.8 x offered or TTFA p95
+> 5 s). A/B: `ab` names SchedulerConfig boolean fields; each one runs the sweep with the field off and on, one
+scheduler per setting over the same pipeline (graphs and compiled code are shared), one setting after the other.
+A name that is not a boolean field of this build's SchedulerConfig is skipped with a message.
+
+Per cell, besides playback.summarize: stage busy fractions (scheduler stats `busy_s`), bucket hits per stage/mode
+and eager fallbacks (the engine set's ShapeStats summary, when there is one), DiT frames computed / reused (scheduler
+stats `dit.frames_computed` / `dit.frames_reused`, when the runtime reports them), torch.compile graphs compiled
+during the cell, peak GPU memory. Scheduler stats are read defensively: a key this build lacks is reported as None.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import torch
+
+from .common import jsonable, log, make_pipeline, random_models, scheduler_config, start_tts
+from .playback import FAILED, NOT_SUBMITTED, OK, UNFINISHED, RequestRecord, saturated, summarize
+from .workload import Arrival, OpenLoopSpec, generate
+
+TEXT = "a" * 40
+OPEN_LOOP_MAX_IN_FLIGHT = 4096  # arrivals are never held back by admission: a backlog shows as latency
+
+
+def ab_settings(base, flags: list[str]) -> tuple[list[tuple[str, dict]], list[str]]:
+    """[(label, SchedulerConfig overrides)] for the A/B over `flags` (each off, then on; settings with the same
+    overrides merged), and the messages of the flags skipped. No usable flag: one setting, "default"."""
+    fields = {f.name: f for f in dataclasses.fields(base)}
+    settings: list[tuple[str, dict]] = []
+    skipped = []
+    for flag in flags:
+        f = fields.get(flag)
+        if f is None or not isinstance(getattr(base, flag), bool):
+            skipped.append(f"--ab {flag}: not a boolean field of SchedulerConfig in this build, skipped")
+            continue
+        for value in (False, True):
+            settings.append((f"{flag} {'on' if value else 'off'}", {flag: value}))
+    return settings or [("default", {})], skipped
+
+
+def _scheduler_stats(tts) -> dict:
+    try:
+        return tts.scheduler.stats() or {}
+    except Exception:  # noqa: BLE001 - stats are extras: a runtime without them still runs the cell
+        return {}
+
+
+def _settle(tts, timeout_s: float = 10.0) -> None:
+    """Wait (a little) until the work of requests cancelled at the end of a cell has left the stage queues, so that
+    it does not run inside the next cell."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        queues = _scheduler_stats(tts).get("queues")
+        if not isinstance(queues, dict) or not any(v for v in queues.values() if isinstance(v, (int, float))):
+            return
+        time.sleep(0.05)
+
+
+def _num(d, *path):
+    for k in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d if isinstance(d, (int, float)) and not isinstance(d, bool) else None
+
+
+def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
+    """The cell's share of cumulative scheduler stats: busy fraction per stage, bucket hits / fallbacks per
+    stage/mode (ShapeStats summary), eager fallbacks with their reasons, DiT frames computed / reused."""
+    busy_b, busy_a = before.get("busy_s") or {}, after.get("busy_s") or {}
+    busy = {s: (busy_a[s] - busy_b.get(s, 0.0)) / wall_s for s in sorted(busy_a)} if wall_s > 0 else {}
+    buckets, reasons = {}, {}
+    sa, sb = (after.get("shapes") or {}).get("stages") or {}, (before.get("shapes") or {}).get("stages") or {}
+    for sm, st in sorted(sa.items()):
+        prev = sb.get(sm) or {}
+        calls = st.get("calls", 0) - prev.get("calls", 0)
+        hits = st.get("hits", 0) - prev.get("hits", 0)
+        if calls:
+            buckets[sm] = {"calls": calls, "hits": hits, "fallbacks": calls - hits, "hit_rate": hits / calls}
+        for r, n in (st.get("fallback_reasons") or {}).items():
+            d = n - (prev.get("fallback_reasons") or {}).get(r, 0)
+            if d:
+                reasons[f"{sm}: {r}"] = d
+    frames = {}
+    for k in ("frames_computed", "frames_reused"):
+        a, b = _num(after, "dit", k), _num(before, "dit", k)
+        frames[k] = None if a is None else a - (b or 0)
+    return {"busy": busy, "buckets": buckets if sa else None,
+            "fallbacks": sum(b["fallbacks"] for b in buckets.values()) if sa else None,
+            "fallback_reasons": reasons, "dit_frames": frames}
+
+
+def _record(a: Arrival, h, t0: float, sample_rate: int, error: str | None, cut: bool) -> RequestRecord:
+    rec = RequestRecord(a.t, a.audio_s, a.stream)
+    if h is None:
+        rec.status, rec.error = NOT_SUBMITTED if error is None else FAILED, error
+        return rec
+    sizes = []
+    try:
+        for c in h.chunks(timeout=1.0):
+            sizes.append(c.size)
+    except Exception as e:  # noqa: BLE001 - failed or cancelled: keep the chunks it delivered
+        rec.error = f"{type(e).__name__}: {e}"
+    m = h.metrics
+    times = list(getattr(m, "chunk_times", None) or [])
+    base = getattr(m, "t_submit", None)
+    n = min(len(times), len(sizes))
+    if base is not None:
+        rec.chunk_t = [base + x - t0 for x in times[:n]]
+        rec.chunk_s = [s / sample_rate for s in sizes[:n]]
+    if getattr(h, "error", None) is not None or rec.error is not None:
+        rec.status = UNFINISHED if cut else FAILED
+    else:
+        rec.status = OK
+    return rec
+
+
+def drive(tts, arrivals: list[Arrival], duration_s: float, drain_s: float, speaker=None) -> tuple[list, float]:
+    """Submit `arrivals` from a timer thread at their times, wait until they finish or until duration_s + drain_s,
+    cancel what is left; returns (RequestRecords, end of the cell in seconds after its start)."""
+    from ...runtime.models.sampling import SamplingParams
+    from ...runtime.scheduling.request import Request
+
+    handles: list = [None] * len(arrivals)
+    errors: list = [None] * len(arrivals)
+    cut: set[int] = set()  # cancelled at the end of the cell
+    stop = threading.Event()
+    t0 = time.perf_counter() + 0.02
+
+    def timer():
+        for a in arrivals:
+            if stop.wait(max(0.0, t0 + a.t - time.perf_counter())):
+                return
+            req = Request(text=TEXT, stream=a.stream, speaker=speaker,
+                          sampling=SamplingParams(seed=a.seed, force_tokens=a.tokens))
+            try:
+                handles[a.index] = tts.submit(req)
+            except Exception as e:  # noqa: BLE001 - a rejected request is a failed request of the cell
+                errors[a.index] = f"{type(e).__name__}: {e}"
+
+    th = threading.Thread(target=timer, name="cosytrt-bench-arrivals", daemon=True)
+    th.start()
+    deadline = t0 + duration_s + drain_s
+    th.join(max(0.0, deadline - time.perf_counter()))
+    stop.set()
+    for i, h in enumerate(handles):
+        if h is None:
+            continue
+        try:
+            h.result(timeout=max(0.0, deadline - time.perf_counter()))
+        except TimeoutError:
+            cut.add(i)
+            h.cancel()
+        except Exception:  # noqa: BLE001 - its error is recorded below
+            pass
+    th.join()
+    end = time.perf_counter() - t0
+    return [_record(a, handles[a.index], t0, tts.sample_rate, errors[a.index], a.index in cut)
+            for a in arrivals], end
+
+
+def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, label: str = "") -> dict:
+    from ...runtime.stages.compiled import compiled_graph_count
+
+    arrivals = generate(spec)
+    compiles = compiled_graph_count()
+    cuda = torch.cuda.is_available() and getattr(getattr(tts.pipeline, "device", None), "type", "") == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = _scheduler_stats(tts)
+    records, end = drive(tts, arrivals, spec.duration_s, drain_s, speaker)
+    if cuda:
+        torch.cuda.synchronize()  # every stage span of the cell has completed
+    after = _scheduler_stats(tts)
+    cell = {"setting": label, "rate": spec.rate, "duration_s": spec.duration_s, "drain_s": drain_s, "seed": spec.seed,
+            "stream_fraction": spec.stream_fraction, **summarize(records, spec.duration_s, end),
+            **stats_delta(before, after, end),
+            "compiles": compiled_graph_count() - compiles,
+            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+            # [arrival s, audio s, stream, first chunk s, last chunk s, chunks, status]
+            "request_rows": [[round(r.arrival, 4), r.audio_s, r.stream,
+                              round(r.chunk_t[0], 4) if r.chunk_t else None,
+                              round(r.chunk_t[-1], 4) if r.chunk_t else None, len(r.chunk_t), r.status]
+                             for r in records]}
+    _settle(tts)
+    errs = [r.error for r in records if r.status == FAILED and r.error]
+    if errs:
+        cell["first_error"] = errs[0]
+    return cell
+
+
+def _fmt(v, f=".3f"):
+    return "-" if v is None else format(v, f)
+
+
+def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec: OpenLoopSpec, rates: list[float],
+                    drain_s: float, ab: list[str]) -> dict:
+    """The rate sweep (per A/B setting) on the `variant` pipeline; results under bench.results["open_loop"], saved
+    after every cell."""
+    out: dict = {"variant": variant, "spec": spec.to_dict(), "rates": rates, "cells": [], "settings": []}
+    bench.results["open_loop"] = out
+    base = scheduler_config(variant, max_in_flight=OPEN_LOOP_MAX_IN_FLIGHT)
+    settings, skipped = ab_settings(base, ab)
+    for msg in skipped:
+        log(msg)
+    out["ab_skipped"] = skipped
+    t = time.perf_counter()
+    pipe = make_pipeline(random_models(cfg, llm, flow, hift), variant, bench.args.graph_profile)
+    out["pipeline_setup_s"] = time.perf_counter() - t
+    speaker = pipe.default_speaker  # the bench's saved speaker (random frontend)
+    for label, overrides in settings:
+        if bench.over_budget():
+            log(f"open loop: skip setting {label!r} (time budget)")
+            continue
+        t = time.perf_counter()
+        tts = start_tts(pipe, dataclasses.replace(base, **overrides))
+        setup = time.perf_counter() - t
+        out["settings"].append({"label": label, "overrides": overrides, "scheduler_setup_s": setup})
+        log(f"open loop {variant} / {label}: scheduler ready in {setup:.1f}s")
+        try:
+            for rate in rates:
+                if bench.over_budget():
+                    log(f"open loop {label}: skip rate {rate:g} (time budget)")
+                    break
+                try:
+                    cell = run_open_loop_cell(tts, spec.at_rate(rate), drain_s, speaker, label)
+                except Exception as e:  # noqa: BLE001 - the sweep goes on with the next setting
+                    import traceback
+
+                    traceback.print_exc()
+                    out["cells"].append({"setting": label, "rate": rate, "error": repr(e)})
+                    bench.save()
+                    break
+                why = saturated(cell)
+                cell["saturated"] = why
+                out["cells"].append(jsonable(cell))
+                bench.save()
+                t_ = cell["ttfa"]
+                log(f"open loop {label} {rate:g} req/s: offered {cell['offered_audio_s_per_s']:.1f}, achieved "
+                    f"{cell['achieved_audio_s_per_s']:.1f} audio s/s; TTFA p50 {_fmt(t_['p50'])} p95 "
+                    f"{_fmt(t_['p95'])} p99 {_fmt(t_['p99'])} s; underruns {cell['underrun_requests']} of "
+                    f"{cell['streams']} streams ({cell['stall_s']:.1f} s stalled); {cell['unfinished']} unfinished, "
+                    f"{cell['failed']} failed; busy " + ", ".join(f"{k} {v:.2f}" for k, v in cell["busy"].items())
+                    + (f"; WARNING: {cell['compiles']} graph(s) compiled during the cell" if cell["compiles"] else ""))
+                if why:
+                    log(f"open loop {label}: saturated at {rate:g} req/s ({why}): higher rates skipped")
+                    break
+        finally:
+            out["settings"][-1]["stats"] = jsonable(_scheduler_stats(tts))
+            tts.close()
+            del tts
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return out
