@@ -26,8 +26,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from cosytrt.runtime.errors import RejectedError  # noqa: E402
 from cosytrt.runtime.request import RequestMetrics, default_voice_wav  # noqa: E402
-from cosytrt.runtime.server import ServerSettings, create_app, pcm16, wav_header  # noqa: E402
-from cosytrt.runtime.voices import VoiceStore  # noqa: E402
+from cosytrt.runtime.serving.app import ServerSettings, create_app, pcm16, wav_header  # noqa: E402
+from cosytrt.runtime.serving.voices import VoiceStore  # noqa: E402
 
 SR = 24000
 SAMPLES_PER_TOKEN = SR // 25  # 25 speech tokens per second
@@ -93,7 +93,8 @@ def voices_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(tts, voices_dir):
-    app = create_app(tts, ServerSettings(voices_dir=str(voices_dir), max_input_chars=300, max_upload_mb=0.5))
+    app = create_app(tts, ServerSettings(voices_dir=str(voices_dir), max_input_chars=300, max_upload_mb=0.5,
+                                         allowed_hosts=["testserver"]))
     with TestClient(app) as c:
         wait_ready(c)
         yield c
@@ -185,48 +186,63 @@ def test_openai_voice_names_and_instructions(client):
 
 
 @pytest.mark.parametrize("body,status,param", [
-    ({"input": "hi", "voice": "default", "speed": 1.5}, 422, "speed"),
-    ({"input": "hi", "voice": "default", "speed": "fast"}, 422, "speed"),
-    ({"voice": "default"}, 422, "input"),
-    ({"input": 5, "voice": "default"}, 422, "input"),
-    ({"input": "   ", "voice": "default"}, 422, "input"),
-    ({"input": "hi"}, 422, "voice"),
-    ({"input": "hi", "voice": 3}, 422, "voice"),
-    ({"input": "hi", "voice": "../../etc/passwd"}, 422, "voice"),
-    ({"input": "hi", "voice": "/abs/path"}, 422, "voice"),
-    ({"input": "hi", "voice": "Default"}, 422, "voice"),
-    ({"input": "hi", "voice": "default", "response_format": "mp3"}, 422, "response_format"),
-    ({"input": "hi", "voice": "default", "response_format": "flac", "stream": True}, 422, "response_format"),
-    ({"input": "hi", "voice": "default", "stream": "yes"}, 422, "stream"),
-    ({"input": "hi", "voice": "default", "stream_format": "ogg"}, 422, "stream_format"),
-    ({"input": "hi", "voice": "default", "seed": "1"}, 422, "seed"),
-    ({"input": "hi", "voice": "default", "seed": -1}, 422, "seed"),
-    ({"input": "hi", "voice": "default", "seed": True}, 422, "seed"),
-    ({"input": "hi", "voice": "default", "max_tokens": 0}, 422, "max_tokens"),
-    ({"input": "hi", "voice": "default", "force_tokens": 2.5}, 422, "force_tokens"),
-    ({"input": "hi", "voice": "default", "model": 7}, 422, "model"),
-    ({"input": "hi", "voice": "default", "instruct": "a", "instructions": "b"}, 422, "instructions"),
-    ({"input": "hi", "voice": "default", "max_token": 5}, 422, "max_token"),
-    (["not", "an", "object"], 422, "body"),
-    ({"input": "x" * 301, "voice": "default"}, 413, "input"),
-    ({"input": "hi", "voice": "nobody"}, 404, "voice"),
+    ({"model": "x", "input": "hi", "voice": "default", "speed": 4.5}, 400, "speed"),
+    ({"model": "x", "input": "hi", "voice": "default", "speed": 0.2}, 400, "speed"),
+    ({"model": "x", "input": "hi", "voice": "default", "speed": -1.0}, 400, "speed"),
+    ({"model": "x", "input": "hi", "voice": "default", "speed": "fast"}, 400, "speed"),
+    ({"model": "x", "input": "hi", "speed": 1.5, "stream": True, "response_format": "pcm"}, 400, "speed"),
+    ({"model": "x", "voice": "default"}, 400, "input"),
+    ({"input": "hi", "voice": "default"}, 400, "model"),
+    ({"model": "x", "input": 5, "voice": "default"}, 400, "input"),
+    ({"model": "x", "input": "   ", "voice": "default"}, 400, "input"),
+    ({"model": "x", "input": "", "voice": "default"}, 400, "input"),
+    ({"model": "x", "input": "hi", "voice": 3}, 400, "voice"),
+    ({"model": "x", "input": "hi", "voice": "../../etc/passwd"}, 400, "voice"),
+    ({"model": "x", "input": "hi", "voice": "/abs/path"}, 400, "voice"),
+    ({"model": "x", "input": "hi", "voice": "Default"}, 400, "voice"),
+    ({"model": "x", "input": "hi", "voice": "default\n"}, 400, "voice"),
+    ({"model": "x", "input": "hi", "voice": "default", "response_format": "bogus"}, 400, "response_format"),
+    ({"model": "x", "input": "hi", "voice": "default", "response_format": "aac"}, 400, "response_format"),
+    ({"model": "x", "input": "hi", "voice": "default", "response_format": "flac", "stream": True}, 400,
+     "response_format"),
+    ({"model": "x", "input": "hi", "voice": "default", "response_format": "mp3", "stream_format": "audio"}, 400,
+     "response_format"),
+    ({"model": "x", "input": "hi", "voice": "default", "stream": "yes"}, 400, "stream"),
+    ({"model": "x", "input": "hi", "voice": "default", "stream_format": "ogg"}, 400, "stream_format"),
+    ({"model": "x", "input": "hi", "voice": "default", "seed": "1"}, 400, "seed"),
+    ({"model": "x", "input": "hi", "voice": "default", "seed": -1}, 400, "seed"),
+    ({"model": "x", "input": "hi", "voice": "default", "seed": 2 ** 63}, 400, "seed"),
+    ({"model": "x", "input": "hi", "voice": "default", "seed": True}, 400, "seed"),
+    ({"model": "x", "input": "hi", "voice": "default", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "x", "input": "hi", "voice": "default", "max_new_tokens": -5}, 400, "max_new_tokens"),
+    ({"model": "x", "input": "hi", "voice": "default", "force_tokens": 2.5}, 400, "force_tokens"),
+    ({"model": 7, "input": "hi", "voice": "default"}, 400, "model"),
+    ({"model": "x", "input": "hi", "voice": "default", "instruct": "a", "instructions": "b"}, 400, "instructions"),
+    ({"model": "x", "input": "hi", "voice": "default", "max_token": 5}, 400, "max_token"),
+    ({"model": "x", "input": "hi", "voice": "default", "language": "Klingon"}, 400, "language"),
+    ({"model": "x", "input": "hi", "voice": "default", "task_type": "NotATask"}, 400, "task_type"),
+    ({"model": "x", "input": "hi", "ref_text": "orphan transcript"}, 400, "ref_audio"),
+    (["not", "an", "object"], 400, "body"),
+    ({"model": "x", "input": "x" * 301, "voice": "default"}, 413, "input"),
+    ({"model": "x", "input": "hi", "voice": "nobody"}, 404, "voice"),
 ])
 def test_bad_speech_requests(client, body, status, param):
-    assert_error(client.post("/v1/audio/speech", json=body), status, param)
+    err = assert_error(client.post("/v1/audio/speech", json=body), status, param)
+    assert err["type"] == "invalid_request_error"
 
 
 def test_malformed_json_and_oversized_body(client):
-    r = client.post("/v1/audio/speech", content=b'{"input": "hi", "voice": ', headers={"content-type":
+    r = client.post("/v1/audio/speech", content=b'{"model": "x", "input": "hi", "voice": ', headers={"content-type":
                                                                                       "application/json"})
-    assert_error(r, 422, "body", "invalid_json")
-    r = client.post("/v1/audio/speech", content=b"x" * 200_000, headers={"content-type": "application/json"})
+    assert_error(r, 400, "body", "invalid_json")
+    r = client.post("/v1/audio/speech", content=b"x" * 2_000_000, headers={"content-type": "application/json"})
     assert_error(r, 413, code="payload_too_large")
 
 
 def test_request_too_long_for_buffers_is_413(client):
-    r = client.post("/v1/audio/speech", json={"input": "hi", "voice": "default", "force_tokens": 100_000})
+    r = client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "default", "force_tokens": 100_000})
     assert_error(r, 413, "input", "request_too_long")
-    r = client.post("/v1/audio/speech", json={"input": "hi", "voice": "default", "force_tokens": 100_000,
+    r = client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "default", "force_tokens": 100_000,
                                               "stream": True})
     assert_error(r, 413, "input", "request_too_long")  # the first chunk is awaited before the status is sent
 
@@ -254,7 +270,7 @@ def test_voices_lifecycle(client, tts, voices_dir):
     spk = VoiceStore(str(voices_dir)).get("alice")
     ref = tts.make_speaker(prompt, "A test voice.", 16000)
     assert np.array_equal(spk.features.speech_tokens.numpy(), ref.features.speech_tokens.numpy())
-    body = {"input": "Cloned.", "voice": "alice", "seed": 9, "force_tokens": 10, "response_format": "pcm"}
+    body = {"model": "x", "input": "Cloned.", "voice": "alice", "seed": 9, "force_tokens": 10, "response_format": "pcm"}
     r = client.post("/v1/audio/speech", json=body)
     assert r.status_code == 200
     assert r.content == direct_pcm(tts, "Cloned.", speaker=ref, seed=9, force_tokens=10)
@@ -270,10 +286,12 @@ def test_voices_lifecycle(client, tts, voices_dir):
                  409, "name")
     for bad in ("Bad Name", "../x", "-x", "a" * 65):
         assert_error(client.post("/v1/voices", files={"audio": ("v.wav", wav_bytes)}, data={"name": bad}),
-                     422, "name")
-    assert_error(client.post("/v1/voices", data={"text": "no audio"}), 422, "audio")
-    assert_error(client.post("/v1/voices", data={"audio": "not a file"}), 422, "audio")
-    assert_error(client.post("/v1/voices", files={"audio": ("x.wav", b"garbage" * 100)}), 422, "audio",
+                     400, "name")
+    other = {"other": ("o.txt", b"x")}  # forces multipart/form-data
+    assert_error(client.post("/v1/voices", files=other, data={"text": "no audio"}), 400, "audio")
+    assert_error(client.post("/v1/voices", files=other, data={"audio": "not a file"}), 400, "audio")
+    assert_error(client.post("/v1/voices", data={"text": "no audio"}), 415, code="unsupported_media_type")
+    assert_error(client.post("/v1/voices", files={"audio": ("x.wav", b"garbage" * 100)}), 400, "audio",
                  "invalid_audio")
     long_prompt = io.BytesIO()
     sf.write(long_prompt, np.zeros(16000 * 31, np.int16), 16000, format="WAV", subtype="PCM_16")
@@ -283,15 +301,15 @@ def test_voices_lifecycle(client, tts, voices_dir):
                              headers={"content-type": "multipart/form-data; boundary=zz"}), 413)
     long_prompt = io.BytesIO()
     sf.write(long_prompt, np.zeros(8000 * 31, np.int16), 8000, format="FLAC")  # small file, 31 s: too long
-    assert_error(client.post("/v1/voices", files={"audio": ("long.flac", long_prompt.getvalue())}), 422, "audio")
+    assert_error(client.post("/v1/voices", files={"audio": ("long.flac", long_prompt.getvalue())}), 400, "audio")
 
     # delete
     assert client.delete("/v1/voices/alice").json() == {"id": "alice", "object": "voice", "deleted": True}
     assert_error(client.delete("/v1/voices/alice"), 404, "voice_id")
     assert_error(client.post("/v1/audio/speech", json=body), 404, "voice")
     assert_error(client.delete("/v1/voices/default"), 409, "voice_id")
-    assert_error(client.delete("/v1/voices/%2e%2e"), 422, "voice_id")
-    assert_error(client.delete("/v1/voices/UPPER"), 422, "voice_id")
+    assert_error(client.delete("/v1/voices/%2e%2e"), 400, "voice_id")
+    assert_error(client.delete("/v1/voices/UPPER"), 400, "voice_id")
     assert client.delete(f"/v1/voices/{anon}").status_code == 200
     assert os.listdir(voices_dir) == []
     assert [v["id"] for v in client.get("/v1/voices").json()["data"]] == ["default"]
@@ -299,10 +317,10 @@ def test_voices_lifecycle(client, tts, voices_dir):
 
 def test_metrics_exposition(client):
     before = parse_metrics(client.get("/metrics").text)
-    r = client.post("/v1/audio/speech", json={"input": "Count me.", "voice": "default", "seed": 1,
+    r = client.post("/v1/audio/speech", json={"model": "x", "input": "Count me.", "voice": "default", "seed": 1,
                                               "force_tokens": 5})
     assert r.status_code == 200
-    client.post("/v1/audio/speech", json={"input": "hi", "voice": "default", "speed": 2})
+    client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "default", "speed": 9})
     text = client.get("/metrics").text
     after = parse_metrics(text)
     for h in ("t_tokenizer_seconds", "t_ar_seconds", "t_dit_seconds", "t_vocoder_seconds", "t_queue_seconds",
@@ -312,7 +330,7 @@ def test_metrics_exposition(client):
         assert after[f"{name}_count"] == before[f"{name}_count"] + 1
         assert after[f'{name}_bucket{{le="+Inf"}}'] == after[f"{name}_count"]
     assert speech_count(after, 200) == speech_count(before, 200) + 1
-    assert speech_count(after, 422) == speech_count(before, 422) + 1
+    assert speech_count(after, 400) == speech_count(before, 400) + 1
     ok = 'cosytrt_speech_requests_total{outcome="ok"}'
     assert after[ok] == before[ok] + 1
     assert after["cosytrt_speech_tokens_total"] == before["cosytrt_speech_tokens_total"] + 5
@@ -385,6 +403,7 @@ class FakeTTS:
 
 
 def fake_client(tmp_path, fake, **settings):
+    settings.setdefault("allowed_hosts", ["testserver"])  # Starlette's TestClient sends Host: testserver
     app = create_app(fake, ServerSettings(voices_dir=str(tmp_path / "voices"), **settings))
     return app, TestClient(app)
 
@@ -408,13 +427,13 @@ def test_health_503_until_warm(tmp_path):
         time.sleep(0.1)
         r = client.get("/health")
         assert r.status_code == 503 and r.json() == {"status": "loading"}
-        assert_error(client.post("/v1/audio/speech", json={"input": "hi", "voice": "default"}), 503,
+        assert_error(client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "default"}), 503,
                      code="not_ready")
         assert parse_metrics(client.get("/metrics").text)["cosytrt_ready"] == 0
         fake.gate.set()
         wait_ready(client, 5)
         assert client.get("/health").json() == {"status": "ready"}
-        assert client.post("/v1/audio/speech", json={"input": "hi", "voice": "default"}).status_code == 200
+        assert client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "default"}).status_code == 200
 
 
 def test_api_key(tmp_path):
@@ -422,7 +441,7 @@ def test_api_key(tmp_path):
     _, client = fake_client(tmp_path, fake, api_key="sekret")
     with client:
         wait_ready(client, 5)
-        body = {"input": "hi", "voice": "default"}
+        body = {"model": "x", "input": "hi", "voice": "default"}
         assert_error(client.post("/v1/audio/speech", json=body), 401, code="invalid_api_key")
         assert_error(client.post("/v1/audio/speech", json=body, headers={"Authorization": "Bearer wrong"}), 401)
         assert_error(client.get("/v1/voices", headers={"Authorization": "sekret"}), 401)
@@ -436,7 +455,7 @@ def test_api_key(tmp_path):
 def test_backpressure_429_and_queue_timeout_503(tmp_path):
     fake = FakeTTS(free=0)
     app, client = fake_client(tmp_path, fake, max_in_flight=1, max_queue=1, queue_timeout_s=0.5)
-    body = {"input": "hold", "voice": "default", "response_format": "pcm"}
+    body = {"model": "x", "input": "hold", "voice": "default", "response_format": "pcm"}
     with client:
         wait_ready(client, 5)
         results = {}
@@ -473,7 +492,7 @@ def test_runtime_rejection_is_429(tmp_path):
     app, client = fake_client(tmp_path, fake)
     with client:
         wait_ready(client, 5)
-        err = assert_error(client.post("/v1/audio/speech", json={"input": "hi", "voice": "default"}), 429,
+        err = assert_error(client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "default"}), 429,
                            code="overloaded")
         assert err["type"] == "rate_limit_error" and "max_in_flight=3" in err["message"]
         assert in_flight(app) == 0
@@ -501,7 +520,8 @@ async def _drive(app, body: dict, disconnect_after_body: bool):
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": "/v1/audio/speech", "raw_path": b"/v1/audio/speech",
              "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("testserver", 80),
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+             "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(raw)).encode())]}
     await asyncio.wait_for(app(scope, receive, send), 10)
     return sent
 
@@ -512,7 +532,7 @@ def test_client_disconnect_cancels_request(tmp_path, stream):
     app, client = fake_client(tmp_path, fake)
     with client:
         wait_ready(client, 5)
-        sent = client.portal.call(_drive, app, {"input": "bye", "voice": "default", "stream": stream}, stream)
+        sent = client.portal.call(_drive, app, {"model": "x", "input": "bye", "voice": "default", "stream": stream}, stream)
         handle = fake.handles[-1]
         assert handle.text == "bye" and handle.cancelled.is_set()
         assert in_flight(app) == 0
@@ -532,7 +552,7 @@ def test_shutdown_drains_in_flight(tmp_path):
     with client:
         wait_ready(client, 5)
         t = threading.Thread(target=lambda: results.setdefault("r", client.post(
-            "/v1/audio/speech", json={"input": "finish me", "voice": "default"})))
+            "/v1/audio/speech", json={"model": "x", "input": "finish me", "voice": "default"})))
         t.start()
         while in_flight(app) < 1:
             time.sleep(0.005)
@@ -544,7 +564,7 @@ def test_shutdown_drains_in_flight(tmp_path):
         assert 0.25 < waited < 4.0
         assert results["r"].status_code == 200 and not fake.handles[-1].cancelled.is_set()
         assert client.get("/health").status_code == 503
-        assert_error(client.post("/v1/audio/speech", json={"input": "late", "voice": "default"}), 503,
+        assert_error(client.post("/v1/audio/speech", json={"model": "x", "input": "late", "voice": "default"}), 503,
                      code="shutting_down")
 
 
@@ -555,7 +575,7 @@ def test_shutdown_drain_timeout_cancels(tmp_path):
     with client:
         wait_ready(client, 5)
         t = threading.Thread(target=lambda: results.setdefault("r", client.post(
-            "/v1/audio/speech", json={"input": "stuck", "voice": "default"})))
+            "/v1/audio/speech", json={"model": "x", "input": "stuck", "voice": "default"})))
         t.start()
         while in_flight(app) < 1:
             time.sleep(0.005)
@@ -602,9 +622,9 @@ def test_internal_error_is_openai_shaped_500(tmp_path):
             raise RuntimeError("engine exploded")
 
         fake.submit = broken
-        err = assert_error(client.post("/v1/audio/speech", json={"input": "hi", "voice": "default"}), 500,
+        err = assert_error(client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "default"}), 500,
                            code="internal_error")
-        assert err["type"] == "server_error" and "engine exploded" in err["message"]
+        assert err["type"] == "server_error" and "engine exploded" not in err["message"]  # no internals leak
         assert in_flight(app) == 0
         assert speech_count(parse_metrics(client.get("/metrics").text), 500) == 1
 
@@ -643,7 +663,7 @@ def test_server_module_imports_without_fastapi_and_cli_exits_2():
     code = ("import sys\n"
             "for m in ('fastapi', 'uvicorn', 'multipart', 'python_multipart', 'starlette'):\n"
             "    sys.modules[m] = None\n"
-            "import cosytrt.runtime.server, cosytrt.runtime.voices\n"
+            "import cosytrt.runtime.serving, cosytrt.runtime.serving.voices\n"
             "from cosytrt.tools.trtbuild import main\n"
             "sys.exit(main(['serve', '--model', 'tiny']))\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -18,7 +18,7 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from cosytrt.runtime.server import ServerSettings, create_app, pcm16  # noqa: E402
+from cosytrt.runtime.serving.app import ServerSettings, create_app, pcm16  # noqa: E402
 
 SR = 24000
 SAMPLES_PER_TOKEN = SR // 25
@@ -180,7 +180,7 @@ def test_load_64_concurrent(server):
 def test_disconnect_mid_stream_frees_slot(server):
     before = metrics(server.url)
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
-        with http.stream("POST", "/v1/audio/speech", json={"input": "A long streamed answer.", "voice": "default",
+        with http.stream("POST", "/v1/audio/speech", json={"model": "x", "input": "A long streamed answer.", "voice": "default",
                                                            "seed": 5, "force_tokens": 250, "stream": True,
                                                            "response_format": "pcm"}) as r:
             assert r.status_code == 200
