@@ -32,9 +32,9 @@ from .admission import Admission
 from .encoding import MEDIA_TYPES, decode_upload, encode_audio, pcm16, pcm_headers, ref_audio_bytes, wav_header
 from .errors import APIError, from_runtime_error, invalid
 from .metrics import ServerMetrics
-from .segments import normalize, split_sentences
+from .segments import normalize, segment_budget, split_sentences
 from .settings import LOOPBACK_HOSTS, ServerSettings, missing_serve_packages
-from .voices import VoiceExistsError, VoiceNotFoundError, VoiceStore, check_voice_id
+from .voices import VoiceExistsError, VoiceLimitError, VoiceNotFoundError, VoiceStore, check_voice_id
 
 __all__ = ["create_app", "serve", "ServerSettings", "missing_serve_packages", "pcm16", "wav_header", "APIError"]
 
@@ -144,14 +144,15 @@ class SpeechJob:
                 log.exception("cancelling a request failed")
 
 
-def segment_text(text: str, settings: ServerSettings, options: dict) -> list[str]:
+def segment_text(text: str, settings: ServerSettings, options: dict, tts=None, speaker=None) -> list[str]:
     """The texts to synthesise for one `input`: normalised (only when it has digits / symbols) and split into
-    sentences; one piece when `force_tokens` fixes the length of the whole request."""
+    sentences that fit the model; one piece when `force_tokens` fixes the length of the whole request."""
     if settings.normalize_text and _NEEDS_NORMALIZING.intersection(text):
         text = normalize(text)
     if "force_tokens" in options:
         return [text]
-    return split_sentences(text, settings.max_segment_units) or [text]
+    budget, count = segment_budget(tts, speaker, settings.max_segment_units)
+    return split_sentences(text, budget, count=count) or [text]
 
 
 async def read_body_capped(request, cap: int, what: str, timeout: float) -> bytes:
@@ -462,7 +463,10 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
         except Exception as e:  # noqa: BLE001 - malformed multipart
             raise invalid(f"the body must be multipart/form-data with an 'audio' file: {e}", "audio",
                           "invalid_multipart") from None
-        upload, text, name = form.get("audio"), form.get("text"), form.get("name")
+        # field names of OpenAI-style clients and of sglang-omni's harness (audio_sample / ref_text)
+        upload = form.get("audio") if form.get("audio") is not None else form.get("audio_sample")
+        text = form.get("text") if form.get("text") is not None else form.get("ref_text")
+        name = form.get("name")
         if upload is None:
             raise invalid("'audio' (the reference audio file) is required", "audio", "missing_required")
         if isinstance(upload, str):
@@ -480,6 +484,9 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
             raise invalid(str(e), "name") from None
         if voice_id == "default" or os.path.exists(state.voices.path(voice_id)):
             raise from_runtime_error(VoiceExistsError(f"voice {voice_id!r} already exists"))
+        if state.voices.max_voices is not None and state.voices.count() >= state.voices.max_voices:
+            raise from_runtime_error(VoiceLimitError(f"the server stores at most {state.voices.max_voices} voices; "
+                                                     f"delete one first"))
         raw = await upload.read()
         loop = asyncio.get_running_loop()
         samples, sr = await loop.run_in_executor(state.decoder, state.decode, raw, "audio")
@@ -488,7 +495,8 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
                 speaker = await loop.run_in_executor(None, lambda: tts.make_speaker(samples, text or "", sr))
             info = await loop.run_in_executor(None, state.voices.add, voice_id, speaker)
         except CosytrtError as e:
-            raise from_runtime_error(e, param="audio" if not isinstance(e, VoiceExistsError) else "name") from None
+            raise from_runtime_error(e, param="name" if isinstance(e, (VoiceExistsError, VoiceLimitError)) else
+                                     "audio") from None
         return JSONResponse(info.to_dict(), status_code=201)
 
     async def delete_voice(voice_id: str, request: Request):
@@ -601,7 +609,8 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
         options = {"speaker": speaker, **params.options}
         if params.speed != 1.0:
             options["speed"] = params.speed
-        job = SpeechJob(tts, segment_text(params.input, settings, params.options), options, params.stream)
+        job = SpeechJob(tts, segment_text(params.input, settings, params.options, tts, speaker), options,
+                        params.stream)
         finish = _finisher(job, admission_wait)
         sr = state.sample_rate
         extra = {"X-Ignored-Fields": ",".join(params.ignored)} if params.ignored else {}
