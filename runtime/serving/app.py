@@ -155,9 +155,15 @@ def segment_text(text: str, settings: ServerSettings, options: dict, tts=None, s
     return split_sentences(text, budget, count=count) or [text]
 
 
-async def read_body_capped(request, cap: int, what: str, timeout: float) -> bytes:
+BIG_BODY = 1 << 20  # bodies above 1 MiB (uploads, inline reference audio) are read a few at a time
+
+
+async def read_body_capped(request, cap: int, what: str, timeout: float, big: asyncio.Semaphore | None = None) \
+        -> bytes:
     """The request body, or 413 as soon as it is known to exceed `cap` bytes (Content-Length or while reading),
-    408 when it does not arrive within `timeout` seconds, _ClientGone when the client disconnects."""
+    408 when it does not arrive within `timeout` seconds, _ClientGone when the client disconnects. Bodies over
+    BIG_BODY (or of unknown length) hold one of `big`'s slots while they are read (429 when none frees in time), so
+    concurrent uploads cannot hold unbounded memory."""
     from starlette.requests import ClientDisconnect
 
     declared = request.headers.get("content-length")
@@ -178,12 +184,23 @@ async def read_body_capped(request, cap: int, what: str, timeout: float) -> byte
             parts.append(chunk)
         return b"".join(parts)
 
+    held = False
+    if big is not None and (declared is None or int(declared) > BIG_BODY):
+        try:
+            await asyncio.wait_for(big.acquire(), timeout)
+        except asyncio.TimeoutError:
+            raise APIError(429, "too many large uploads in progress", code="too_many_requests",
+                           headers={"Retry-After": "1"}) from None
+        held = True
     try:
         return await asyncio.wait_for(read(), timeout)
     except asyncio.TimeoutError:
         raise APIError(408, f"{what} did not arrive within {timeout:g} s", code="request_timeout") from None
     except ClientDisconnect:
         raise _ClientGone from None
+    finally:
+        if held:
+            big.release()
 
 
 def check_content_type(request, *allowed: str) -> None:
@@ -214,6 +231,7 @@ class ServerState:
         self.error: str | None = None
         self.draining = False
         self.jobs: set[SpeechJob] = set()
+        self.big_bodies = asyncio.Semaphore(max(2, settings.max_in_flight))
 
     @property
     def ready(self) -> bool:
@@ -448,7 +466,7 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
         check_serving()
         check_content_type(request, "multipart/form-data")
         cap = settings.upload_cap
-        data = await read_body_capped(request, cap, "the upload", settings.body_timeout_s)
+        data = await read_body_capped(request, cap, "the upload", settings.body_timeout_s, state.big_bodies)
         replayed = False
 
         async def replay():
@@ -598,8 +616,12 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
         check_serving()
         check_content_type(request, "application/json")
         cap = max(65536, 8 * settings.max_input_chars + 4096, (settings.upload_cap * 4) // 3 + 8192)
-        raw = await read_body_capped(request, cap, "the request body", settings.body_timeout_s)
-        params = parse_speech_request(load_json(raw, settings), settings)
+        raw = await read_body_capped(request, cap, "the request body", settings.body_timeout_s, state.big_bodies)
+        if len(raw) > BIG_BODY:  # an inline reference: parse it off the event loop
+            body = await asyncio.get_running_loop().run_in_executor(state.decoder, load_json, raw, settings)
+        else:
+            body = load_json(raw, settings)
+        params = parse_speech_request(body, settings)
         admission_wait = await state.admission.acquire()
         try:
             speaker = await resolve_speaker(params)
