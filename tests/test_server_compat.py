@@ -9,14 +9,13 @@ import json
 import os
 import time
 
-import numpy as np
 import pytest
 import soundfile as sf
 
 pytest.importorskip("fastapi")
 pytest.importorskip("python_multipart")
 from fastapi.testclient import TestClient  # noqa: E402
-from test_server import SR, assert_error, wait_ready  # noqa: E402
+from server_helpers import SR, assert_error, wait_ready  # noqa: E402
 
 from cosytrt.runtime.request import default_voice_wav  # noqa: E402
 from cosytrt.runtime.serving.app import ServerSettings, create_app  # noqa: E402

@@ -16,7 +16,7 @@ import soundfile as sf
 pytest.importorskip("fastapi")
 pytest.importorskip("python_multipart")
 from fastapi.testclient import TestClient  # noqa: E402
-from test_server import (SAMPLES_PER_TOKEN, SR, FakeTTS, assert_error, direct_pcm, fake_client,  # noqa: E402
+from server_helpers import (SAMPLES_PER_TOKEN, SR, FakeTTS, assert_error, direct_pcm, fake_client,  # noqa: E402
                          parse_metrics, read_wav, wait_ready)
 
 from cosytrt.runtime.serving.app import ServerSettings, create_app, segment_text  # noqa: E402

@@ -41,8 +41,8 @@ class ServerSettings:
     max_voices: int = 1000         # stored voices at most (409 beyond)
     max_transcript_chars: int = 1000  # longest voice transcript (`text` / `ref_text`)
     max_prompt_seconds: float = 30.0  # longest reference audio, checked from the header before decoding
-    max_sample_rate: int = 192000  # reference audio declaring a higher (or < 8 kHz) rate is refused
-    max_channels: int = 8
+    max_sample_rate: int = 96000   # reference audio declaring a higher (or < 8 kHz) rate is refused
+    max_channels: int = 2          # (30 s x 96 kHz x 2 ch: at most 23 MB of float32 per decode)
     body_timeout_s: float = 30.0   # the whole request body must arrive within this (408 then)
     max_json_depth: int = 32       # nesting depth of the JSON body
     normalize_text: bool = True    # numbers / dates / symbols -> words with wetext (when installed)
