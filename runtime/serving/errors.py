@@ -49,5 +49,5 @@ def from_runtime_error(e: BaseException, param: str | None = None) -> APIError:
     if isinstance(e, CosytrtError):
         return APIError(400, str(e), param=param, code="invalid_value")
     log.error("internal error: %s: %s", type(e).__name__, e, exc_info=e)
-    return APIError(500, "internal error: the server failed to process the request (see the server log)",
-                    code="internal_error")
+    # the runtime's own failure (e.g. a dead replica) is named; client input never gets here (it is a 4xx)
+    return APIError(500, f"internal error: {type(e).__name__}: {str(e)[:500]}", code="internal_error")
