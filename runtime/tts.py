@@ -10,6 +10,7 @@ batched together. `tts.pipeline` stays the eager single-request reference path.
 """
 from __future__ import annotations
 
+import collections
 import threading
 from typing import AsyncIterator, Iterator
 
@@ -23,30 +24,35 @@ from .scheduling.request import Request, RequestMetrics
 from .models.sampling import SamplingParams
 from .scheduling.scheduler import RequestHandle, Scheduler, SchedulerConfig
 
+HISTORY_WINDOW = 4096  # finished requests kept for metrics() / export_metrics() (a sliding window)
+
 _SAMPLING_KEYS = {"top_p", "top_k", "win_size", "tau_r", "seed", "greedy", "max_tokens", "min_tokens", "force_tokens"}
 
 
 def make_request(text: str, *, prompt_wav=None, prompt_sr=None, prompt_text=None, instruct=None, speaker=None,
-                 stream: bool = False, **sampling) -> Request:
+                 stream: bool = False, speed: float = 1.0, **sampling) -> Request:
     unknown = set(sampling) - _SAMPLING_KEYS
     if unknown:
         raise InputError(f"unknown synthesis option(s): {sorted(unknown)}")
     return Request(text=text, prompt_wav=prompt_wav, prompt_sr=prompt_sr, prompt_text=prompt_text,
-                   instruct=instruct, speaker=speaker, stream=stream, sampling=SamplingParams(**sampling))
+                   instruct=instruct, speaker=speaker, stream=stream, sampling=SamplingParams(**sampling), speed=speed)
 
 
 class TTS:
     """CosyVoice3 synthesis over eager models or an engine set; thread-safe, every request goes through the
     scheduler."""
 
-    def __init__(self, pipeline: Pipeline, engines: str | None = None, scheduler: SchedulerConfig | None = None):
+    def __init__(self, pipeline: Pipeline, engines: str | None = None, scheduler: SchedulerConfig | None = None,
+                 history_window: int = HISTORY_WINDOW):
         self.pipeline = pipeline
         self.engines = engines
         self.sample_rate = pipeline.sample_rate
         self.scheduler_config = scheduler or SchedulerConfig()
         self._scheduler: Scheduler | None = None
         self._lock = threading.Lock()
-        self._history: list[RequestMetrics] = []
+        # the last `history_window` finished requests: memory and metrics() cost stay bounded on a long-running server
+        self._history: collections.deque[RequestMetrics] = collections.deque(maxlen=max(1, int(history_window)))
+        self.requests_finished = 0  # every request ever finished (the window drops the oldest)
 
     @classmethod
     def load(cls, model: str = "tiny", engines: str | None = None, device: str = "cpu",
@@ -109,6 +115,16 @@ class TTS:
     def _record(self, m: RequestMetrics) -> None:
         with self._lock:
             self._history.append(m)
+            self.requests_finished += 1
+
+    def health(self) -> tuple[bool, str | None]:
+        """(True, None) while the scheduler can take requests (or has not started yet); (False, why) once one of its
+        worker threads died or it is shutting down."""
+        with self._lock:
+            sched = self._scheduler
+        if sched is None or getattr(sched, "healthy", True):
+            return True, None
+        return False, getattr(sched, "failure", None) or "the scheduler is closing"
 
     # ------------------------------------------------------------------ voices
     def make_speaker(self, prompt_wav, prompt_text: str = "", prompt_sr: int | None = None) -> SavedSpeaker:

@@ -94,7 +94,7 @@ def test_config_file_errors(tmp_path):
 # ------------------------------------------------------------------------------------------------ CLI (no Ray)
 
 def test_cluster_flag_without_ray_exits_2_naming_the_package(monkeypatch, capsys):
-    import cosytrt.runtime.serving.app as server
+    import cosytrt.runtime.serving as server
     from cosytrt.tools.trtbuild import main
 
     monkeypatch.setattr(server, "missing_serve_packages", lambda: [])  # only Ray is missing here
@@ -109,7 +109,7 @@ def test_cluster_flag_without_ray_exits_2_naming_the_package(monkeypatch, capsys
 def test_modules_import_without_ray():
     code = ("import sys\n"
             "sys.modules['ray'] = None\n"
-            "import cosytrt.runtime.cluster.app, cosytrt.runtime.cluster.config, cosytrt.runtime.serving.app\n"
+            "import cosytrt.runtime.cluster.app, cosytrt.runtime.cluster.config, cosytrt.runtime.serving\n"
             "import cosytrt.tools.serve, cosytrt.tools.trtbuild\n"
             "from cosytrt.runtime.cluster.app import missing_cluster_packages\n"
             "assert missing_cluster_packages() == ['ray[serve]']\n"

@@ -1,9 +1,9 @@
-"""runtime/server.py + runtime/voices.py in process (Starlette TestClient): every endpoint and every error.
+"""runtime/serving/ in process (Starlette TestClient) over the tiny model: every endpoint and every error.
 
 Audio tests run the tiny model through the real scheduler and compare the server's bytes with the same request
-submitted to the TTS directly (16-bit PCM, exact). Backpressure, readiness, disconnect and drain tests use a fake
-TTS whose requests are held by a gate, so they are deterministic and fast."""
-import asyncio
+submitted to the TTS directly (16-bit PCM, exact). The fake-runtime tests (backpressure, readiness, disconnect,
+drain) are in test_server_fake.py; the issue #19 defects in test_server_hardening.py; peer clients' request shapes in
+test_server_compat.py."""
 import base64
 import io
 import json
@@ -12,9 +12,6 @@ import re
 import struct
 import subprocess
 import sys
-import threading
-import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,60 +20,12 @@ import soundfile as sf
 pytest.importorskip("fastapi")
 pytest.importorskip("python_multipart")
 from fastapi.testclient import TestClient  # noqa: E402
+from server_helpers import (SAMPLES_PER_TOKEN, SR, assert_error, direct_pcm, parse_metrics,  # noqa: E402,F401
+                            read_wav, speech_count, wait_ready)
 
-from cosytrt.engines.errors import RejectedError  # noqa: E402
-from cosytrt.runtime.scheduling.request import RequestMetrics, default_voice_wav  # noqa: E402
-from cosytrt.runtime.serving.app import ServerSettings, create_app, pcm16, wav_header  # noqa: E402
+from cosytrt.runtime.scheduling.request import default_voice_wav  # noqa: E402
+from cosytrt.runtime.serving.app import ServerSettings, create_app  # noqa: E402
 from cosytrt.runtime.serving.voices import VoiceStore  # noqa: E402
-
-SR = 24000
-SAMPLES_PER_TOKEN = SR // 25  # 25 speech tokens per second
-
-
-def wait_ready(client, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if client.get("/health").status_code == 200:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"server not ready: {client.get('/health').json()}")
-
-
-def read_wav(data: bytes):
-    info = sf.info(io.BytesIO(data))
-    samples, sr = sf.read(io.BytesIO(data), dtype="int16")
-    return samples, sr, info
-
-
-def assert_error(r, status, param=None, code=None):
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-    if code is not None:
-        assert err["code"] == code, err
-    return err
-
-
-def parse_metrics(text: str) -> dict:
-    """Prometheus text -> {'name{labels}': value}; asserts every line is well-formed."""
-    out = {}
-    label = r'[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"'
-    sample = re.compile(rf"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{{{label}(,{label})*\}})? (-?[0-9.e+-]+|\+Inf|NaN)$")
-    for line in text.strip().splitlines():
-        if line.startswith("#"):
-            assert re.match(r"^# (HELP|TYPE) [a-zA-Z_:][a-zA-Z0-9_:]* .+$", line), line
-            continue
-        m = sample.match(line)
-        assert m, f"bad exposition line: {line!r}"
-        out[m.group(1) + (m.group(2) or "")] = float(m.group(4))
-    return out
-
-
-def speech_count(metrics: dict, status: int | None = None) -> float:
-    return sum(v for k, v in metrics.items() if k.startswith("cosytrt_http_requests_total{")
-               and 'route="/v1/audio/speech"' in k and (status is None or f'status="{status}"' in k))
 
 
 # ------------------------------------------------------------------------------------------------ tiny model
@@ -93,16 +42,12 @@ def voices_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(tts, voices_dir):
-    app = create_app(tts, ServerSettings(voices_dir=str(voices_dir), max_input_chars=300, max_upload_mb=0.5))
+    app = create_app(tts, ServerSettings(voices_dir=str(voices_dir), max_input_chars=300, max_upload_mb=0.5,
+                                         allowed_hosts=["testserver"]))
     with TestClient(app) as c:
         wait_ready(c)
         yield c
 
-
-def direct_pcm(tts, text, stream=False, speaker=None, **opts) -> bytes:
-    """The same request submitted to the TTS directly, as 16-bit PCM."""
-    h = tts.submit(text, stream=stream, speaker=speaker or tts.pipeline.default_speaker, **opts)
-    return b"".join(pcm16(c) for c in h.chunks(timeout=60))
 
 
 def test_health_ready(client):
@@ -185,48 +130,63 @@ def test_openai_voice_names_and_instructions(client):
 
 
 @pytest.mark.parametrize("body,status,param", [
-    ({"input": "hi", "voice": "default", "speed": 1.5}, 422, "speed"),
-    ({"input": "hi", "voice": "default", "speed": "fast"}, 422, "speed"),
-    ({"voice": "default"}, 422, "input"),
-    ({"input": 5, "voice": "default"}, 422, "input"),
-    ({"input": "   ", "voice": "default"}, 422, "input"),
-    ({"input": "hi"}, 422, "voice"),
-    ({"input": "hi", "voice": 3}, 422, "voice"),
-    ({"input": "hi", "voice": "../../etc/passwd"}, 422, "voice"),
-    ({"input": "hi", "voice": "/abs/path"}, 422, "voice"),
-    ({"input": "hi", "voice": "Default"}, 422, "voice"),
-    ({"input": "hi", "voice": "default", "response_format": "mp3"}, 422, "response_format"),
-    ({"input": "hi", "voice": "default", "response_format": "flac", "stream": True}, 422, "response_format"),
-    ({"input": "hi", "voice": "default", "stream": "yes"}, 422, "stream"),
-    ({"input": "hi", "voice": "default", "stream_format": "ogg"}, 422, "stream_format"),
-    ({"input": "hi", "voice": "default", "seed": "1"}, 422, "seed"),
-    ({"input": "hi", "voice": "default", "seed": -1}, 422, "seed"),
-    ({"input": "hi", "voice": "default", "seed": True}, 422, "seed"),
-    ({"input": "hi", "voice": "default", "max_tokens": 0}, 422, "max_tokens"),
-    ({"input": "hi", "voice": "default", "force_tokens": 2.5}, 422, "force_tokens"),
-    ({"input": "hi", "voice": "default", "model": 7}, 422, "model"),
-    ({"input": "hi", "voice": "default", "instruct": "a", "instructions": "b"}, 422, "instructions"),
-    ({"input": "hi", "voice": "default", "max_token": 5}, 422, "max_token"),
-    (["not", "an", "object"], 422, "body"),
-    ({"input": "x" * 301, "voice": "default"}, 413, "input"),
-    ({"input": "hi", "voice": "nobody"}, 404, "voice"),
+    ({"model": "x", "input": "hi", "voice": "default", "speed": 4.5}, 400, "speed"),
+    ({"model": "x", "input": "hi", "voice": "default", "speed": 0.2}, 400, "speed"),
+    ({"model": "x", "input": "hi", "voice": "default", "speed": -1.0}, 400, "speed"),
+    ({"model": "x", "input": "hi", "voice": "default", "speed": "fast"}, 400, "speed"),
+    ({"model": "x", "input": "hi", "speed": 1.5, "stream": True, "response_format": "pcm"}, 400, "speed"),
+    ({"model": "x", "voice": "default"}, 400, "input"),
+    ({"input": "hi", "voice": "default"}, 400, "model"),
+    ({"model": "x", "input": 5, "voice": "default"}, 400, "input"),
+    ({"model": "x", "input": "   ", "voice": "default"}, 400, "input"),
+    ({"model": "x", "input": "", "voice": "default"}, 400, "input"),
+    ({"model": "x", "input": "hi", "voice": 3}, 400, "voice"),
+    ({"model": "x", "input": "hi", "voice": "../../etc/passwd"}, 400, "voice"),
+    ({"model": "x", "input": "hi", "voice": "/abs/path"}, 400, "voice"),
+    ({"model": "x", "input": "hi", "voice": "Default"}, 400, "voice"),
+    ({"model": "x", "input": "hi", "voice": "default\n"}, 400, "voice"),
+    ({"model": "x", "input": "hi", "voice": "default", "response_format": "bogus"}, 400, "response_format"),
+    ({"model": "x", "input": "hi", "voice": "default", "response_format": "aac"}, 400, "response_format"),
+    ({"model": "x", "input": "hi", "voice": "default", "response_format": "flac", "stream": True}, 400,
+     "response_format"),
+    ({"model": "x", "input": "hi", "voice": "default", "response_format": "mp3", "stream_format": "audio"}, 400,
+     "response_format"),
+    ({"model": "x", "input": "hi", "voice": "default", "stream": "yes"}, 400, "stream"),
+    ({"model": "x", "input": "hi", "voice": "default", "stream_format": "ogg"}, 400, "stream_format"),
+    ({"model": "x", "input": "hi", "voice": "default", "seed": "1"}, 400, "seed"),
+    ({"model": "x", "input": "hi", "voice": "default", "seed": -1}, 400, "seed"),
+    ({"model": "x", "input": "hi", "voice": "default", "seed": 2 ** 63}, 400, "seed"),
+    ({"model": "x", "input": "hi", "voice": "default", "seed": True}, 400, "seed"),
+    ({"model": "x", "input": "hi", "voice": "default", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "x", "input": "hi", "voice": "default", "max_new_tokens": -5}, 400, "max_new_tokens"),
+    ({"model": "x", "input": "hi", "voice": "default", "force_tokens": 2.5}, 400, "force_tokens"),
+    ({"model": 7, "input": "hi", "voice": "default"}, 400, "model"),
+    ({"model": "x", "input": "hi", "voice": "default", "instruct": "a", "instructions": "b"}, 400, "instructions"),
+    ({"model": "x", "input": "hi", "voice": "default", "max_token": 5}, 400, "max_token"),
+    ({"model": "x", "input": "hi", "voice": "default", "language": "Klingon"}, 400, "language"),
+    ({"model": "x", "input": "hi", "voice": "default", "task_type": "NotATask"}, 400, "task_type"),
+    ({"model": "x", "input": "hi", "ref_text": "orphan transcript"}, 400, "ref_audio"),
+    (["not", "an", "object"], 400, "body"),
+    ({"model": "x", "input": "x" * 301, "voice": "default"}, 413, "input"),
+    ({"model": "x", "input": "hi", "voice": "nobody"}, 404, "voice"),
 ])
 def test_bad_speech_requests(client, body, status, param):
-    assert_error(client.post("/v1/audio/speech", json=body), status, param)
+    err = assert_error(client.post("/v1/audio/speech", json=body), status, param)
+    assert err["type"] == "invalid_request_error"
 
 
 def test_malformed_json_and_oversized_body(client):
-    r = client.post("/v1/audio/speech", content=b'{"input": "hi", "voice": ', headers={"content-type":
+    r = client.post("/v1/audio/speech", content=b'{"model": "x", "input": "hi", "voice": ', headers={"content-type":
                                                                                       "application/json"})
-    assert_error(r, 422, "body", "invalid_json")
-    r = client.post("/v1/audio/speech", content=b"x" * 200_000, headers={"content-type": "application/json"})
+    assert_error(r, 400, "body", "invalid_json")
+    r = client.post("/v1/audio/speech", content=b"x" * 2_000_000, headers={"content-type": "application/json"})
     assert_error(r, 413, code="payload_too_large")
 
 
 def test_request_too_long_for_buffers_is_413(client):
-    r = client.post("/v1/audio/speech", json={"input": "hi", "voice": "default", "force_tokens": 100_000})
+    r = client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "default", "force_tokens": 100_000})
     assert_error(r, 413, "input", "request_too_long")
-    r = client.post("/v1/audio/speech", json={"input": "hi", "voice": "default", "force_tokens": 100_000,
+    r = client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "default", "force_tokens": 100_000,
                                               "stream": True})
     assert_error(r, 413, "input", "request_too_long")  # the first chunk is awaited before the status is sent
 
@@ -254,7 +214,7 @@ def test_voices_lifecycle(client, tts, voices_dir):
     spk = VoiceStore(str(voices_dir)).get("alice")
     ref = tts.make_speaker(prompt, "A test voice.", 16000)
     assert np.array_equal(spk.features.speech_tokens.numpy(), ref.features.speech_tokens.numpy())
-    body = {"input": "Cloned.", "voice": "alice", "seed": 9, "force_tokens": 10, "response_format": "pcm"}
+    body = {"model": "x", "input": "Cloned.", "voice": "alice", "seed": 9, "force_tokens": 10, "response_format": "pcm"}
     r = client.post("/v1/audio/speech", json=body)
     assert r.status_code == 200
     assert r.content == direct_pcm(tts, "Cloned.", speaker=ref, seed=9, force_tokens=10)
@@ -270,10 +230,12 @@ def test_voices_lifecycle(client, tts, voices_dir):
                  409, "name")
     for bad in ("Bad Name", "../x", "-x", "a" * 65):
         assert_error(client.post("/v1/voices", files={"audio": ("v.wav", wav_bytes)}, data={"name": bad}),
-                     422, "name")
-    assert_error(client.post("/v1/voices", data={"text": "no audio"}), 422, "audio")
-    assert_error(client.post("/v1/voices", data={"audio": "not a file"}), 422, "audio")
-    assert_error(client.post("/v1/voices", files={"audio": ("x.wav", b"garbage" * 100)}), 422, "audio",
+                     400, "name")
+    other = {"other": ("o.txt", b"x")}  # forces multipart/form-data
+    assert_error(client.post("/v1/voices", files=other, data={"text": "no audio"}), 400, "audio")
+    assert_error(client.post("/v1/voices", files=other, data={"audio": "not a file"}), 400, "audio")
+    assert_error(client.post("/v1/voices", data={"text": "no audio"}), 415, code="unsupported_media_type")
+    assert_error(client.post("/v1/voices", files={"audio": ("x.wav", b"garbage" * 100)}), 400, "audio",
                  "invalid_audio")
     long_prompt = io.BytesIO()
     sf.write(long_prompt, np.zeros(16000 * 31, np.int16), 16000, format="WAV", subtype="PCM_16")
@@ -283,15 +245,15 @@ def test_voices_lifecycle(client, tts, voices_dir):
                              headers={"content-type": "multipart/form-data; boundary=zz"}), 413)
     long_prompt = io.BytesIO()
     sf.write(long_prompt, np.zeros(8000 * 31, np.int16), 8000, format="FLAC")  # small file, 31 s: too long
-    assert_error(client.post("/v1/voices", files={"audio": ("long.flac", long_prompt.getvalue())}), 422, "audio")
+    assert_error(client.post("/v1/voices", files={"audio": ("long.flac", long_prompt.getvalue())}), 400, "audio")
 
     # delete
     assert client.delete("/v1/voices/alice").json() == {"id": "alice", "object": "voice", "deleted": True}
     assert_error(client.delete("/v1/voices/alice"), 404, "voice_id")
     assert_error(client.post("/v1/audio/speech", json=body), 404, "voice")
     assert_error(client.delete("/v1/voices/default"), 409, "voice_id")
-    assert_error(client.delete("/v1/voices/%2e%2e"), 422, "voice_id")
-    assert_error(client.delete("/v1/voices/UPPER"), 422, "voice_id")
+    assert_error(client.delete("/v1/voices/%2e%2e"), 400, "voice_id")
+    assert_error(client.delete("/v1/voices/UPPER"), 400, "voice_id")
     assert client.delete(f"/v1/voices/{anon}").status_code == 200
     assert os.listdir(voices_dir) == []
     assert [v["id"] for v in client.get("/v1/voices").json()["data"]] == ["default"]
@@ -299,10 +261,10 @@ def test_voices_lifecycle(client, tts, voices_dir):
 
 def test_metrics_exposition(client):
     before = parse_metrics(client.get("/metrics").text)
-    r = client.post("/v1/audio/speech", json={"input": "Count me.", "voice": "default", "seed": 1,
+    r = client.post("/v1/audio/speech", json={"model": "x", "input": "Count me.", "voice": "default", "seed": 1,
                                               "force_tokens": 5})
     assert r.status_code == 200
-    client.post("/v1/audio/speech", json={"input": "hi", "voice": "default", "speed": 2})
+    client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "default", "speed": 9})
     text = client.get("/metrics").text
     after = parse_metrics(text)
     for h in ("t_tokenizer_seconds", "t_ar_seconds", "t_dit_seconds", "t_vocoder_seconds", "t_queue_seconds",
@@ -312,7 +274,7 @@ def test_metrics_exposition(client):
         assert after[f"{name}_count"] == before[f"{name}_count"] + 1
         assert after[f'{name}_bucket{{le="+Inf"}}'] == after[f"{name}_count"]
     assert speech_count(after, 200) == speech_count(before, 200) + 1
-    assert speech_count(after, 422) == speech_count(before, 422) + 1
+    assert speech_count(after, 400) == speech_count(before, 400) + 1
     ok = 'cosytrt_speech_requests_total{outcome="ok"}'
     assert after[ok] == before[ok] + 1
     assert after["cosytrt_speech_tokens_total"] == before["cosytrt_speech_tokens_total"] + 5
@@ -323,327 +285,13 @@ def test_metrics_exposition(client):
     assert after["cosytrt_runtime_requests_in_flight"] == 0
 
 
-# ------------------------------------------------------------------------------------------------ fake runtime
-
-class FakeHandle:
-    """Chunks of constant value `value`; the first `free` chunks come at once, the rest after `gate` is set."""
-
-    def __init__(self, tts, text, stream, gate, free, chunks=3):
-        self.tts, self.text, self.stream, self.gate, self.free, self.n = tts, text, stream, gate, free, chunks
-        self.cancelled = threading.Event()
-        self.metrics = RequestMetrics(stream=stream)
-        self._done = False
-
-    def done(self):
-        return self._done
-
-    def cancel(self):
-        self.cancelled.set()
-
-    async def achunks(self):
-        for i in range(self.n):
-            while i >= self.free and not self.gate.is_set():
-                if self.cancelled.is_set():
-                    raise RejectedError("cancelled")
-                await asyncio.sleep(0.005)
-            if self.cancelled.is_set():
-                raise RejectedError("cancelled")
-            yield np.full(480, 0.25, np.float32)
-        m = self.metrics
-        m.t_tokenizer, m.t_ar, m.t_dit, m.t_vocoder, m.ttfa, m.tokens = 0.001, 0.02, 0.03, 0.01, 0.04, self.n
-        m.audio_seconds, m.total = self.n * 480 / SR, 0.06
-        self._done = True
-
-
-class FakePipeline:
-    default_speaker = SimpleNamespace(prompt_text="The fake voice.")
-
-
-class FakeTTS:
-    sample_rate = SR
-
-    def __init__(self, free=3, reject=False):
-        self.pipeline = FakePipeline()
-        self.gate = threading.Event()
-        self.free = free
-        self.reject = reject
-        self.handles: list[FakeHandle] = []
-        self.stats = {"requests": 0}
-
-    def submit(self, text, *, stream=False, speaker=None, **opts):
-        if self.reject and text != "Warm up.":
-            raise RejectedError("3 requests in flight (max_in_flight=3)")
-        h = FakeHandle(self, text, stream, self.gate, self.free if text != "Warm up." else 99)
-        self.handles.append(h)
-        return h
-
-    def metrics(self):
-        return self.stats
-
-    def close(self):
-        pass
-
-
-def fake_client(tmp_path, fake, **settings):
-    app = create_app(fake, ServerSettings(voices_dir=str(tmp_path / "voices"), **settings))
-    return app, TestClient(app)
-
-
-def in_flight(app):
-    return app.state.server.admission.in_flight
-
-
-def test_health_503_until_warm(tmp_path):
-    fake = FakeTTS(free=0)
-    app, client = fake_client(tmp_path, fake)
-    real_submit = fake.submit
-
-    def slow_warmup(text, **kw):  # the warm-up request waits for the gate too
-        h = real_submit(text, **kw)
-        h.free = 0
-        return h
-
-    fake.submit = slow_warmup
-    with client:
-        time.sleep(0.1)
-        r = client.get("/health")
-        assert r.status_code == 503 and r.json() == {"status": "loading"}
-        assert_error(client.post("/v1/audio/speech", json={"input": "hi", "voice": "default"}), 503,
-                     code="not_ready")
-        assert parse_metrics(client.get("/metrics").text)["cosytrt_ready"] == 0
-        fake.gate.set()
-        wait_ready(client, 5)
-        assert client.get("/health").json() == {"status": "ready"}
-        assert client.post("/v1/audio/speech", json={"input": "hi", "voice": "default"}).status_code == 200
-
-
-def test_api_key(tmp_path):
-    fake = FakeTTS()
-    _, client = fake_client(tmp_path, fake, api_key="sekret")
-    with client:
-        wait_ready(client, 5)
-        body = {"input": "hi", "voice": "default"}
-        assert_error(client.post("/v1/audio/speech", json=body), 401, code="invalid_api_key")
-        assert_error(client.post("/v1/audio/speech", json=body, headers={"Authorization": "Bearer wrong"}), 401)
-        assert_error(client.get("/v1/voices", headers={"Authorization": "sekret"}), 401)
-        assert_error(client.delete("/v1/voices/x"), 401)
-        assert client.post("/v1/audio/speech", json=body, headers={"Authorization": "Bearer sekret"}).status_code \
-            == 200
-        assert client.get("/v1/voices", headers={"Authorization": "Bearer sekret"}).status_code == 200
-        assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
-
-
-def test_backpressure_429_and_queue_timeout_503(tmp_path):
-    fake = FakeTTS(free=0)
-    app, client = fake_client(tmp_path, fake, max_in_flight=1, max_queue=1, queue_timeout_s=0.5)
-    body = {"input": "hold", "voice": "default", "response_format": "pcm"}
-    with client:
-        wait_ready(client, 5)
-        results = {}
-
-        def post(key):
-            results[key] = client.post("/v1/audio/speech", json=body)
-
-        a = threading.Thread(target=post, args=("a",))
-        a.start()
-        while in_flight(app) < 1:
-            time.sleep(0.005)
-        b = threading.Thread(target=post, args=("b",))
-        b.start()
-        while app.state.server.admission.waiting < 1:
-            time.sleep(0.005)
-        m = parse_metrics(client.get("/metrics").text)
-        assert m["cosytrt_requests_in_flight"] == 1 and m["cosytrt_queue_depth"] == 1
-        t0 = time.monotonic()
-        assert_error(client.post("/v1/audio/speech", json=body), 429, code="too_many_requests")
-        assert time.monotonic() - t0 < 0.4  # rejected at once, not after the queue timeout
-        b.join(5)
-        err = assert_error(results["b"], 503, code="queue_timeout")
-        assert err["type"] == "server_error" and results["b"].headers["retry-after"] == "1"
-        fake.gate.set()
-        a.join(5)
-        assert results["a"].status_code == 200 and len(results["a"].content) == 3 * 480 * 2
-        assert in_flight(app) == 0
-        m = parse_metrics(client.get("/metrics").text)
-        assert (speech_count(m, 200), speech_count(m, 429), speech_count(m, 503)) == (1, 1, 1)
-
-
-def test_runtime_rejection_is_429(tmp_path):
-    fake = FakeTTS(reject=True)
-    app, client = fake_client(tmp_path, fake)
-    with client:
-        wait_ready(client, 5)
-        err = assert_error(client.post("/v1/audio/speech", json={"input": "hi", "voice": "default"}), 429,
-                           code="overloaded")
-        assert err["type"] == "rate_limit_error" and "max_in_flight=3" in err["message"]
-        assert in_flight(app) == 0
-
-
-async def _drive(app, body: dict, disconnect_after_body: bool):
-    """Call the ASGI app directly; the client disconnects after the first body bytes (or right after sending)."""
-    raw = json.dumps(body).encode()
-    sent, got_body, request_sent = [], asyncio.Event(), False
-
-    async def receive():
-        nonlocal request_sent
-        if not request_sent:
-            request_sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        if disconnect_after_body:
-            await got_body.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-        if message["type"] == "http.response.body" and message.get("body"):
-            got_body.set()
-
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/audio/speech", "raw_path": b"/v1/audio/speech",
-             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("testserver", 80),
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
-    await asyncio.wait_for(app(scope, receive, send), 10)
-    return sent
-
-
-@pytest.mark.parametrize("stream", [True, False])
-def test_client_disconnect_cancels_request(tmp_path, stream):
-    fake = FakeTTS(free=1)  # one chunk at once, the rest never (the gate stays shut)
-    app, client = fake_client(tmp_path, fake)
-    with client:
-        wait_ready(client, 5)
-        sent = client.portal.call(_drive, app, {"input": "bye", "voice": "default", "stream": stream}, stream)
-        handle = fake.handles[-1]
-        assert handle.text == "bye" and handle.cancelled.is_set()
-        assert in_flight(app) == 0
-        status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-        assert status == (200 if stream else 499)
-        if stream:
-            assert sent[1]["body"] == wav_header(SR, None)
-        m = parse_metrics(client.get("/metrics").text)
-        assert m['cosytrt_speech_requests_total{outcome="cancelled"}'] == 1
-        assert m["cosytrt_requests_in_flight"] == 0
-
-
-def test_shutdown_drains_in_flight(tmp_path):
-    fake = FakeTTS(free=0)
-    app, client = fake_client(tmp_path, fake, drain_timeout_s=5.0)
-    results = {}
-    with client:
-        wait_ready(client, 5)
-        t = threading.Thread(target=lambda: results.setdefault("r", client.post(
-            "/v1/audio/speech", json={"input": "finish me", "voice": "default"})))
-        t.start()
-        while in_flight(app) < 1:
-            time.sleep(0.005)
-        threading.Timer(0.3, fake.gate.set).start()
-        t0 = time.monotonic()
-        client.portal.call(app.state.server.drain)  # what the lifespan runs at shutdown
-        waited = time.monotonic() - t0
-        t.join(5)
-        assert 0.25 < waited < 4.0
-        assert results["r"].status_code == 200 and not fake.handles[-1].cancelled.is_set()
-        assert client.get("/health").status_code == 503
-        assert_error(client.post("/v1/audio/speech", json={"input": "late", "voice": "default"}), 503,
-                     code="shutting_down")
-
-
-def test_shutdown_drain_timeout_cancels(tmp_path):
-    fake = FakeTTS(free=0)
-    app, client = fake_client(tmp_path, fake, drain_timeout_s=0.3)
-    results = {}
-    with client:
-        wait_ready(client, 5)
-        t = threading.Thread(target=lambda: results.setdefault("r", client.post(
-            "/v1/audio/speech", json={"input": "stuck", "voice": "default"})))
-        t.start()
-        while in_flight(app) < 1:
-            time.sleep(0.005)
-        t0 = time.monotonic()
-        client.portal.call(app.state.server.drain)
-        assert 0.25 < time.monotonic() - t0 < 2.0
-        t.join(5)
-        assert fake.handles[-1].cancelled.is_set()
-        assert_error(results["r"], 503, code="shutting_down")
-        assert in_flight(app) == 0
-
-
-def test_runtime_counters_from_tts_metrics(tmp_path):
-    fake = FakeTTS()
-    fake.stats = {"requests": 3, "stages": {
-        "in_flight": 2, "queues": {"frontend": 1, "ar_waiting": 2, "dit": 0},
-        "shapes": {"calls": 5, "hits": 4, "fallbacks": 1, "stages": {
-            "dit/stream": {"calls": 3, "hits": 3, "fallbacks": 0, "waste": {"samples": [1.0, 1.25, 1.5]}},
-            "hift/offline": {"calls": 2, "hits": 1, "fallbacks": 1, "waste": {"samples": [1.0]}}}}}}
-    _, client = fake_client(tmp_path, fake)
-    with client:
-        wait_ready(client, 5)
-        m = parse_metrics(client.get("/metrics").text)
-    assert m['cosytrt_bucket_hits_total{stage="dit/stream"}'] == 3
-    assert m['cosytrt_bucket_hits_total{stage="hift/offline"}'] == 1
-    assert m['cosytrt_bucket_pads_total{stage="dit/stream"}'] == 2
-    assert m['cosytrt_eager_fallbacks_total{stage="hift/offline"}'] == 1
-    assert m["cosytrt_runtime_requests_in_flight"] == 2 and m["cosytrt_queue_depth"] == 3
-    assert m['cosytrt_runtime_queue_depth{queue="ar_waiting"}'] == 2
-    fake.stats = {"bucket_hits": 7, "scheduler": {"eager_fallbacks": {"llm": 2}}}
-    with client:
-        m = parse_metrics(client.get("/metrics").text)
-    assert m["cosytrt_bucket_hits_total"] == 7 and m["cosytrt_bucket_pads_total"] == 0
-    assert m['cosytrt_eager_fallbacks_total{stage="llm"}'] == 2
-
-
-def test_internal_error_is_openai_shaped_500(tmp_path):
-    fake = FakeTTS()
-    app, client = fake_client(tmp_path, fake)
-    with TestClient(app, raise_server_exceptions=False) as client:
-        wait_ready(client, 5)
-
-        def broken(text, **kw):
-            raise RuntimeError("engine exploded")
-
-        fake.submit = broken
-        err = assert_error(client.post("/v1/audio/speech", json={"input": "hi", "voice": "default"}), 500,
-                           code="internal_error")
-        assert err["type"] == "server_error" and "engine exploded" in err["message"]
-        assert in_flight(app) == 0
-        assert speech_count(parse_metrics(client.get("/metrics").text), 500) == 1
-
-
-def test_voice_store_stays_inside_its_folder(tmp_path, tts):
-    from cosytrt.engines.errors import InputError
-    from cosytrt.runtime.models.frontend import save_speaker
-
-    store = VoiceStore(str(tmp_path / "voices"), tts.pipeline.default_speaker)
-    outside = tmp_path / "outside.safetensors"
-    spk = tts.pipeline.default_speaker
-    save_speaker(str(outside), spk.features, spk.prompt_text)
-    os.symlink(outside, tmp_path / "voices" / "evil.safetensors")
-    with pytest.raises(InputError, match="outside the voices folder"):
-        store.get("evil")
-    for bad in ("..", "../outside", "/etc/passwd", "a/b", "", "x" * 65, "UP"):
-        with pytest.raises(InputError, match="invalid"):
-            store.path(bad)
-    assert store.get("alloy") is spk and store.get("default") is spk
-    assert [v.id for v in store.list()] == ["default"]  # the symlink is not listed as a voice
-
-
-def test_settings_validation():
-    from cosytrt.engines.errors import InputError
-
-    with pytest.raises(InputError, match="max_in_flight"):
-        ServerSettings(max_in_flight=0)
-    with pytest.raises(InputError, match="queue_timeout_s"):
-        ServerSettings(queue_timeout_s=0)
-    assert ServerSettings().host == "127.0.0.1"
-
-
 # ------------------------------------------------------------------------------------------------ CLI / packaging
 
 def test_server_module_imports_without_fastapi_and_cli_exits_2():
     code = ("import sys\n"
             "for m in ('fastapi', 'uvicorn', 'multipart', 'python_multipart', 'starlette'):\n"
             "    sys.modules[m] = None\n"
-            "import cosytrt.runtime.serving.app, cosytrt.runtime.serving.voices\n"
+            "import cosytrt.runtime.serving, cosytrt.runtime.serving.voices\n"
             "from cosytrt.tools.trtbuild import main\n"
             "sys.exit(main(['serve', '--model', 'tiny']))\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -657,5 +305,7 @@ def test_cli_help_lists_options():
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     for opt in ("--model", "--engines", "--host", "--port", "--api-key", "--voices-dir", "--max-input-chars",
-                "--max-upload-mb", "--max-in-flight", "--queue-timeout-s"):
+                "--max-upload-mb", "--max-in-flight", "--queue-timeout-s", "--api-key-file", "--strict",
+                "--allowed-hosts", "--ref-audio-dir", "--max-voices", "--max-transcript-chars", "--body-timeout-s",
+                "--no-normalize"):
         assert opt in p.stdout

@@ -104,10 +104,29 @@ def test_openai_create(server, client):
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.audio.speech.create(model="cosyvoice3", voice="default", input="no")
-    with pytest.raises(openai.UnprocessableEntityError, match="speed"):
-        client.audio.speech.create(model="cosyvoice3", voice="default", input="x", speed=1.25)
+    with pytest.raises(openai.BadRequestError, match="speed"):
+        client.audio.speech.create(model="cosyvoice3", voice="default", input="x", speed=4.5)
+    with pytest.raises(openai.BadRequestError, match="aac"):
+        client.audio.speech.create(model="cosyvoice3", voice="default", input="x", response_format="aac")
     with pytest.raises(openai.NotFoundError, match="nobody"):
         client.audio.speech.create(model="cosyvoice3", voice="nobody", input="x")
+
+
+def test_openai_sdk_formats_and_models(server, client):
+    """What the OpenAI SDK (and sglang-omni's SDK scenarios) send: each response_format, speed, and /v1/models."""
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    for fmt, container in (("mp3", "MP3"), ("opus", "OGG"), ("flac", "FLAC"), ("wav", "WAV")):
+        data = client.audio.speech.create(model="tts-1", voice="alloy", input="Formats.", response_format=fmt,
+                                          speed=1.0, extra_body={"seed": 3, "force_tokens": 10}).content
+        info = sf.info(io.BytesIO(data))
+        assert info.format == container and info.samplerate == SR
+    raw = client.audio.speech.with_raw_response.create(model="tts-1", voice="alloy", input="Raw.",
+                                                       response_format="pcm", extra_body={"force_tokens": 10})
+    assert raw.headers["x-sample-rate"] == str(SR) and raw.headers["x-bit-depth"] == "16"
+    assert len(raw.content) == 2 * 10 * SAMPLES_PER_TOKEN
+    slow = client.audio.speech.create(model="tts-1", voice="alloy", input="Raw.", response_format="pcm", speed=0.5,
+                                      extra_body={"force_tokens": 10}).content
+    assert abs(len(slow) - 2 * len(raw.content)) <= 2 * SR // 50  # speed 0.5: twice the mel frames
 
 
 def test_openai_streaming_response(server, client):
@@ -180,7 +199,7 @@ def test_load_64_concurrent(server):
 def test_disconnect_mid_stream_frees_slot(server):
     before = metrics(server.url)
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
-        with http.stream("POST", "/v1/audio/speech", json={"input": "A long streamed answer.", "voice": "default",
+        with http.stream("POST", "/v1/audio/speech", json={"model": "x", "input": "A long streamed answer.", "voice": "default",
                                                            "seed": 5, "force_tokens": 250, "stream": True,
                                                            "response_format": "pcm"}) as r:
             assert r.status_code == 200

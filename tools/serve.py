@@ -24,6 +24,19 @@ def add_arguments(p) -> None:
                    help="torch.compile the LM and DiT at start-up (minutes on a cold cache; faster serving)")
     p.add_argument("--compile-cache", default=None, metavar="FILE",
                    help="with --compile: reuse / write torch.compile's artifacts in FILE (fast restarts)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read the API key from the first line of FILE (keeps it out of `ps`)")
+    p.add_argument("--strict", action="store_true",
+                   help="reject every unknown request field (default: accept the vendor extras peers send)")
+    p.add_argument("--allowed-hosts", default=None, metavar="H1,H2",
+                   help="Host header names served (default: the loopback names when bound to loopback; '*': any)")
+    p.add_argument("--ref-audio-dir", default=None, metavar="DIR",
+                   help="let 'ref_audio' name files (file:// or absolute paths) inside DIR (default: none)")
+    p.add_argument("--max-voices", type=int, default=1000, help="stored voices at most")
+    p.add_argument("--max-transcript-chars", type=int, default=1000, help="longest voice transcript")
+    p.add_argument("--body-timeout-s", type=float, default=30.0, help="the request body must arrive within this")
+    p.add_argument("--no-normalize", action="store_true",
+                   help="do not spell out numbers / dates / symbols (wetext) before synthesis")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--cluster", default=None, choices=["ray"],
                    help="run the stages as Ray Serve deployments (needs the 'cluster' extra: pip install "
@@ -36,7 +49,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import os
 
-    from ..runtime.serving.app import ServerSettings, missing_serve_packages, serve
+    from ..runtime.serving import ServerSettings, missing_serve_packages, serve
 
     missing = missing_serve_packages()
     if missing:
@@ -67,7 +80,10 @@ def run(args) -> int:
                               max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                               queue_timeout_s=args.queue_timeout_s, drain_timeout_s=args.drain_timeout_s,
                               log_level=args.log_level, compile=args.compile, compile_cache=args.compile_cache,
-                              **kw)
+                              api_key_file=args.api_key_file, strict=args.strict,
+                              allowed_hosts=args.allowed_hosts, ref_audio_dir=args.ref_audio_dir,
+                              max_voices=args.max_voices, max_transcript_chars=args.max_transcript_chars,
+                              body_timeout_s=args.body_timeout_s, normalize_text=not args.no_normalize, **kw)
     if args.cluster == "ray":
         from ..runtime.cluster.app import serve_cluster
 

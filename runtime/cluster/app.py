@@ -546,7 +546,7 @@ class IngressReplica:
         self.tts: ClusterTTS | None = None
 
     async def __serve_build_asgi_app__(self):
-        from ..serving.app import ServerSettings, create_app
+        from ..serving import ServerSettings, create_app
 
         info = await self._frontend.info.remote()
         self.tts = ClusterTTS(self._frontend, self._token2wav, info, asyncio.get_running_loop())
@@ -557,7 +557,7 @@ class IngressReplica:
 
 def as_cluster_config(config) -> ClusterConfig:
     """A ClusterConfig from a ClusterConfig, a YAML path, a dict ({"config": PATH} as `serve run
-    cosytrt.runtime.cluster.app:build_app config=PATH` passes it, or the YAML's content), or None (defaults)."""
+    cosytrt.runtime.cluster:build_app config=PATH` passes it, or the YAML's content), or None (defaults)."""
     if config is None or isinstance(config, ClusterConfig):
         return config or ClusterConfig()
     if isinstance(config, (str, os.PathLike)):
@@ -571,7 +571,7 @@ def as_cluster_config(config) -> ClusterConfig:
 
 def ingress_settings(config: ClusterConfig, settings=None) -> dict:
     """ServerSettings fields for the ingress: `settings` (e.g. the CLI's), overridden by the config's `server`."""
-    from ..serving.app import ServerSettings
+    from ..serving import ServerSettings
 
     base = dataclasses.asdict(settings) if settings is not None else {}
     merged = {**base, **config.server}
@@ -584,7 +584,7 @@ def build_app(config=None, settings=None):
     `as_cluster_config`); `settings`: base ServerSettings of the ingress."""
     from ray import serve
 
-    from ..serving.app import ServerSettings
+    from ..serving import ServerSettings
 
     cfg = as_cluster_config(config)
     srv = ingress_settings(cfg, settings)
@@ -611,7 +611,7 @@ def serve_cluster(config=None, settings=None) -> int:
     import ray
     from ray import serve
 
-    from ..serving.app import ServerSettings
+    from ..serving import ServerSettings
 
     cfg = as_cluster_config(config)
     srv = ServerSettings(**ingress_settings(cfg, settings))

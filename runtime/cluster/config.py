@@ -156,7 +156,7 @@ class _Parser:
         return cfg
 
     def server(self, v) -> dict:
-        from ..serving.app import ServerSettings
+        from ..serving import ServerSettings
 
         names = [f.name for f in dataclasses.fields(ServerSettings)]
         self.mapping(v, "server", names)

@@ -30,12 +30,17 @@ class Request:
     stream: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: int = field(default_factory=lambda: next(_ids))
+    speed: float = 1.0  # offline only: the final mel is linearly resampled to frames / speed (upstream's way)
 
     def __post_init__(self):
         if not isinstance(self.text, str) or not self.text.strip():
             raise InputError("request text is empty")
         if self.prompt_wav is not None and self.speaker is not None:
             raise InputError("give either prompt audio or a saved speaker, not both")
+        if isinstance(self.speed, bool) or not isinstance(self.speed, (int, float)) or not 0.25 <= self.speed <= 4.0:
+            raise InputError(f"speed must be a number in [0.25, 4], got {self.speed!r}")
+        if self.stream and self.speed != 1.0:
+            raise InputError("speed changes only apply offline (upstream resamples the whole mel): use stream=False")
 
 
 @dataclass

@@ -366,6 +366,7 @@ class Scheduler:
         self._live: dict[int, _Req] = {}
         self._in_flight = 0
         self._closing = False
+        self._dead: str | None = None  # set when a worker thread died (see _guard)
         self._stop = False
         self._counts = dict(completed=0, failed=0, cancelled=0, rejected=0)
         self._stage = dict(ar_prefill_calls=0, ar_prefill_rows=0, ar_decode_steps=0, ar_decode_rows=0,
@@ -466,6 +467,16 @@ class Scheduler:
                 raise InputError(f"set_policies: {name} must be True or False, got {value!r}")
         self.config = replace(self.config, **flags)
 
+    @property
+    def healthy(self) -> bool:
+        """False once a worker thread has died (the scheduler then rejects every submit) or it is closing."""
+        return self._dead is None and not self._closing
+
+    @property
+    def failure(self) -> str | None:
+        """Why the scheduler is not healthy: the dead worker's error, else None."""
+        return self._dead
+
     def stats(self) -> dict:
         with self._lock:
             out = {"in_flight": self._in_flight, "closing": self._closing, **self._counts}
@@ -545,6 +556,7 @@ class Scheduler:
         except BaseException as e:  # a scheduler bug: nobody must wait forever
             with self._space:
                 self._closing = True  # later submits are rejected
+                self._dead = f"worker {threading.current_thread().name} died: {e!r}"
                 self._space.notify_all()
             for r in list(self._live.values()):
                 self._finish(r, RuntimeError(f"scheduler worker {threading.current_thread().name} died: {e!r}"))
@@ -603,6 +615,15 @@ class Scheduler:
     def _prepare_policy(self, r: _Req, inputs) -> None:
         """The request's TokenPolicy, and the check that its longest output fits a KV-cache slot."""
         r.policy = TokenPolicy(inputs.text_len, r.req.sampling, self.lm.config.speech_token_size)
+        sp = r.req.sampling
+        if sp.force_tokens is None and sp.max_tokens is not None:  # a cap: clamp it to the buffers, never refuse
+            noise_room = getattr(self.pipeline, "noise_room", None)
+            room = self.ar_max_len - r.lm_input.shape[0]
+            if noise_room is not None and hasattr(inputs, "flow_prompt_tokens"):
+                room = min(room, noise_room(inputs))
+            if room >= 1 and r.policy.max_len > room:
+                r.policy.max_len = room
+                r.policy.min_len = min(r.policy.min_len, room)
         need = r.lm_input.shape[0] + r.policy.max_len
         if need > self.ar_max_len:
             raise RequestTooLongError(
@@ -779,7 +800,10 @@ class Scheduler:
                     self._running.remove(r)
                     r.metrics.tokens = len(r.tokens)
                     r.handle.tokens = list(r.tokens)
-                    jobs.append(self._final_job(r))
+                    if r.tokens:
+                        jobs.append(self._final_job(r))
+                    else:  # the LM stopped at once: no frames to vocode, so empty audio (not a flow error)
+                        self._finish(r, None)
             except Exception as e:
                 self._fail_ar(r, e)
         if results:
@@ -881,7 +905,11 @@ class Scheduler:
             j.r.metrics.t_dit += share
             if j.r.state is not None:
                 j.r.state.chunks += 1
-            out.append(_HiftJob(j.r, mel[:, :, j.mel_from:], j.finalize, now))
+            mel = mel[:, :, j.mel_from:]
+            speed = getattr(j.r.req, "speed", 1.0)
+            if j.finalize and j.r.state is None and speed != 1.0 and mel.shape[-1] > 0:  # offline, as upstream
+                mel = torch.nn.functional.interpolate(mel, size=max(1, int(mel.shape[-1] / speed)), mode="linear")
+            out.append(_HiftJob(j.r, mel, j.finalize, now))
         with self._lock:
             st = self._stage
             st["dit_calls"] += 1

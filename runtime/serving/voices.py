@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ...engines.errors import InputError
 from ..models.frontend import SavedSpeaker, load_speaker, save_speaker
 
-VOICE_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+VOICE_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")  # always used with fullmatch ("$" passes "x\n")
 VOICE_SUFFIX = ".safetensors"
 BUILTIN_VOICE = "default"
 OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
@@ -29,6 +29,10 @@ class VoiceNotFoundError(InputError):
 
 class VoiceExistsError(InputError):
     """A voice with this id is already stored (or the id is reserved)."""
+
+
+class VoiceLimitError(InputError):
+    """The voices folder holds `max_voices` voices already."""
 
 
 @dataclass
@@ -45,7 +49,7 @@ class VoiceInfo:
 
 def check_voice_id(voice_id) -> str:
     """The id itself when it matches `VOICE_ID_PATTERN`, else InputError naming it."""
-    if not isinstance(voice_id, str) or not VOICE_ID_PATTERN.match(voice_id):
+    if not isinstance(voice_id, str) or not VOICE_ID_PATTERN.fullmatch(voice_id):
         raise InputError(f"voice id {voice_id!r} is invalid: use 1-64 characters of a-z, 0-9, '_' and '-', starting "
                          f"with a letter or digit")
     return voice_id
@@ -54,8 +58,9 @@ def check_voice_id(voice_id) -> str:
 class VoiceStore:
     """Saved speakers in `root` (created when missing), cached in memory after the first load. Thread-safe."""
 
-    def __init__(self, root: str, builtin: SavedSpeaker | None = None):
+    def __init__(self, root: str, builtin: SavedSpeaker | None = None, max_voices: int | None = None):
         self.root = os.path.abspath(os.path.expanduser(root))
+        self.max_voices = max_voices
         os.makedirs(self.root, exist_ok=True)
         self.builtin = builtin
         self._started = int(time.time())
@@ -97,6 +102,8 @@ class VoiceStore:
         with self._lock:
             if os.path.exists(path):
                 raise VoiceExistsError(f"voice {voice_id!r} already exists")
+            if self.max_voices is not None and self.count() >= self.max_voices:
+                raise VoiceLimitError(f"the server stores at most {self.max_voices} voices; delete one first")
             fd, tmp = tempfile.mkstemp(prefix=".upload-", suffix=VOICE_SUFFIX, dir=self.root)
             os.close(fd)
             try:
@@ -118,12 +125,17 @@ class VoiceStore:
             os.unlink(path)
             self._cache.pop(voice_id, None)
 
+    def count(self) -> int:
+        """Stored voices (files in the folder with a valid id)."""
+        return sum(1 for n in os.listdir(self.root)
+                   if n.endswith(VOICE_SUFFIX) and VOICE_ID_PATTERN.fullmatch(n[: -len(VOICE_SUFFIX)]))
+
     def list(self) -> list[VoiceInfo]:
         """The built-in voice (when there is one) and every stored voice, sorted by id."""
         out = [VoiceInfo(BUILTIN_VOICE, self.builtin.prompt_text, self._started, True)] if self.builtin else []
         for name in sorted(os.listdir(self.root)):
             voice_id = name[: -len(VOICE_SUFFIX)]
-            if not name.endswith(VOICE_SUFFIX) or not VOICE_ID_PATTERN.match(voice_id):
+            if not name.endswith(VOICE_SUFFIX) or not VOICE_ID_PATTERN.fullmatch(voice_id):
                 continue
             path = os.path.join(self.root, name)
             try:

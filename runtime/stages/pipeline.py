@@ -85,15 +85,25 @@ class Pipeline:
         m.mark_chunk(out.size, self.sample_rate)
         return out
 
+    def noise_room(self, inputs) -> int:
+        """Most speech tokens a request with these inputs can generate before its prompt + output mel frames
+        exceed the fixed noise buffers."""
+        limit = min(self.models.flow.max_frames, self.models.hift.max_frames)
+        return limit // 2 - int(inputs.flow_prompt_tokens.numel())
+
     def _check_noise(self, inputs, req: Request) -> None:
-        """Fail before any work when prompt + the longest possible output exceeds the fixed noise buffers."""
+        """Fail before any work when prompt + the longest possible output exceeds the fixed noise buffers.
+
+        An explicit `max_tokens` cap is a bound, not a demand: it is clamped to the room left (the scheduler's
+        policy does it), so only `force_tokens` or the default length budget can fail here."""
         from ...engines.errors import RequestTooLongError
         from ..models.sampling import TokenPolicy
 
         policy = TokenPolicy(inputs.text_len, req.sampling, self.models.config.llm.speech_token_size)
         frames = 2 * (int(inputs.flow_prompt_tokens.numel()) + policy.max_len)
         limit = min(self.models.flow.max_frames, self.models.hift.max_frames)
-        if frames > limit:
+        capped = req.sampling.force_tokens is None and req.sampling.max_tokens is not None
+        if frames > limit and not (capped and self.noise_room(inputs) >= 1):
             raise RequestTooLongError(
                 f"request needs up to {frames} mel frames (prompt {2 * int(inputs.flow_prompt_tokens.numel())} + up to "
                 f"{2 * policy.max_len} generated) but the fixed noise buffers hold {limit}: shorten the text or the "

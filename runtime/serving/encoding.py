@@ -1,0 +1,167 @@
+"""Audio in and out of the server: response encodings and bounded decoding of uploaded reference audio.
+
+Out: wav / pcm (16-bit mono, built here), flac / mp3 / opus (libsndfile through soundfile). aac has no maintained
+encoder in our dependencies (libsndfile has none; PyAV / ffmpeg would be a heavy native dependency): a clear 400.
+In: the header is read first (`soundfile.info`, no samples decoded) and the duration, channel count and sample rate
+are checked against the limits before anything is decoded; decoding then reads at most the allowed frames."""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import re
+import struct
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+
+from .errors import APIError, invalid
+
+UNKNOWN_LENGTH = 0xFFFFFFFF
+RESPONSE_FORMATS = ("wav", "pcm", "flac", "mp3", "opus", "aac")
+STREAM_FORMATS = ("wav", "pcm")
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg",
+               "opus": "audio/ogg; codecs=opus", "aac": "audio/aac"}
+SOUNDFILE_FORMATS = {"flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
+MIN_SAMPLE_RATE = 8000
+
+
+def pcm16(wav: np.ndarray) -> bytes:
+    """float32 samples in [-1, 1] -> 16-bit little-endian PCM bytes."""
+    x = np.clip(np.asarray(wav, dtype=np.float32).reshape(-1), -1.0, 1.0)
+    return np.rint(x * 32767.0).astype("<i2").tobytes()
+
+
+def wav_header(sample_rate: int, num_samples: int | None) -> bytes:
+    """44-byte RIFF/WAVE header for 16-bit mono PCM; `num_samples=None` writes 0xFFFFFFFF sizes (streaming)."""
+    if num_samples is None:
+        riff_size = data_size = UNKNOWN_LENGTH
+    else:
+        data_size = 2 * num_samples
+        riff_size = 36 + data_size
+    return (b"RIFF" + struct.pack("<I", riff_size) + b"WAVE" + b"fmt " +
+            struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, 2 * sample_rate, 2, 16) + b"data" +
+            struct.pack("<I", data_size))
+
+
+def check_response_format(fmt: str) -> None:
+    if fmt == "aac":
+        raise invalid("response_format 'aac' is not available: this server has no AAC encoder (use mp3, opus, "
+                      "flac, wav or pcm)", "response_format", "unsupported_value")
+
+
+def encode_audio(wav: np.ndarray, sample_rate: int, fmt: str) -> bytes:
+    pcm = pcm16(wav)
+    if fmt == "pcm":
+        return pcm
+    if fmt == "wav":
+        return wav_header(sample_rate, len(pcm) // 2) + pcm
+    check_response_format(fmt)
+    import soundfile as sf
+
+    container, subtype = SOUNDFILE_FORMATS[fmt]
+    samples = np.frombuffer(pcm, dtype="<i2")
+    if samples.size == 0:  # libsndfile's lossy encoders reject empty input: write one silent sample
+        samples = np.zeros(1, "<i2")
+    buf = io.BytesIO()
+    sf.write(buf, samples, sample_rate, format=container, subtype=subtype)
+    return buf.getvalue()
+
+
+def pcm_headers(sample_rate: int) -> dict:
+    """What raw PCM is (peer clients read these)."""
+    return {"X-Sample-Rate": str(sample_rate), "X-Channels": "1", "X-Bit-Depth": "16"}
+
+
+# ------------------------------------------------------------------------------------------------ upload decoding
+
+def decode_upload(data: bytes, *, max_seconds: float, max_sample_rate: int, max_channels: int,
+                  param: str = "audio") -> tuple[np.ndarray, int]:
+    """Uploaded audio bytes (any format libsndfile reads) -> float32 mono samples and their sample rate.
+
+    Checked from the header before decoding: sample rate in [8 kHz, max_sample_rate], channels <= max_channels,
+    duration <= max_seconds; then at most that many frames are decoded. Blocking: run it off the event loop."""
+    import soundfile as sf
+
+    if not data:
+        raise invalid(f"'{param}' is empty", param)
+    try:
+        info = sf.info(io.BytesIO(data))
+    except Exception as e:  # noqa: BLE001 - libsndfile raises several types
+        raise invalid(f"'{param}' could not be decoded (WAV, FLAC, OGG or MP3 expected): {e}", param,
+                      "invalid_audio") from None
+    sr, channels, frames = int(info.samplerate), int(info.channels), int(info.frames)
+    if not MIN_SAMPLE_RATE <= sr <= max_sample_rate:
+        raise invalid(f"'{param}' declares a sample rate of {sr} Hz; {MIN_SAMPLE_RATE}..{max_sample_rate} Hz is "
+                      f"accepted", param, "invalid_audio")
+    if not 1 <= channels <= max_channels:
+        raise invalid(f"'{param}' has {channels} channels; at most {max_channels} are accepted", param,
+                      "invalid_audio")
+    limit = int(max_seconds * sr)
+    if frames > limit:  # frames may be unknown (0 or huge) for some containers: the read below is capped anyway
+        raise invalid(f"'{param}' is {frames / sr:.2f} s long; at most {max_seconds:g} s is accepted", param,
+                      "audio_too_long")
+    try:
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            samples = f.read(frames=limit + 1, dtype="float32", always_2d=True)
+    except Exception as e:  # noqa: BLE001
+        raise invalid(f"'{param}' could not be decoded: {e}", param, "invalid_audio") from None
+    if samples.shape[0] > limit:
+        raise invalid(f"'{param}' is longer than {max_seconds:g} s", param, "audio_too_long")
+    if samples.shape[0] == 0:
+        raise invalid(f"'{param}' has no samples", param, "invalid_audio")
+    return samples.mean(axis=1), sr
+
+
+_DATA_URI = re.compile(r"data:([\w.+/-]*)(;[\w=.+-]+)*;base64,", re.ASCII)
+
+
+def ref_audio_bytes(value: str, *, ref_dir: str | None, cap: int, param: str = "ref_audio") -> bytes:
+    """`ref_audio` -> the audio file's bytes. Accepted: a `data:<mime>;base64,...` URI, bare base64, or (only when
+    `ref_dir` is configured) `file://` URIs / absolute paths of files inside `ref_dir`. URLs are refused (the server
+    fetches nothing from the network)."""
+    if not isinstance(value, str) or not value:
+        raise invalid(f"'{param}' must be a non-empty string", param, "invalid_type")
+    if value.startswith(("http://", "https://")):
+        raise invalid(f"'{param}' URLs are not fetched by this server: send the audio inline (data: URI or base64)",
+                      param, "unsupported_value")
+    if value.startswith("file:") or value.startswith("/"):
+        return _local_ref_audio(value, ref_dir, cap, param)
+    m = _DATA_URI.match(value)
+    payload = value[m.end():] if m else value
+    if value.startswith("data:") and m is None:
+        raise invalid(f"'{param}' data URI must be 'data:<mime>;base64,<data>'", param, "invalid_audio")
+    if len(payload) > (cap * 4) // 3 + 8:
+        raise APIError(413, f"'{param}' exceeds {cap} bytes", param=param, code="payload_too_large")
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise invalid(f"'{param}' is not valid base64 (send a data: URI, base64, or a file:// path under the "
+                      f"server's --ref-audio-dir)", param, "invalid_audio") from None
+    return raw
+
+
+def _local_ref_audio(value: str, ref_dir: str | None, cap: int, param: str) -> bytes:
+    if ref_dir is None:
+        raise invalid(f"'{param}' names a local file, but this server reads none (start it with --ref-audio-dir "
+                      f"to allow files under one folder)", param, "file_not_allowed")
+    if value.startswith("file:"):
+        u = urlparse(value)
+        if u.netloc not in ("", "localhost"):
+            raise invalid(f"'{param}' file URI must be file:///absolute/path", param, "invalid_value")
+        path = unquote(u.path)
+    else:
+        path = value
+    root = os.path.realpath(ref_dir)
+    real = os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root:
+        raise invalid(f"'{param}' is outside the server's reference audio folder", param, "file_not_allowed")
+    if not os.path.isfile(real):
+        raise invalid(f"'{param}' file not found", param, "file_not_found")
+    size = os.path.getsize(real)
+    if size > cap:
+        raise APIError(413, f"'{param}' is {size} bytes; at most {cap} are accepted", param=param,
+                       code="payload_too_large")
+    with open(real, "rb") as f:
+        return f.read(cap + 1)

@@ -1,0 +1,135 @@
+"""Prometheus export for /metrics (prometheus_client for the server's own histograms and counters)."""
+from __future__ import annotations
+
+import math
+
+TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0, 50.0)
+HISTOGRAMS = (  # (metric name, RequestMetrics attribute, help, buckets)
+    ("cosytrt_t_tokenizer_seconds", "t_tokenizer", "Frontend time (T_tokenizer) per request", TIME_BUCKETS),
+    ("cosytrt_t_ar_seconds", "t_ar", "AR LM decode time (T_AR) per request", TIME_BUCKETS),
+    ("cosytrt_t_dit_seconds", "t_dit", "Flow / DiT time (T_DiT) per request", TIME_BUCKETS),
+    ("cosytrt_t_vocoder_seconds", "t_vocoder", "HiFT vocoder time (T_vocoder) per request", TIME_BUCKETS),
+    ("cosytrt_t_queue_seconds", "t_queue", "Queue time (server admission + runtime queue) per request",
+     TIME_BUCKETS),
+    ("cosytrt_time_to_first_audio_seconds", "ttfa", "Time from submit to the first audio chunk", TIME_BUCKETS),
+    ("cosytrt_rtf", "rtf", "Real-time factor (synthesis time / audio duration) per request", RTF_BUCKETS),
+)
+RUNTIME_COUNTERS = (("cosytrt_bucket_hits_total", "bucket_hits", "Engine calls that found an exact bucket"),
+                    ("cosytrt_bucket_pads_total", "bucket_pads", "Engine calls padded up to a larger bucket"),
+                    ("cosytrt_eager_fallbacks_total", "eager_fallbacks", "Calls that no bucket fit, run eagerly"))
+
+
+def _labels(**kw) -> str:
+    def esc(v):
+        return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in kw.items()) + "}"
+
+
+def _nested_dicts(d: dict, depth: int = 3):
+    yield d
+    if depth > 0:
+        for v in d.values():
+            if isinstance(v, dict):
+                yield from _nested_dicts(v, depth - 1)
+
+
+def runtime_view(stats: dict | None) -> dict:
+    """What /metrics takes from `tts.metrics()`: the scheduler's in-flight count and queues, and bucket hits / pads /
+    eager fallbacks (explicit `bucket_hits` / `bucket_pads` / `eager_fallbacks` keys, a number or {stage: number},
+    else derived from a ShapeStats summary: pads = bucketed calls with padding waste > 1, over its kept samples)."""
+    dicts = list(_nested_dicts(stats or {}))
+    sched = next((d for d in dicts if "in_flight" in d and isinstance(d.get("queues"), dict)), {})
+    shapes = next((d for d in dicts if {"hits", "fallbacks"} <= set(d) and isinstance(d.get("stages"), dict)), None)
+    counters = {}
+    for key in ("bucket_hits", "bucket_pads", "eager_fallbacks"):
+        v = next((d[key] for d in dicts if key in d), None)
+        if v is None and shapes is not None:
+            v = {}
+            for sm, st in shapes["stages"].items():
+                if not isinstance(st, dict):
+                    continue
+                samples = (st.get("waste") or {}).get("samples") or []
+                v[sm] = (st.get("hits", 0) if key == "bucket_hits" else st.get("fallbacks", 0)
+                         if key == "eager_fallbacks" else sum(1 for w in samples if w > 1 + 1e-9))
+        counters[key] = v
+    return {"in_flight": _number(sched.get("in_flight")), "queues": sched.get("queues", {}), "counters": counters}
+
+
+def _number(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+class ServerMetrics:
+    """Everything /metrics exposes. Request histograms and counters are prometheus_client metrics in a registry of
+    this app's own (fixed memory, O(buckets) per scrape); the runtime's gauges and counters are read from
+    `tts.metrics()` at scrape time."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.histograms = {name: Histogram(name, text, buckets=b, registry=self.registry)
+                           for name, _, text, b in HISTOGRAMS}
+        self.http = Counter("cosytrt_http_requests", "HTTP responses by method, route and status",
+                            ["method", "route", "status"], registry=self.registry)
+        self.outcomes = Counter("cosytrt_speech_requests", "Admitted speech requests by outcome (ok, error, "
+                                "cancelled)", ["outcome"], registry=self.registry)
+        for outcome in ("ok", "error", "cancelled"):
+            self.outcomes.labels(outcome)
+        self.audio_seconds = Counter("cosytrt_audio_seconds", "Seconds of audio synthesized", registry=self.registry)
+        self.speech_tokens = Counter("cosytrt_speech_tokens", "Speech tokens generated", registry=self.registry)
+
+    def count_http(self, method: str, route: str, status: int) -> None:
+        self.http.labels(method, route, str(int(status))).inc()
+
+    def finish(self, outcome: str, m=None, admission_wait: float = 0.0) -> None:
+        self.outcomes.labels(outcome).inc()
+        if outcome != "ok" or m is None:
+            return
+        for name, attr, _, _ in HISTOGRAMS:
+            v = getattr(m, attr, None)
+            if attr == "t_queue":
+                v = (v or 0.0) + admission_wait
+            v = _number(v)
+            if v is not None:
+                self.histograms[name].observe(v)
+        self.audio_seconds.inc(max(0.0, float(getattr(m, "audio_seconds", 0.0) or 0.0)))
+        self.speech_tokens.inc(max(0, int(getattr(m, "tokens", 0) or 0)))
+
+    def render(self, *, in_flight: int, queued: int, ready: bool, runtime_stats: dict | None) -> str:
+        from prometheus_client import generate_latest
+
+        lines: list[str] = [generate_latest(self.registry).decode().rstrip("\n")]
+
+        def head(name, kind, text):
+            lines.extend([f"# HELP {name} {text}", f"# TYPE {name} {kind}"])
+
+        view = runtime_view(runtime_stats)
+        waiting = sum(int(_number(view["queues"].get(q)) or 0) for q in ("frontend", "ar_waiting"))
+        head("cosytrt_requests_in_flight", "gauge", "Speech requests admitted by the server and not finished")
+        lines.append(f"cosytrt_requests_in_flight {in_flight}")
+        head("cosytrt_queue_depth", "gauge",
+             "Requests waiting: for a server slot, plus in the runtime before AR decoding starts")
+        lines.append(f"cosytrt_queue_depth {queued + waiting}")
+        head("cosytrt_runtime_requests_in_flight", "gauge", "Requests in flight in the runtime scheduler")
+        lines.append(f"cosytrt_runtime_requests_in_flight {view['in_flight'] or 0.0!r}")
+        head("cosytrt_runtime_queue_depth", "gauge", "Jobs queued per runtime stage")
+        for q, n in sorted(view["queues"].items()):
+            if _number(n) is not None:
+                lines.append(f"cosytrt_runtime_queue_depth{_labels(queue=q)} {_number(n)!r}")
+        head("cosytrt_ready", "gauge", "1 once the model is loaded and warmed")
+        lines.append(f"cosytrt_ready {int(ready)}")
+        for name, key, text in RUNTIME_COUNTERS:
+            head(name, "counter", text)
+            v = view["counters"][key]
+            per_stage = [(k, _number(x)) for k, x in sorted(v.items())] if isinstance(v, dict) else []
+            per_stage = [(k, x) for k, x in per_stage if x is not None]
+            if per_stage:
+                lines.extend(f"{name}{_labels(stage=k)} {x!r}" for k, x in per_stage)
+            else:
+                lines.append(f"{name} {_number(v) or 0.0!r}")
+        return "\n".join(lines) + "\n"
+
+

@@ -1,0 +1,271 @@
+"""runtime/serving/ over a fake TTS whose requests are held by a gate: readiness, API key, backpressure, runtime
+rejection, client disconnects, drain, runtime counters, internal errors, the voice store and settings. Deterministic
+and fast (no model)."""
+import asyncio
+import json
+import os
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("python_multipart")
+from fastapi.testclient import TestClient  # noqa: E402
+from server_helpers import (SR, FakeTTS, assert_error, fake_client, in_flight, parse_metrics,  # noqa: E402
+                            speech_count, wait_ready)
+
+from cosytrt.runtime.serving.app import ServerSettings, wav_header  # noqa: E402
+from cosytrt.runtime.serving.voices import VoiceStore  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tts(tiny_tts):
+    return tiny_tts
+
+
+def test_health_503_until_warm(tmp_path):
+    fake = FakeTTS(free=0)
+    app, client = fake_client(tmp_path, fake)
+    real_submit = fake.submit
+
+    def slow_warmup(text, **kw):  # the warm-up request waits for the gate too
+        h = real_submit(text, **kw)
+        h.free = 0
+        return h
+
+    fake.submit = slow_warmup
+    with client:
+        time.sleep(0.1)
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading"}
+        assert_error(client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "default"}), 503,
+                     code="not_ready")
+        assert parse_metrics(client.get("/metrics").text)["cosytrt_ready"] == 0
+        fake.gate.set()
+        wait_ready(client, 5)
+        assert client.get("/health").json() == {"status": "ready"}
+        assert client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "default"}).status_code == 200
+
+
+def test_api_key(tmp_path):
+    fake = FakeTTS()
+    _, client = fake_client(tmp_path, fake, api_key="sekret")
+    with client:
+        wait_ready(client, 5)
+        body = {"model": "x", "input": "hi", "voice": "default"}
+        assert_error(client.post("/v1/audio/speech", json=body), 401, code="invalid_api_key")
+        assert_error(client.post("/v1/audio/speech", json=body, headers={"Authorization": "Bearer wrong"}), 401)
+        assert_error(client.get("/v1/voices", headers={"Authorization": "sekret"}), 401)
+        assert_error(client.delete("/v1/voices/x"), 401)
+        assert client.post("/v1/audio/speech", json=body, headers={"Authorization": "Bearer sekret"}).status_code \
+            == 200
+        assert client.get("/v1/voices", headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+
+
+def test_backpressure_429_and_queue_timeout_503(tmp_path):
+    fake = FakeTTS(free=0)
+    app, client = fake_client(tmp_path, fake, max_in_flight=1, max_queue=1, queue_timeout_s=0.5)
+    body = {"model": "x", "input": "hold", "voice": "default", "response_format": "pcm"}
+    with client:
+        wait_ready(client, 5)
+        results = {}
+
+        def post(key):
+            results[key] = client.post("/v1/audio/speech", json=body)
+
+        a = threading.Thread(target=post, args=("a",))
+        a.start()
+        while in_flight(app) < 1:
+            time.sleep(0.005)
+        b = threading.Thread(target=post, args=("b",))
+        b.start()
+        while app.state.server.admission.waiting < 1:
+            time.sleep(0.005)
+        m = parse_metrics(client.get("/metrics").text)
+        assert m["cosytrt_requests_in_flight"] == 1 and m["cosytrt_queue_depth"] == 1
+        t0 = time.monotonic()
+        assert_error(client.post("/v1/audio/speech", json=body), 429, code="too_many_requests")
+        assert time.monotonic() - t0 < 0.4  # rejected at once, not after the queue timeout
+        b.join(5)
+        err = assert_error(results["b"], 503, code="queue_timeout")
+        assert err["type"] == "server_error" and results["b"].headers["retry-after"] == "1"
+        fake.gate.set()
+        a.join(5)
+        assert results["a"].status_code == 200 and len(results["a"].content) == 3 * 480 * 2
+        assert in_flight(app) == 0
+        m = parse_metrics(client.get("/metrics").text)
+        assert (speech_count(m, 200), speech_count(m, 429), speech_count(m, 503)) == (1, 1, 1)
+
+
+def test_runtime_rejection_is_429(tmp_path):
+    fake = FakeTTS(reject=True)
+    app, client = fake_client(tmp_path, fake)
+    with client:
+        wait_ready(client, 5)
+        err = assert_error(client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "default"}), 429,
+                           code="overloaded")
+        assert err["type"] == "rate_limit_error" and "max_in_flight=3" in err["message"]
+        assert in_flight(app) == 0
+
+
+async def _drive(app, body: dict, disconnect_after_body: bool):
+    """Call the ASGI app directly; the client disconnects after the first body bytes (or right after sending)."""
+    raw = json.dumps(body).encode()
+    sent, got_body, request_sent = [], asyncio.Event(), False
+
+    async def receive():
+        nonlocal request_sent
+        if not request_sent:
+            request_sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        if disconnect_after_body:
+            await got_body.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and message.get("body"):
+            got_body.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/audio/speech", "raw_path": b"/v1/audio/speech",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("testserver", 80),
+             "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(raw)).encode())]}
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    return sent
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_cancels_request(tmp_path, stream):
+    fake = FakeTTS(free=1)  # one chunk at once, the rest never (the gate stays shut)
+    app, client = fake_client(tmp_path, fake)
+    with client:
+        wait_ready(client, 5)
+        sent = client.portal.call(_drive, app, {"model": "x", "input": "bye", "voice": "default", "stream": stream}, stream)
+        handle = fake.handles[-1]
+        assert handle.text == "bye" and handle.cancelled.is_set()
+        assert in_flight(app) == 0
+        status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+        assert status == (200 if stream else 499)
+        if stream:
+            assert sent[1]["body"] == wav_header(SR, None)
+        m = parse_metrics(client.get("/metrics").text)
+        assert m['cosytrt_speech_requests_total{outcome="cancelled"}'] == 1
+        assert m["cosytrt_requests_in_flight"] == 0
+
+
+def test_shutdown_drains_in_flight(tmp_path):
+    fake = FakeTTS(free=0)
+    app, client = fake_client(tmp_path, fake, drain_timeout_s=5.0)
+    results = {}
+    with client:
+        wait_ready(client, 5)
+        t = threading.Thread(target=lambda: results.setdefault("r", client.post(
+            "/v1/audio/speech", json={"model": "x", "input": "finish me", "voice": "default"})))
+        t.start()
+        while in_flight(app) < 1:
+            time.sleep(0.005)
+        threading.Timer(0.3, fake.gate.set).start()
+        t0 = time.monotonic()
+        client.portal.call(app.state.server.drain)  # what the lifespan runs at shutdown
+        waited = time.monotonic() - t0
+        t.join(5)
+        assert 0.25 < waited < 4.0
+        assert results["r"].status_code == 200 and not fake.handles[-1].cancelled.is_set()
+        assert client.get("/health").status_code == 503
+        assert_error(client.post("/v1/audio/speech", json={"model": "x", "input": "late", "voice": "default"}), 503,
+                     code="shutting_down")
+
+
+def test_shutdown_drain_timeout_cancels(tmp_path):
+    fake = FakeTTS(free=0)
+    app, client = fake_client(tmp_path, fake, drain_timeout_s=0.3)
+    results = {}
+    with client:
+        wait_ready(client, 5)
+        t = threading.Thread(target=lambda: results.setdefault("r", client.post(
+            "/v1/audio/speech", json={"model": "x", "input": "stuck", "voice": "default"})))
+        t.start()
+        while in_flight(app) < 1:
+            time.sleep(0.005)
+        t0 = time.monotonic()
+        client.portal.call(app.state.server.drain)
+        assert 0.25 < time.monotonic() - t0 < 2.0
+        t.join(5)
+        assert fake.handles[-1].cancelled.is_set()
+        assert_error(results["r"], 503, code="shutting_down")
+        assert in_flight(app) == 0
+
+
+def test_runtime_counters_from_tts_metrics(tmp_path):
+    fake = FakeTTS()
+    fake.stats = {"requests": 3, "stages": {
+        "in_flight": 2, "queues": {"frontend": 1, "ar_waiting": 2, "dit": 0},
+        "shapes": {"calls": 5, "hits": 4, "fallbacks": 1, "stages": {
+            "dit/stream": {"calls": 3, "hits": 3, "fallbacks": 0, "waste": {"samples": [1.0, 1.25, 1.5]}},
+            "hift/offline": {"calls": 2, "hits": 1, "fallbacks": 1, "waste": {"samples": [1.0]}}}}}}
+    _, client = fake_client(tmp_path, fake)
+    with client:
+        wait_ready(client, 5)
+        m = parse_metrics(client.get("/metrics").text)
+    assert m['cosytrt_bucket_hits_total{stage="dit/stream"}'] == 3
+    assert m['cosytrt_bucket_hits_total{stage="hift/offline"}'] == 1
+    assert m['cosytrt_bucket_pads_total{stage="dit/stream"}'] == 2
+    assert m['cosytrt_eager_fallbacks_total{stage="hift/offline"}'] == 1
+    assert m["cosytrt_runtime_requests_in_flight"] == 2 and m["cosytrt_queue_depth"] == 3
+    assert m['cosytrt_runtime_queue_depth{queue="ar_waiting"}'] == 2
+    fake.stats = {"bucket_hits": 7, "scheduler": {"eager_fallbacks": {"llm": 2}}}
+    with client:
+        m = parse_metrics(client.get("/metrics").text)
+    assert m["cosytrt_bucket_hits_total"] == 7 and m["cosytrt_bucket_pads_total"] == 0
+    assert m['cosytrt_eager_fallbacks_total{stage="llm"}'] == 2
+
+
+def test_internal_error_is_openai_shaped_500(tmp_path):
+    fake = FakeTTS()
+    app, client = fake_client(tmp_path, fake)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        wait_ready(client, 5)
+
+        def broken(text, **kw):
+            raise RuntimeError("engine exploded")
+
+        fake.submit = broken
+        err = assert_error(client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "default"}), 500,
+                           code="internal_error")
+        assert err["type"] == "server_error" and "RuntimeError: engine exploded" in err["message"]
+        assert in_flight(app) == 0
+        assert speech_count(parse_metrics(client.get("/metrics").text), 500) == 1
+
+
+def test_voice_store_stays_inside_its_folder(tmp_path, tts):
+    from cosytrt.engines.errors import InputError
+    from cosytrt.runtime.models.frontend import save_speaker
+
+    store = VoiceStore(str(tmp_path / "voices"), tts.pipeline.default_speaker)
+    outside = tmp_path / "outside.safetensors"
+    spk = tts.pipeline.default_speaker
+    save_speaker(str(outside), spk.features, spk.prompt_text)
+    os.symlink(outside, tmp_path / "voices" / "evil.safetensors")
+    with pytest.raises(InputError, match="outside the voices folder"):
+        store.get("evil")
+    for bad in ("..", "../outside", "/etc/passwd", "a/b", "", "x" * 65, "UP"):
+        with pytest.raises(InputError, match="invalid"):
+            store.path(bad)
+    assert store.get("alloy") is spk and store.get("default") is spk
+    assert [v.id for v in store.list()] == ["default"]  # the symlink is not listed as a voice
+
+
+def test_settings_validation():
+    from cosytrt.engines.errors import InputError
+
+    with pytest.raises(InputError, match="max_in_flight"):
+        ServerSettings(max_in_flight=0)
+    with pytest.raises(InputError, match="queue_timeout_s"):
+        ServerSettings(queue_timeout_s=0)
+    assert ServerSettings().host == "127.0.0.1"
+
+
