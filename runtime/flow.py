@@ -301,20 +301,22 @@ class Flow(nn.Module):
             mu, mask, spks, cond = self.collate(prepared, pad_to)
             mel = self.solve(mu, mask, spks, cond, streaming, estimator)
             return [mel[i:i + 1, :, r.prompt_frames:r.frames] for i, r in enumerate(prepared)]
-        from .stages.flow_cache import plan_hops  # new layout: ..stages.flow_cache
+        from .stages.flow_cache import cached_dit_fn, plan_hops, release_plans, solve_cached  # new layout: ..stages
 
         out: list = [None] * len(rows)
         plans, whole = plan_hops(self, [rows[i] for i in cached], [prepared[i] for i in cached])
         whole_idx = [i for i in range(len(rows)) if i not in cached] + [cached[k] for k in whole]
         if whole_idx:
             sub = [prepared[i] for i in whole_idx]
-            mu, mask, spks, cond = self.collate(sub, pad_to)
-            mel = self.solve(mu, mask, spks, cond, streaming, estimator)
+            try:
+                mu, mask, spks, cond = self.collate(sub, pad_to)
+                mel = self.solve(mu, mask, spks, cond, streaming, estimator)
+            except BaseException:
+                release_plans(plans)
+                raise
             for k, i in enumerate(whole_idx):
                 out[i] = mel[k:k + 1, :, prepared[i].prompt_frames:prepared[i].frames]
         if plans:
-            from .stages.flow_cache import cached_dit_fn, solve_cached
-
             mels = solve_cached(self, plans, cached_dit_fn(self, estimator))
             for plan, m in zip(plans, mels):
                 i = cached[plan.index]

@@ -432,6 +432,12 @@ def _release_plan(p: HopPlan) -> None:
         p.prompt_bytes = 0
 
 
+def release_plans(plans: list) -> None:
+    """Give back the pool reservations of plans that will not run (the call failed)."""
+    for p in plans:
+        _release_plan(p)
+
+
 def solve_cached(flow, plans: list, fn) -> list:
     """The 10 Euler steps with CFG for the planned rows' new frames only (`fn` = DiT.forward_cached or its compiled
     form), then the commits. Returns one mel [1, 80, frames] per plan (cached prefix mel + new frames), float32.
@@ -591,3 +597,13 @@ def _commit(flow, p: HopPlan, b: int, B: int, hop_k, hop_v, x, cond, new_t) -> N
         st.tails_charged = True
     if t1 is not None:
         st.prefix = Prefix(segs, t1, t2, spks, p.tokens.clone(), p.model)
+
+
+def default_budget(device) -> int:
+    """The pool budget when none is configured: 25 % of the GPU's memory, at most 24 GiB (sglang-omni's choice);
+    1 GiB on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(min(24 << 30, total // 4))
+    return 1 << 30
