@@ -103,6 +103,9 @@ class SchedulerConfig:
         for name in ("submit_timeout_s", "dit_max_wait_ms", "hift_max_wait_ms"):
             if getattr(self, name) < 0:
                 raise InputError(f"SchedulerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        b = self.flow_cache_budget_bytes
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
+            raise InputError(f"SchedulerConfig.flow_cache_budget_bytes must be None or an int >= 0, got {b!r}")
         if self.max_padding_waste < 1:
             raise InputError(f"SchedulerConfig.max_padding_waste must be >= 1, got {self.max_padding_waste!r}")
 
@@ -376,7 +379,8 @@ class Scheduler:
         self._counts = dict(completed=0, failed=0, cancelled=0, rejected=0)
         self._stage = dict(ar_prefill_calls=0, ar_prefill_rows=0, ar_decode_steps=0, ar_decode_rows=0,
                            ar_max_decode_batch=0, ar_batched_decode_steps=0,
-                           dit_calls=0, dit_rows=0, dit_max_batch=0, dit_frames_uncached=0, hift_calls=0, hift_rows=0, hift_max_batch=0)
+                           dit_calls=0, dit_rows=0, dit_max_batch=0, dit_frames_uncached=0,
+                           hift_calls=0, hift_rows=0, hift_max_batch=0)
 
         self._frontend = ThreadPoolExecutor(cfg.frontend_workers, thread_name_prefix="cosytrt-frontend")
         self._frontend_pending = 0
@@ -892,7 +896,8 @@ class Scheduler:
             for c in caches:
                 if c is not None:
                     c.close()
-        rows = [FlowInput(j.tokens.to(self.device), *j.r.prompt, finalize=finalize, cache=c) for j, c in zip(group, caches)]
+        rows = [FlowInput(j.tokens.to(self.device), *j.r.prompt, finalize=finalize, cache=c)
+                for j, c in zip(group, caches)]
         with self._lock:  # frames of whole-history rows (the cache counts its own rows' frames)
             self._stage["dit_frames_uncached"] += sum(j.frames for j, c in zip(group, caches) if c is None or c.closed)
         return self.flow.inference_batch(rows, streaming=streaming, finalize=finalize, **kw)

@@ -1,6 +1,6 @@
 """Flow prefix KV cache: streaming DiT hops compute only their new frames (exact).
 
-In streaming mode (finalize=False) the DiT is causal at chunk granularity (see /work/shared/reference/flow-prefix-cache.md):
+In streaming mode (finalize=False) the DiT is causal at chunk granularity (the reference note flow-prefix-cache.md):
 per-frame input Linear, two left-padded causal convolutions (kernel 31) in the conv position embedding,
 block-causal attention in 50-frame chunks with all left chunks visible, RoPE at absolute positions, per-frame
 AdaLN / FF / output projection / Euler update / CFG mix, the fixed noise column j for frame j, and tokens -> mu with
@@ -9,9 +9,9 @@ post-RoPE K/V of every (Euler step, layer, CFG row) of a frame lying in a whole 
 the two convolutions' last 30 input frames at that chunk boundary and the frame's final mel are exactly what a later
 hop would recompute. A request keeps them (`FlowPrefixState`) and each non-final hop computes only the frames past its
 committed prefix (`Flow.inference_batch` with `FlowInput.cache`). Only whole chunks are committed (a partial last
-chunk would see more keys in the next hop). Before reusing a prefix a hop checks that the prefix frames' conditioning
-(token ids, prompt mel, speaker row, model) equals what it computed the prefix from, so a changed input can never reuse stale K/V (it drops
-the cache and recomputes, counted as `invalidations`).
+chunk would see more keys in the next hop). Before reusing a prefix a hop checks that what the prefix frames were
+computed from (token ids, prompt mel, speaker row, model and noise) equals its own inputs, so a changed input can never
+reuse stale K/V (it drops the cache and recomputes, counted as `invalidations`).
 
 Speaker prompt cache: the chunks that lie wholly before frame token_mel_ratio * (P - look_ahead) of a P-token prompt
 depend only on the prompt mel, the prompt tokens, the speaker embedding, the noise and the weights. The first cached
@@ -249,10 +249,18 @@ def _tensor_digest(h, t: torch.Tensor) -> None:
     h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
+def _version(t: torch.Tensor):
+    """(storage, in-place version) of a tensor: changes when it is replaced or written in place."""
+    try:
+        return t.data_ptr(), t._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return t.data_ptr(), None
+
+
 def model_fingerprint(flow) -> str:
     """Content fingerprint of a Flow (every parameter: shape, dtype and a strided sample of values; the noise
     columns' sample; dtype/device). Memoized per parameter version, so in-place weight loads refresh it."""
-    versions = tuple(p._version for p in flow.parameters()) + (flow.rand_noise.data_ptr(), flow.rand_noise._version)
+    versions = tuple(_version(p) for p in flow.parameters()) + (_version(flow.rand_noise),)
     memo = getattr(flow, "_cosytrt_fingerprint", None)
     if memo is not None and memo[0] == versions:
         return memo[1]
