@@ -255,3 +255,34 @@ def test_export_metrics_json(tmp_path):
     for k in ("T_tokenizer", "T_AR", "T_DiT", "T_vocoder", "T_queue", "ttfa", "rtf"):
         assert set(d["aggregate"][k]) >= {"p50", "p95", "p99"}
     assert d["aggregate"]["stages"]["completed"] == 2
+
+
+def test_flow_prefix_cache_in_scheduler(tts, speakers):
+    """Streams through a scheduler with the flow prefix cache (default on) equal Pipeline.run (whole-history hops)
+    for the same seed; the stats show the frames reused, a speaker prompt hit for the repeated voice, every DiT frame
+    of the hop schedule either computed or reused, and the streams' caches freed (the prompt entry stays)."""
+    from cosytrt.engines.buckets import streaming_call_frames
+
+    n_tokens = (130, 70)
+    reqs = [make_request("Cached hops, first.", speaker=speakers[1], seed=21, stream=True, force_tokens=n_tokens[0]),
+            make_request("Cached hops, second.", speaker=speakers[1], seed=22, stream=True, force_tokens=n_tokens[1])]
+    refs = [reference(tts, r) for r in reqs]
+    sched = Scheduler(tts.pipeline, SchedulerConfig(dit_max_requests=1, hift_max_batch=1))
+    assert sched.config.flow_prefix_cache
+    try:
+        outs = [list(sched.submit(r).chunks(timeout=120)) for r in reqs]  # in turn: the second finds the prompt entry
+        st = sched.stats()["dit"]
+    finally:
+        sched.close()
+    for chunks, ref in zip(outs, refs):
+        assert [c.shape for c in chunks] == [c.shape for c in ref]
+        a, b = np.concatenate(chunks), np.concatenate(ref)
+        assert np.abs(a - b).max() <= BATCHED_ATOL and snr_db(b, a) >= BATCHED_SNR_DB
+    assert len(outs[0]) >= 3 and st["frames_reused"] > 0 and st["cache_fallbacks"] == 0
+    fc = st["flow_cache"]
+    assert fc["prompt_hits"] == 1 and fc["prompt_entries"] == 1 and 0 < fc["bytes_used"] < fc["peak_bytes"]
+    whole = 0
+    for r, n in zip(reqs, n_tokens):
+        P = int(prepare_inputs(tts.pipeline.frontend, r, tts.pipeline.default_speaker).flow_prompt_tokens.numel())
+        whole += sum(streaming_call_frames(P, n))
+    assert st["frames_computed"] + st["frames_reused"] == whole

@@ -91,6 +91,17 @@ class CausalConvPositionEmbedding(nn.Module):
             x = act(_conv1d(conv, F.pad(x, (self.kernel_size - 1, 0))))
         return x.transpose(1, 2)
 
+    def forward_cached(self, x: torch.Tensor, tail1: torch.Tensor, tail2: torch.Tensor):
+        """The same convolutions on new frames x [B, T, D] after a cached prefix: `tail1` / `tail2` [B, K-1, D] are
+        the last K-1 input frames of conv1 / conv2 before x (zeros at stream start = the left zero padding).
+        Returns (out [B, T, D], in1, in2): in1/in2 [B, K-1+T, D] are the two convolutions' inputs from the tails on
+        (the next tails are slices of them)."""
+        in1 = torch.cat((tail1, x), dim=1)
+        h = self.conv1[1](_conv1d(self.conv1[0], in1.transpose(1, 2)))  # [B, D, T]
+        in2 = torch.cat((tail2, h.transpose(1, 2)), dim=1)
+        h = self.conv2[1](_conv1d(self.conv2[0], in2.transpose(1, 2)))
+        return h.transpose(1, 2), in1, in2
+
 
 class InputEmbedding(nn.Module):
     """proj(concat[x, cond, mu, spks]) plus the causal conv position embedding (residual)."""
@@ -104,6 +115,13 @@ class InputEmbedding(nn.Module):
         spks = spks.unsqueeze(1).expand(-1, x.shape[1], -1)
         x = self.proj(torch.cat((x, cond, mu, spks), dim=-1))
         return self.conv_pos_embed(x) + x
+
+    def forward_cached(self, x, cond, mu, spks, tail1, tail2):
+        """New frames after a cached prefix (see CausalConvPositionEmbedding.forward_cached): (h, in1, in2)."""
+        spks = spks.unsqueeze(1).expand(-1, x.shape[1], -1)
+        x = self.proj(torch.cat((x, cond, mu, spks), dim=-1))
+        pos, in1, in2 = self.conv_pos_embed.forward_cached(x, tail1, tail2)
+        return pos + x, in1, in2
 
 
 class RotaryEmbedding(nn.Module):
@@ -128,6 +146,15 @@ class RotaryEmbedding(nn.Module):
         """cos, sin tables [T, dim_head] (float32), each frequency repeated for its channel pair."""
         pos = torch.arange(seq_len, device=device, dtype=torch.float32)
         freqs = pos.unsqueeze(1) * self.inv_freq.to(device).unsqueeze(0)  # [T, dim_head/2]
+        freqs = freqs.repeat_interleave(2, dim=-1)
+        return freqs.cos(), freqs.sin()
+
+    def at(self, offsets: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin tables [B, T, dim_head] for frames offsets[b] + 0..T-1 (float32; integer positions are exact in
+        float32, so the tables equal `forward`'s rows at those positions bit for bit)."""
+        pos = offsets.to(torch.float32).unsqueeze(1) + torch.arange(seq_len, device=offsets.device,
+                                                                     dtype=torch.float32)
+        freqs = pos.unsqueeze(-1) * self.inv_freq.to(offsets.device)  # [B, T, dim_head/2]
         freqs = freqs.repeat_interleave(2, dim=-1)
         return freqs.cos(), freqs.sin()
 
@@ -210,6 +237,27 @@ class Attention(nn.Module):
         out = self.to_out[0](out.transpose(1, 2).reshape(B, T, self.heads * self.dim_head))
         return out.masked_fill(~key_valid, 0.0)
 
+    def forward_cached(self, x, attn_mask, key_valid, rope, k_prefix, v_prefix, k_out, v_out):
+        """New frames x [B, T, D] attending to a cached prefix (k_prefix / v_prefix [B, Tp, D], post-RoPE, or None)
+        and to themselves; `attn_mask` [B, 1, T, Tp+T]. This call's post-RoPE K and V [B, T, D] are written to
+        k_out / v_out (what a later hop reads as its prefix)."""
+        B, T, _ = x.shape
+        cos, sin = rope
+        q = apply_rotary(self.to_q(x), cos, sin)
+        k = apply_rotary(self.to_k(x), cos, sin)
+        v = self.to_v(x)
+        k_out.copy_(k)
+        v_out.copy_(v)
+        if k_prefix is not None:
+            k = torch.cat((k_prefix, k), dim=1)
+            v = torch.cat((v_prefix, v), dim=1)
+        Tk = k.shape[1]
+        q = q.view(B, T, self.heads, self.dim_head).transpose(1, 2)
+        k, v = (z.view(B, Tk, self.heads, self.dim_head).transpose(1, 2) for z in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        out = self.to_out[0](out.transpose(1, 2).reshape(B, T, self.heads * self.dim_head))
+        return out.masked_fill(~key_valid, 0.0)
+
 
 class DiTBlock(nn.Module):
     def __init__(self, dim: int, heads: int, dim_head: int, ff_mult: int):
@@ -222,6 +270,13 @@ class DiTBlock(nn.Module):
     def forward(self, x, t, attn_mask, key_valid, rope):
         norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, t)
         x = x + gate_msa.unsqueeze(1) * self.attn(norm, attn_mask, key_valid, rope)
+        norm = self.ff_norm(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+        return x + gate_mlp.unsqueeze(1) * self.ff(norm)
+
+    def forward_cached(self, x, t, attn_mask, key_valid, rope, k_prefix, v_prefix, k_out, v_out):
+        norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, t)
+        attn = self.attn.forward_cached(norm, attn_mask, key_valid, rope, k_prefix, v_prefix, k_out, v_out)
+        x = x + gate_msa.unsqueeze(1) * attn
         norm = self.ff_norm(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
         return x + gate_mlp.unsqueeze(1) * self.ff(norm)
 
@@ -260,6 +315,44 @@ class DiT(nn.Module):
             h = block(h, temb, attn_mask, key_valid, rope)
         h = self.norm_out(h, temb)
         return self.proj_out(h).transpose(1, 2)
+
+    def forward_cached(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
+                       spks: torch.Tensor, cond: torch.Tensor, offsets: torch.Tensor,
+                       k_prefix, v_prefix, prefix_valid, tail1: torch.Tensor, tail2: torch.Tensor,
+                       k_out: torch.Tensor, v_out: torch.Tensor):
+        """Streaming forward of new frames only, after a cached prefix (the flow prefix cache, stages/flow_cache).
+
+        x, mu, cond [B, 80, T] and mask [B, 1, T] hold each row's new frames (right-padded); row b's first new frame
+        is absolute frame offsets[b], a multiple of the chunk size, so every cached frame lies in a chunk to its
+        left (all visible) and the block-causal mask among the new frames is the usual one. k_prefix / v_prefix
+        [depth, B, Tp, D] (post-RoPE keys and values of the cached frames, right-padded; None: no prefix) with
+        prefix_valid [B, Tp]; tail1 / tail2 [B, K-1, D] the conv position embedding's input tails. This call's K/V
+        go to k_out / v_out [depth, B, T, D]. Returns (velocity [B, 80, T], in1, in2) with in1 / in2 [B, K-1+T, D]
+        the convolutions' inputs (next tails). Equals `forward(..., streaming=True)` over prefix + new frames on
+        the new frames (up to the reduction order of the shorter attention / GEMMs)."""
+        B, _, T = x.shape
+        if t.ndim == 0:
+            t = t.expand(B)
+        valid = mask.bool()  # [B, 1, T]
+        new_mask = attention_mask(mask, True, self.static_chunk_size)  # [B, 1, T, T]; open rows stay open below
+        if k_prefix is not None:
+            pre = prefix_valid[:, None, None, :].expand(-1, 1, T, -1)
+            own = attention_mask(torch.ones_like(mask), True, self.static_chunk_size) & valid.unsqueeze(2)
+            allowed = torch.cat((pre, own.expand(B, 1, T, T)), dim=-1)
+            attn_mask = allowed | ~allowed.any(dim=-1, keepdim=True)
+        else:
+            attn_mask = new_mask
+        key_valid = valid.transpose(1, 2)  # [B, T, 1]
+        rope = self.rotary_embed.at(offsets, T)
+        temb = self.time_embed(t.to(x.dtype))
+        h, in1, in2 = self.input_embed.forward_cached(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2),
+                                                      spks, tail1, tail2)
+        for i, block in enumerate(self.transformer_blocks):
+            kp = None if k_prefix is None else k_prefix[i]
+            vp = None if v_prefix is None else v_prefix[i]
+            h = block.forward_cached(h, temb, attn_mask, key_valid, rope, kp, vp, k_out[i], v_out[i])
+        h = self.norm_out(h, temb)
+        return self.proj_out(h).transpose(1, 2), in1, in2
 
 
 class FixedModeDiT(nn.Module):

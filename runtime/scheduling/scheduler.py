@@ -83,6 +83,12 @@ class SchedulerConfig:
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
     ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)
+    # Flow prefix KV cache (stages/flow_cache.py): non-final DiT hops compute only their new frames; a saved speaker's
+    # prompt chunks are computed once (flow_prompt_cache). Budget in bytes (None: 25 % of the GPU, at most 24 GiB;
+    # 1 GiB on CPU); a hop that does not fit runs as today (stats()["dit"]["cache_fallbacks"]).
+    flow_prefix_cache: bool = True
+    flow_prompt_cache: bool = True
+    flow_cache_budget_bytes: int | None = None
 
     def __post_init__(self):
         if self.on_full not in ("wait", "reject"):
@@ -97,6 +103,9 @@ class SchedulerConfig:
         for name in ("submit_timeout_s", "dit_max_wait_ms", "hift_max_wait_ms"):
             if getattr(self, name) < 0:
                 raise InputError(f"SchedulerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        b = self.flow_cache_budget_bytes
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
+            raise InputError(f"SchedulerConfig.flow_cache_budget_bytes must be None or an int >= 0, got {b!r}")
         if self.max_padding_waste < 1:
             raise InputError(f"SchedulerConfig.max_padding_waste must be >= 1, got {self.max_padding_waste!r}")
 
@@ -371,7 +380,8 @@ class Scheduler:
         self._counts = dict(completed=0, failed=0, cancelled=0, rejected=0)
         self._stage = dict(ar_prefill_calls=0, ar_prefill_rows=0, ar_decode_steps=0, ar_decode_rows=0,
                            ar_max_decode_batch=0, ar_batched_decode_steps=0,
-                           dit_calls=0, dit_rows=0, dit_max_batch=0, hift_calls=0, hift_rows=0, hift_max_batch=0)
+                           dit_calls=0, dit_rows=0, dit_max_batch=0, dit_frames_uncached=0,
+                           hift_calls=0, hift_rows=0, hift_max_batch=0)
 
         self._frontend = ThreadPoolExecutor(cfg.frontend_workers, thread_name_prefix="cosytrt-frontend")
         self._frontend_pending = 0
@@ -385,6 +395,13 @@ class Scheduler:
         self._hift_queue: list[_HiftJob] = []
         self._transfers: deque = deque()               # CUDA: (r, host, event, final, t_launch, rows), FIFO
 
+        self.flow_cache = None  # FlowCachePool shared by the streams' prefix states
+        if cfg.flow_prefix_cache:
+            from ..stages.flow_cache import FlowCachePool, default_budget
+
+            budget = cfg.flow_cache_budget_bytes
+            self.flow_cache = FlowCachePool(default_budget(self.device) if budget is None else budget,
+                                            prompt_cache=cfg.flow_prompt_cache)
         self._cuda = self.device.type == "cuda"
         self.clock = StageClock(self._cuda)              # busy time per stage (stats()["busy_s"])
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
@@ -491,6 +508,13 @@ class Scheduler:
                      **{k[3:]: v for k, v in stage.items() if k.startswith("ar_")}}
         for s in ("dit", "hift"):
             out[s] = {k[len(s) + 1:]: v for k, v in stage.items() if k.startswith(s + "_")}
+        # DiT frames per CFG row and Euler step: computed (whole-history rows + cached hops' new frames), reused from
+        # the flow prefix cache, hops that fell back (pool full)
+        fc = self.flow_cache.stats() if self.flow_cache is not None else {}
+        uncached = out["dit"].pop("frames_uncached")
+        out["dit"].update(frames_computed=uncached + fc.get("frames_computed", 0),
+                          frames_reused=fc.get("frames_reused", 0), cache_fallbacks=fc.get("fallback_hops", 0),
+                          flow_cache=fc)
         es = getattr(self.pipeline, "engine_set", None)
         if es is not None and hasattr(es, "stats"):
             out["shapes"] = es.stats.summary()  # bucket hits / padding / eager fallbacks of the engine calls
@@ -537,6 +561,8 @@ class Scheduler:
                 m.error = f"{type(error).__name__}: {error}"
         if not r.handle._finish(error, stamp):
             return
+        if r.state is not None and r.state.flow_cache is not None:
+            r.state.flow_cache.close()
         with self._space:
             self._live.pop(id(r.handle), None)
             self._in_flight -= 1
@@ -600,6 +626,7 @@ class Scheduler:
         self._prepare_policy(r, inputs)
         if r.req.stream:
             r.state = self.t2w.start(*r.prompt)
+            r.state.flow_cache = None if self.flow_cache is None else self.flow_cache.new_state()
 
     def _fence_inputs(self, r: _Req) -> None:
         """CUDA: mark the end of this (frontend) thread's work on the request's device inputs; the AR stream waits
@@ -888,7 +915,15 @@ class Scheduler:
         streaming, finalize = group[0].kind
         est = self._estimator(streaming)
         kw = {} if est is None else {"estimator": est}
-        rows = [FlowInput(j.tokens.to(self.device), *j.r.prompt, finalize=finalize) for j in group]
+        caches = [None if j.r.state is None else j.r.state.flow_cache for j in group]
+        if finalize:  # the final hop is a full-attention pass over everything: free the prefix
+            for c in caches:
+                if c is not None:
+                    c.close()
+        rows = [FlowInput(j.tokens.to(self.device), *j.r.prompt, finalize=finalize, cache=c)
+                for j, c in zip(group, caches)]
+        with self._lock:  # frames of whole-history rows (the cache counts its own rows' frames)
+            self._stage["dit_frames_uncached"] += sum(j.frames for j, c in zip(group, caches) if c is None or c.closed)
         return self.flow.inference_batch(rows, streaming=streaming, finalize=finalize, **kw)
 
     def _run_dit(self, group: list[_DitJob]) -> None:

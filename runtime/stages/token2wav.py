@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from ..models.flow import FlowInput
 from ..models.hift_stream import HiFTStream
 
 TOKEN_HOP = 25
@@ -42,6 +43,7 @@ class StreamState:
     finished: bool = False
     chunks: int = 0
     calls: list = field(default_factory=list)  # (dit_frames, new_mel_frames, final) per call, for coverage
+    flow_cache: object = None  # stages.flow_cache.FlowPrefixState: the DiT prefix of earlier hops (None: off)
 
     def ready(self, n_tokens: int) -> bool:
         """Upstream fires a chunk when len(tokens) - offset >= hop + look-ahead."""
@@ -51,11 +53,12 @@ class StreamState:
 class Token2Wav:
     """Eager token2wav over a Flow and a HiFT; `estimator` overrides the DiT call (engines plug in here)."""
 
-    def __init__(self, flow, hift, estimator=None, hift_runner=None):
+    def __init__(self, flow, hift, estimator=None, hift_runner=None, flow_cache=None):
         self.flow = flow
         self.hift = hift
         self.estimator = estimator
         self.hift_runner = hift_runner  # BucketedHiFT when an engine set is attached
+        self.flow_cache = flow_cache    # stages.flow_cache.FlowCachePool: streams started here cache DiT prefixes
         self._t_dit = 0.0
         self._t_vocoder = 0.0
 
@@ -78,9 +81,12 @@ class Token2Wav:
             self._t_vocoder += dt
         return out
 
-    def _flow(self, tokens: torch.Tensor, st_or_prompt, streaming: bool, finalize: bool) -> torch.Tensor:
+    def _flow(self, tokens: torch.Tensor, st_or_prompt, streaming: bool, finalize: bool, cache=None) -> torch.Tensor:
         p_tok, p_feat, emb = st_or_prompt
         kw = {} if self.estimator is None else {"estimator": self.estimator}
+        if cache is not None:  # a prefix-cached hop: only the frames past the cached prefix are computed
+            row = FlowInput(tokens.reshape(-1), p_tok.reshape(-1), p_feat, emb.reshape(-1), finalize, cache)
+            return self._timed("dit", self.flow.inference_batch, [row], streaming=streaming, **kw)[0]
         return self._timed("dit", self.flow.inference, tokens.view(1, -1), p_tok.view(1, -1), p_feat.unsqueeze(0), emb.view(1, -1),
                                    streaming=streaming, finalize=finalize, **kw)
 
@@ -100,10 +106,15 @@ class Token2Wav:
         return [w.reshape(-1) for w in self.hift.inference_batch(mels, finalize=True)]
 
     # ------------------------------------------------------------------ streaming
-    def start(self, prompt_token, prompt_feat, embedding) -> StreamState:
+    def start(self, prompt_token, prompt_feat, embedding, cache_pool=None) -> StreamState:
+        """A stream's state; with a FlowCachePool (`cache_pool`, else this Token2Wav's `flow_cache`) its non-final
+        DiT hops reuse the earlier hops' K/V (stages/flow_cache.py)."""
         st = StreamState(prompt_token=prompt_token.reshape(-1), prompt_feat=prompt_feat, embedding=embedding.reshape(-1),
                          hift_stream=HiFTStream(self.hift))
         st.hop = first_hop(int(st.prompt_token.numel()), st.base_hop)
+        pool = cache_pool if cache_pool is not None else self.flow_cache
+        if pool is not None:
+            st.flow_cache = pool.new_state()
         return st
 
     @torch.inference_mode()
@@ -117,7 +128,7 @@ class Token2Wav:
             if not st.ready(n):
                 return None
             upto = st.offset + st.hop
-            mel = self._flow(tokens[: upto + LOOKAHEAD], prompt, streaming=True, finalize=False)
+            mel = self._flow(tokens[: upto + LOOKAHEAD], prompt, streaming=True, finalize=False, cache=st.flow_cache)
             new_mel = mel[:, :, 2 * st.offset:]
             st.calls.append((int(mel.shape[-1]) + 2 * int(st.prompt_token.numel()), int(new_mel.shape[-1]), False))
             st.offset = upto
@@ -127,6 +138,8 @@ class Token2Wav:
         else:
             if st.finished:
                 return None
+            if st.flow_cache is not None:  # the final hop is a full-attention pass over everything
+                st.flow_cache.close()
             mel = self._flow(tokens, prompt, streaming=False, finalize=True)
             new_mel = mel[:, :, 2 * st.offset:]
             st.calls.append((int(mel.shape[-1]) + 2 * int(st.prompt_token.numel()), int(new_mel.shape[-1]), True))
