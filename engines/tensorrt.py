@@ -1,9 +1,32 @@
-"""TensorRT 10/11 adapter: one optimization profile per bucket, one execution context per profile.
+"""TensorRT adapter (TensorRT 10/11 or TensorRT for RTX): one optimization profile per bucket, one execution context
+per profile.
 
-Written against the documented API (strongly typed networks, name-based tensors, `execute_async_v3`); `tensorrt` is
-imported lazily and is not installed in cosytrt's CI, so this module's runtime path has not been executed there.
+Which library: `tensorrt` when it imports, else TensorRT for RTX (`tensorrt_rtx_bindings`, the PyPI wheels
+`tensorrt-rtx-cu13-bindings` + `tensorrt-rtx-cu13-libs`, or `tensorrt_rtx` from NVIDIA's SDK), which has TensorRT's
+Python API. `select_tensorrt()` returns the module and a `TensorRTLibrary` naming it; the build records it in the
+manifest (`tensorrt_library`, and `versions["tensorrt_library"]`), and an engine set built by one library is refused by
+the other (`Manifest.check_compatible`).
+
+TensorRT-RTX differences from TensorRT 10/11 that cosytrt's code meets (TensorRT-RTX 1.7.1.116, checked for real: its
+ONNX parser and builder ran on the full-size DiT and HiFT exports, on a CPU-only machine and on an H200):
+- Strong typing is always on; `NetworkDefinitionCreationFlag.STRONGLY_TYPED` exists but is deprecated and ignored
+  (as in TensorRT 11), so `network_flags` passes 0 (TensorRT 10 needs the flag).
+- The build is ahead of time and hardware-agnostic: no kernel timing (kernels are compiled on the target GPU at
+  run time) and no GPU needed to build. The targets are `IBuilderConfig.num_compute_capabilities` +
+  `set_compute_capability(ComputeCapability.SM89, i)`; the `ComputeCapability` enum lists SM75, SM80, SM86, SM89,
+  SM120, SM121 (and CURRENT) — no Hopper (9.0) and no data-centre Blackwell (10.0).
+- Plans run only on those GPUs. On an H200 (compute capability 9.0) `deserialize_cuda_engine` returns None after
+  logging `IRuntime::deserializeCudaEngine: Error Code 6: API Usage Error (The engine cannot run on this GPU, which
+  has compute capability 9.0. Supported compute capabilities: None. TensorRT-RTX does not support this compute
+  capability ...)`; `Runtime.get_engine_validity(plan)` (TensorRT-RTX; not in every TensorRT 10) says INVALID first.
+  The runner refuses such a plan with that error in its message (`deserialize_plan`), and the builder does not
+  deserialize a TensorRT-RTX plan it cannot run to read per-profile device memory (TensorRT does, after the build).
+- Library version numbers are 1.x (`__version__` "1.7.1.116"), not 10/11: never infer features from the major alone.
 """
 from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
 
 import torch
 
@@ -12,20 +35,142 @@ from ..runtime.errors import BackendUnavailableError, EngineSetError
 from .base import EngineRunner, EngineSpec
 from .shapes import profile_index, resolve_shape
 
+# (module to import, library it is), in order of preference
+TENSORRT_MODULES = (("tensorrt", "tensorrt"), ("tensorrt_rtx_bindings", "tensorrt_rtx"), ("tensorrt_rtx", "tensorrt_rtx"))
+LIBRARY_NAMES = {"tensorrt": "TensorRT", "tensorrt_rtx": "TensorRT-RTX"}
+
+
+@dataclass(frozen=True)
+class TensorRTLibrary:
+    """Which TensorRT-family library is in use: `library` "tensorrt" | "tensorrt_rtx", the module, its version."""
+
+    library: str
+    module: str
+    version: str
+
+    @property
+    def rtx(self) -> bool:
+        return self.library == "tensorrt_rtx"
+
+    def __str__(self) -> str:
+        return f"{LIBRARY_NAMES.get(self.library, self.library)} {self.version} ({self.module})"
+
+
+def select_tensorrt():
+    """-> (module, TensorRTLibrary): `tensorrt` when it imports, else TensorRT for RTX. Raises
+    BackendUnavailableError naming the packages and why each failed to import."""
+    reasons = []
+    for module, library in TENSORRT_MODULES:
+        try:
+            trt = importlib.import_module(module)
+        except ImportError as e:  # a missing shared library surfaces as ImportError too
+            reasons.append(f"{module}: {e}")
+            continue
+        return trt, TensorRTLibrary(library, module, str(getattr(trt, "__version__", "unknown")))
+    raise BackendUnavailableError(
+        "tensorrt", "tensorrt",
+        "nor TensorRT for RTX (pip install tensorrt-rtx-cu13-bindings tensorrt-rtx-cu13-libs); " + "; ".join(reasons))
+
 
 def import_tensorrt():
+    """The TensorRT-family module in use (see `select_tensorrt`)."""
+    return select_tensorrt()[0]
+
+
+def tensorrt_library() -> TensorRTLibrary | None:
     try:
-        import tensorrt as trt  # noqa: PLC0415 - lazy on purpose
-    except ImportError as e:
-        raise BackendUnavailableError("tensorrt", "tensorrt", str(e)) from None
-    return trt
+        return select_tensorrt()[1]
+    except BackendUnavailableError:
+        return None
 
 
 def tensorrt_version() -> str | None:
-    try:
-        return import_tensorrt().__version__
-    except BackendUnavailableError:
-        return None
+    lib = tensorrt_library()
+    return lib.version if lib else None
+
+
+def library_of(trt) -> TensorRTLibrary:
+    """The TensorRTLibrary of an already imported module (tests pass fakes)."""
+    name = getattr(trt, "__name__", "tensorrt")
+    library = "tensorrt_rtx" if "rtx" in name else "tensorrt"
+    return TensorRTLibrary(library, name, str(getattr(trt, "__version__", "unknown")))
+
+
+def rtx_target_capabilities(trt) -> list[str]:
+    """Compute capabilities a TensorRT-RTX build can target, from its ComputeCapability enum ("8.9", "12.0", ...)."""
+    out = []
+    for name in getattr(getattr(trt, "ComputeCapability", None), "__members__", {}):
+        if name.startswith("SM") and name[2:].isdigit():
+            out.append(f"{name[2:-1]}.{name[-1]}")
+    return out
+
+
+_LOGGERS: dict[int, object] = {}
+
+
+def shared_logger(trt):
+    """The process-wide logger for a TensorRT-family module. TensorRT(-RTX) keeps the first logger it is given
+    (a later Runtime with another one logs "The logger passed into createInferRuntime differs from one already
+    registered ... the current new logger is ignored"), so every builder and runtime here shares this one; read a
+    call's errors as `logger.errors[mark:]` with `mark = len(logger.errors)` taken before the call."""
+    logger = _LOGGERS.get(id(trt))
+    if logger is None:
+        base = trt.ILogger
+        sev = trt.ILogger.Severity
+
+        class _Logger(base):
+            def __init__(self):
+                base.__init__(self)
+                self.errors: list[str] = []
+                self.min = sev.WARNING
+
+            def log(self, severity, msg):
+                if severity in (sev.ERROR, sev.INTERNAL_ERROR):
+                    self.errors.append(str(msg))
+                if int(severity) <= int(self.min):
+                    print(f"[{library_of(trt).library}] {msg}", flush=True)
+
+        logger = _LOGGERS[id(trt)] = _Logger()
+    return logger
+
+
+def deserialize_plan(trt, plan: bytes, path: str, logger=None, device_capability: tuple[int, int] | None = None):
+    """Deserialize a plan or raise EngineSetError with the library's own error text. A TensorRT-RTX plan on a GPU
+    that TensorRT-RTX does not support (e.g. an H200, compute capability 9.0) is refused with its Error Code 6."""
+    lib = library_of(trt)
+    logger = logger or shared_logger(trt)
+    mark = len(logger.errors)
+    runtime = trt.Runtime(logger)
+    validity = None
+    if hasattr(runtime, "get_engine_validity"):
+        try:
+            validity = runtime.get_engine_validity(plan)
+        except Exception:  # noqa: BLE001 - a diagnostic only
+            validity = None
+    engine = runtime.deserialize_cuda_engine(plan)
+    if engine is not None:
+        return engine
+    errors = "; ".join(logger.errors[mark:]) or "no error logged"
+    where = f" on this GPU (compute capability {device_capability[0]}.{device_capability[1]})" if device_capability \
+        else ""
+    if lib.rtx:
+        diag = _describe_validity(trt, validity)
+        targets = ", ".join(rtx_target_capabilities(trt)) or "unknown"
+        raise EngineSetError(
+            f"{path}: {lib} refuses to run this plan{where}: {errors}{diag}. TensorRT-RTX plans run only on the GPUs "
+            f"it targets (compute capabilities {targets}); on other GPUs use TensorRT (the `tensorrt` package) or "
+            f"another backend (aoti, onnxruntime)")
+    raise EngineSetError(f"{lib} could not deserialize {path}{where} (built by another TensorRT version or GPU?): "
+                         f"{errors}")
+
+
+def _describe_validity(trt, validity) -> str:
+    if not validity:
+        return ""
+    state, flags = validity
+    names = [n for n, v in getattr(getattr(trt, "EngineInvalidityDiagnostics", None), "__members__", {}).items()
+             if int(flags) & int(v)]
+    return f" [engine validity {getattr(state, 'name', state)}{': ' + ', '.join(names) if names else ''}]"
 
 
 class TensorRTRunner(EngineRunner):
@@ -37,14 +182,17 @@ class TensorRTRunner(EngineRunner):
         super().__init__(path, spec, device)
         if self.device.type != "cuda":
             raise EngineSetError("TensorRT engines run on CUDA only")
-        trt = import_tensorrt()
+        trt, lib = select_tensorrt()
+        built_by = spec.extra.get("tensorrt_library")
+        if built_by and built_by != lib.library:
+            raise EngineSetError(f"{path} was built by {LIBRARY_NAMES.get(built_by, built_by)} but this machine has "
+                                 f"{lib}: rebuild it with `trtbuild build`")
         self._trt = trt
-        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._logger = shared_logger(trt)
         with open(path, "rb") as f:
             plan = f.read()
-        self.engine = trt.Runtime(self._logger).deserialize_cuda_engine(plan)
-        if self.engine is None:
-            raise EngineSetError(f"TensorRT could not deserialize {path} (built by another TensorRT version or GPU?)")
+        self.engine = deserialize_plan(trt, plan, path, self._logger,
+                                       torch.cuda.get_device_capability(self.device))
         n = self.engine.num_optimization_profiles
         if n != len(spec.buckets):
             raise EngineSetError(f"{path}: {n} optimization profiles but the manifest lists {len(spec.buckets)} buckets")
