@@ -130,16 +130,32 @@ def main() -> int:
     results, running, k, refusal = [], {}, 0, None
     pending = list(jobs)
     with open(os.path.join(args.out, "results.jsonl"), "w") as fout:
+        ready, failed = set(), set()  # graphs whose phase-1 job (the export) finished / failed
+
+        def key(j):
+            return (j["stage"], j["mode"], j["dtype"])
+
         while (pending or running) and time.time() < t_end:
-            phase1_running = any(j["phase"] == 1 for j in running.values())
-            while pending and len(running) < args.workers and not (phase1_running and pending[0]["phase"] > 1):
-                job = pending.pop(0)
+            for j in [j for j in pending if j["phase"] > 1 and key(j) in failed]:
+                pending.remove(j)
+                res = {k2: j[k2] for k2 in ("phase", "profile", "stage", "mode", "dtype")}
+                res.update(buckets=[b.key.split("/")[-1] for b in j["buckets"]], rc=None, build_ok=None,
+                           error="skipped: this graph's export failed")
+                results.append(res)
+                fout.write(json.dumps(res) + "\n")
+            while len(running) < args.workers:
+                job = next((j for j in pending if j["phase"] == 1 or key(j) in ready), None)
+                if job is None:
+                    break
+                pending.remove(job)
                 running[start(job, k, args)] = job
                 k += 1
-                phase1_running = phase1_running or job["phase"] == 1
             time.sleep(1)
             for p in [p for p in running if p.poll() is not None]:
                 res = record(running.pop(p), p.returncode, args)
+                if res["phase"] == 1:  # later jobs of this graph need its export, not this job's build
+                    stamp = os.path.join(args.onnx_dir, "{}_{}_{}.onnx.json".format(*key(res)))
+                    (ready if os.path.isfile(stamp) else failed).add(key(res))
                 if refusal is None and res.get("build_ok"):
                     refusal = refusal_check(res)
                     print("refusal check:", refusal, flush=True)

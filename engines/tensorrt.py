@@ -7,21 +7,32 @@ Python API. `select_tensorrt()` returns the module and a `TensorRTLibrary` namin
 manifest (`tensorrt_library`, and `versions["tensorrt_library"]`), and an engine set built by one library is refused by
 the other (`Manifest.check_compatible`).
 
-TensorRT-RTX differences from TensorRT 10/11 that cosytrt's code meets (TensorRT-RTX 1.7.1.116, checked for real: its
-ONNX parser and builder ran on the full-size DiT and HiFT exports, on a CPU-only machine and on an H200):
+TensorRT-RTX differences from TensorRT 10/11 that cosytrt's code met (TensorRT-RTX 1.7.1.116 from PyPI; its ONNX
+parser and builder ran for real on the full-size DiT exports on an H200, and on the tiny DiT/HiFT on a CPU-only
+machine — see BENCHMARKS.md):
 - Strong typing is always on; `NetworkDefinitionCreationFlag.STRONGLY_TYPED` exists but is deprecated and ignored
-  (as in TensorRT 11), so `network_flags` passes 0 (TensorRT 10 needs the flag).
-- The build is ahead of time and hardware-agnostic: no kernel timing (kernels are compiled on the target GPU at
-  run time) and no GPU needed to build. The targets are `IBuilderConfig.num_compute_capabilities` +
-  `set_compute_capability(ComputeCapability.SM89, i)`; the `ComputeCapability` enum lists SM75, SM80, SM86, SM89,
-  SM120, SM121 (and CURRENT) — no Hopper (9.0) and no data-centre Blackwell (10.0).
-- Plans run only on those GPUs. On an H200 (compute capability 9.0) `deserialize_cuda_engine` returns None after
-  logging `IRuntime::deserializeCudaEngine: Error Code 6: API Usage Error (The engine cannot run on this GPU, which
-  has compute capability 9.0. Supported compute capabilities: None. TensorRT-RTX does not support this compute
-  capability ...)`; `Runtime.get_engine_validity(plan)` (TensorRT-RTX; not in every TensorRT 10) says INVALID first.
-  The runner refuses such a plan with that error in its message (`deserialize_plan`), and the builder does not
-  deserialize a TensorRT-RTX plan it cannot run to read per-profile device memory (TensorRT does, after the build).
-- Library version numbers are 1.x (`__version__` "1.7.1.116"), not 10/11: never infer features from the major alone.
+  (as in TensorRT 11). Versions are 1.x, so `network_flags` must not infer "TensorRT 10" from the major: it passes 0.
+- The build is ahead of time and hardware-agnostic: no kernel timing; a "compiler backend" compiles each
+  optimization profile (about 8-11 s per full-size DiT profile with 14 builds in parallel on the H200 machine's 16
+  cores, linear in profiles), and it needs no GPU (on a CPU-only machine parse + build ran; only deserialization
+  fails). Targets: `IBuilderConfig.num_compute_capabilities` + `set_compute_capability(ComputeCapability.SM89, i)`;
+  the enum lists SM75, SM80, SM86, SM89, SM120, SM121 and CURRENT; cosytrt sets them only when the profile's stage
+  options name `compute_capabilities` (the library default was used on the H200).
+- No timing cache: the builder logs "The timing cache will not be used!" and a cache it serialized fails to load
+  next time ("Failed to deserialize timing cache"), so `build_plan` uses none with TensorRT-RTX.
+- `Builder.max_threads` defaults to 1; `build_plan` sets it to the CPU count (no speed-up was measurable on 2 cores).
+- The logger is process-wide: a second Runtime/Builder given another logger logs "The logger passed into
+  createInferRuntime differs from one already registered ... the current new logger is ignored", so cosytrt keeps one
+  logger per module (`shared_logger`) and reads a call's errors from it.
+- Plans run only on the GPUs TensorRT-RTX supports. On an H200 `Runtime.get_engine_validity(plan)` returns
+  (INVALID, UNSUPPORTED_CC) and `deserialize_cuda_engine` returns None after logging "IRuntime::deserializeCudaEngine:
+  Error Code 6: API Usage Error (The engine cannot run on this GPU, which has compute capability 9.0. Supported
+  compute capabilities: 8.0 8.6 8.9 12.0 12.1 >12.0. TensorRT-RTX does not support this compute capability, so the
+  engine cannot be rebuilt for it ...)". `deserialize_plan` refuses with that text; the builder does not deserialize
+  a TensorRT-RTX plan that cannot run here (TensorRT does, to read per-profile device memory), and records why.
+- Parser (TensorRT's too): Mish takes FLOAT32/FLOAT16 only ("Only FLOAT32 or FLOAT16 input is supported for the Mish
+  operator", on the bf16 DiT export): export_dit computes Mish in float32 in reduced-precision exports. The float64
+  f0 predictor of the HiFT export parses: no layer of the parsed network is DOUBLE (it is computed in float32).
 """
 from __future__ import annotations
 
@@ -155,11 +166,10 @@ def deserialize_plan(trt, plan: bytes, path: str, logger=None, device_capability
         else ""
     if lib.rtx:
         diag = _describe_validity(trt, validity)
-        targets = ", ".join(rtx_target_capabilities(trt)) or "unknown"
         raise EngineSetError(
             f"{path}: {lib} refuses to run this plan{where}: {errors}{diag}. TensorRT-RTX plans run only on the GPUs "
-            f"it targets (compute capabilities {targets}); on other GPUs use TensorRT (the `tensorrt` package) or "
-            f"another backend (aoti, onnxruntime)")
+            f"it supports (RTX-class: Ampere, Ada, Blackwell; not Hopper); on other GPUs use TensorRT (the `tensorrt` "
+            f"package) or another backend (aoti, onnxruntime)")
     raise EngineSetError(f"{lib} could not deserialize {path}{where} (built by another TensorRT version or GPU?): "
                          f"{errors}")
 
