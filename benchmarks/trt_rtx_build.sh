@@ -4,6 +4,12 @@
 # tensorrt-rtx-cu13-bindings 1.7.1.116 (pip install them, or put them in $WHEELS). TensorRT itself must NOT be
 # importable (it would be chosen first). Plans are built, never run: TensorRT-RTX refuses compute capability 9.0.
 #   bash benchmarks/trt_rtx_build.sh OUT_DIR [extra args of benchmarks/trt_rtx_build.py]
+# Run of 2026-12-03 (benchmarks/2026-12-03-trt-rtx): on the lent H200 (64 MiB per call) the 95 MB libs wheel went in
+# three 31 MiB parts (split -b 31M) over back-to-back calls into /tmp/rtx, then, with the cosytrt wheel (commit
+# dab034b) and the bindings wheel carried:
+#   cat /tmp/rtx/part00 /tmp/rtx/part01 part02 > /tmp/rtx/tensorrt_rtx_cu13_libs-1.7.1.116-py3-none-manylinux_2_28_x86_64.whl
+#   pip install --no-index --no-deps --target /tmp/site /tmp/rtx/*.whl ./*.whl; export PYTHONPATH=/tmp/site
+#   python3 trt_rtx_build.py --out $OUT --deadline 290 --workers 14
 set -euo pipefail
 OUT=${1:?usage: trt_rtx_build.sh OUT_DIR [args]}; shift
 if [ -n "${WHEELS:-}" ]; then

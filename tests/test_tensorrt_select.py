@@ -208,3 +208,25 @@ def test_select_stages():
     assert set(p.stages) == {"dit", "hift"} and p.stage("ar") is None
     with pytest.raises(ProfileError, match="ar not in the profile"):
         select_stages(p, ["ar"])
+
+
+def test_shared_onnx_is_reused_only_for_the_same_weights(tmp_path):
+    from types import SimpleNamespace
+
+    from cosytrt.build.engine_set import EngineSetBuilder
+
+    calls = []
+
+    def to_onnx(path):
+        calls.append(path)
+        with open(path, "w") as f:
+            f.write("onnx")
+
+    exp = SimpleNamespace(input_shapes={"x": ["B", 80, "T"]}, to_onnx=to_onnx)
+    me = SimpleNamespace(onnx_dir=str(tmp_path / "onnx"), models=SimpleNamespace(weights_hash="w1"))
+    path = EngineSetBuilder._shared_onnx(me, exp, "dit_stream_float32")
+    assert path.endswith("dit_stream_float32.onnx")
+    assert EngineSetBuilder._shared_onnx(me, exp, "dit_stream_float32") == path and len(calls) == 1
+    me.models.weights_hash = "w2"
+    EngineSetBuilder._shared_onnx(me, exp, "dit_stream_float32")
+    assert len(calls) == 2
