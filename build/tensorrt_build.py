@@ -9,6 +9,7 @@ at run time) and `compute_capabilities` picks the targets. `tensorrt` is importe
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -70,6 +71,18 @@ def parse_onnx(trt, network, logger, onnx_path: str, mark: int = 0):
     return parser
 
 
+def workspace_hint(errors: str, options: TensorRTOptions) -> str:
+    """A hint when the build failed on the workspace limit: TensorRT(-RTX) reports "Error Code 2: OutOfMemory
+    (Requested size was N bytes.)" when a profile's scratch memory exceeds the WORKSPACE pool (seen: the fp32 streaming
+    DiT at b16 x t2100 asks 9914508224 bytes, over the default 8 GiB; it builds with 12)."""
+    m = re.search(r"OutOfMemory \(Requested size was (\d+) bytes", errors)
+    if not m or int(m.group(1)) <= options.workspace_gb * (1 << 30):
+        return ""
+    need = -(-int(m.group(1)) // (1 << 30)) + 1
+    return (f" -- a profile needs {int(m.group(1)) / 2**30:.1f} GiB of scratch, over workspace_gb="
+            f"{options.workspace_gb:g}: set the stage's options to {{workspace_gb: {need}}} or drop its largest bucket")
+
+
 def build_plan(onnx_path: str, plan_path: str, buckets: list[Bucket], input_shapes: dict[str, list],
                options: TensorRTOptions | None = None) -> dict:
     """Build and atomically write `plan_path`. Returns build info (seconds, per-profile device memory where the plan
@@ -118,7 +131,7 @@ def build_plan(onnx_path: str, plan_path: str, buckets: list[Bucket], input_shap
     t0 = time.perf_counter()
     plan = builder.build_serialized_network(network, config)
     if plan is None:
-        raise EngineSetError(f"{lib} failed to build {onnx_path}: {errors()}")
+        raise EngineSetError(f"{lib} failed to build {onnx_path}: {errors()}{workspace_hint(errors(), options)}")
     seconds = time.perf_counter() - t0
     tmp = plan_path + ".tmp"
     with open(tmp, "wb") as f:

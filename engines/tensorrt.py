@@ -33,6 +33,10 @@ machine — see BENCHMARKS.md):
 - Parser (TensorRT's too): Mish takes FLOAT32/FLOAT16 only ("Only FLOAT32 or FLOAT16 input is supported for the Mish
   operator", on the bf16 DiT export): export_dit computes Mish in float32 in reduced-precision exports. The float64
   f0 predictor of the HiFT export parses: no layer of the parsed network is DOUBLE (it is computed in float32).
+- Builder: a profile whose scratch memory exceeds the WORKSPACE pool fails the whole build with "Error Code 2:
+  OutOfMemory (Requested size was 9914508224 bytes.)" (the fp32 streaming DiT at b16 x t2100 under default.yaml's
+  workspace_gb 8, on the H200 and on a CPU-only machine alike; it builds with 12; bf16 fits in 8). `build_plan` adds
+  the workspace_gb that would do to the error.
 """
 from __future__ import annotations
 

@@ -230,3 +230,12 @@ def test_shared_onnx_is_reused_only_for_the_same_weights(tmp_path):
     me.models.weights_hash = "w2"
     EngineSetBuilder._shared_onnx(me, exp, "dit_stream_float32")
     assert len(calls) == 2
+
+
+def test_workspace_hint_names_the_needed_size():
+    from cosytrt.build.tensorrt_build import TensorRTOptions, workspace_hint
+
+    err = "[localCheckMacros.cpp::getErrorStr::132] Error Code 2: OutOfMemory (Requested size was 9914508224 bytes.)"
+    hint = workspace_hint(err, TensorRTOptions(workspace_gb=8))
+    assert "9.2 GiB" in hint and "{workspace_gb: 11}" in hint
+    assert workspace_hint(err, TensorRTOptions(workspace_gb=12)) == "" and workspace_hint("parse error", TensorRTOptions()) == ""
