@@ -55,8 +55,9 @@ class EngineSetBuilder:
     """Builds one engine set. `build()` returns the manifest; progress goes to a tqdm bar per engine."""
 
     def __init__(self, models: CosyVoice3Models, profile: Profile, backend: str, device: str, out_dir: str,
-                 progress: bool = True):
+                 progress: bool = True, onnx_dir: str | None = None):
         self.models = models
+        self.onnx_dir = onnx_dir  # tensorrt: share ONNX exports between engine sets (<stage>_<mode>_<dtype>.onnx)
         self.profile = profile
         self.device = device
         self.backend = resolve_backend(backend, device)
@@ -134,7 +135,8 @@ class EngineSetBuilder:
             backend=self.backend, device=self.device, dtype=self.profile.dtype, versions=self.versions,
             profile=self.profile.to_dict(), profile_hash=self.profile.profile_hash(),
             engines=[r.spec for r in results], created=now_iso(),
-            build_seconds=sum(r.seconds for r in results), commands=commands)
+            build_seconds=sum(r.seconds for r in results), commands=commands,
+            tensorrt_library=self.versions.get("tensorrt_library", "") if self.backend == "tensorrt" else "")
         manifest.save(self.out_dir)
         self.results = results
         return manifest
@@ -157,7 +159,10 @@ class EngineSetBuilder:
         hi = max(b.length for b in buckets)
         if self.backend in ("onnxruntime", "tensorrt"):
             onnx_path = os.path.join(self.out_dir, base + ".onnx")
-            exp.to_onnx(onnx_path)
+            if self.backend == "tensorrt" and self.onnx_dir:
+                onnx_path = self._shared_onnx(exp, f"{base}_{sp.dtype}")
+            else:
+                exp.to_onnx(onnx_path)
             file = base + ".onnx"
             extra = {"input_shapes": exp.input_shapes}
             if self.backend == "tensorrt":
@@ -166,11 +171,17 @@ class EngineSetBuilder:
 
                 opts = TensorRTOptions(opt_level=int(sp.options.get("opt_level", 3)),
                                        workspace_gb=float(sp.options.get("workspace_gb", 8)),
-                                       timing_cache=os.path.join(self.out_dir, "timing.cache"))
+                                       timing_cache=os.path.join(self.out_dir, "timing.cache"),
+                                       compute_capabilities=list(sp.options.get("compute_capabilities", [])),
+                                       max_threads=sp.options.get("max_threads"))
                 info = build_plan(onnx_path, os.path.join(self.out_dir, base + ".plan"), buckets, exp.input_shapes,
                                   opts)
                 file = base + ".plan"
-                extra.update(info)
+                extra.update(info, onnx=os.path.relpath(onnx_path, self.out_dir))
+                if self.progress:
+                    print(f"{base} ({sp.dtype}): {info['tensorrt_library']} parsed {onnx_path} in "
+                          f"{info['parse_seconds']:.1f} s, built {len(buckets)} profiles in {info['seconds']:.1f} s, "
+                          f"plan {info['plan_bytes'] / 2**20:.1f} MiB", flush=True)
         elif self.backend == "aoti":
             file = base + ".pt2"
             info = exp.to_aoti(os.path.join(self.out_dir, file), max_b, lo, hi)
@@ -180,6 +191,21 @@ class EngineSetBuilder:
         return EngineSpec(stage=stage, mode=mode, backend=self.backend, file=file, input_names=list(exp.input_names),
                           output_names=list(exp.output_names), buckets=[b.key for b in buckets], dtype=sp.dtype,
                           device=self.device, extra=extra)
+
+    def _shared_onnx(self, exp, name: str) -> str:
+        """Export to `onnx_dir/name.onnx` unless an export of the same weights is there already."""
+        os.makedirs(self.onnx_dir, exist_ok=True)
+        path = os.path.join(self.onnx_dir, name + ".onnx")
+        stamp = path + ".json"
+        want = {"weights_hash": self.models.weights_hash, "input_shapes": exp.input_shapes}
+        if os.path.isfile(path) and os.path.isfile(stamp):
+            with open(stamp) as f:
+                if json.load(f) == json.loads(json.dumps(want)):
+                    return path
+        exp.to_onnx(path)
+        with open(stamp, "w") as f:
+            json.dump(want, f)
+        return path
 
     def _build_ar_trtllm(self) -> dict:
         """Merged-vocab HF checkpoint + the exact TensorRT-LLM commands; run only where tensorrt_llm imports."""
@@ -213,7 +239,7 @@ class EngineSetBuilder:
 
 
 def build_engine_set(models: CosyVoice3Models, profile: Profile, backend: str, device: str, out_dir: str,
-                     progress: bool = True) -> tuple[Manifest, list[BuildResult]]:
-    b = EngineSetBuilder(models, profile, backend, device, out_dir, progress)
+                     progress: bool = True, onnx_dir: str | None = None) -> tuple[Manifest, list[BuildResult]]:
+    b = EngineSetBuilder(models, profile, backend, device, out_dir, progress, onnx_dir)
     m = b.build()
     return m, b.results

@@ -8,7 +8,10 @@ Exporter: the dynamo exporter (`torch.onnx.export(..., dynamo=True)`); it keeps 
 a boolean mask correctly. The TorchScript exporter (dynamo=False) fails on this module.
 
 Precision: `dtype=torch.float16/bfloat16` exports a copy of the module cast to that dtype, so every input and the
-output take that dtype too (as upstream's TRT path forces I/O to HALF). RoPE frequencies stay float32 inside.
+output take that dtype too (as upstream's TRT path forces I/O to HALF). RoPE frequencies stay float32 inside, and
+so does Mish (the conv position embedding's): TensorRT's ONNX parser takes Mish in FLOAT32 or FLOAT16 only ("Only
+FLOAT32 or FLOAT16 input is supported for the Mish operator", seen with TensorRT-RTX 1.7 on the bf16 export), so a
+reduced-precision export computes it as Cast -> Mish(float32) -> Cast.
 """
 from __future__ import annotations
 
@@ -23,6 +26,23 @@ from cosytrt.engines.errors import InputError
 from ..engines.signatures import DIT_INPUTS, DIT_OUTPUT
 
 INPUT_NAMES, OUTPUT_NAME = DIT_INPUTS, DIT_OUTPUT
+
+
+class Float32Mish(torch.nn.Module):
+    """Mish computed in float32 and cast back (TensorRT parses Mish only in float32/float16)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mish(x.float()).to(x.dtype)
+
+
+def float32_mish(module: torch.nn.Module) -> torch.nn.Module:
+    """Replace every nn.Mish of `module` (in place) by Float32Mish; returns `module`."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, torch.nn.Mish):
+            setattr(module, name, Float32Mish())
+        else:
+            float32_mish(child)
+    return module
 
 
 def example_inputs(dit: DiT, batch: int, frames: int, dtype: torch.dtype = torch.float32,
@@ -53,6 +73,8 @@ def export_dit_onnx(dit: DiT, path: str, streaming: bool, dtype: torch.dtype = t
                          f"{example_batch}, {example_frames}")
     param = next(dit.parameters())
     module = dit if param.dtype == dtype else copy.deepcopy(dit).to(dtype)
+    if dtype != torch.float32 and any(isinstance(m, torch.nn.Mish) for m in module.modules()):
+        module = float32_mish(copy.deepcopy(module) if module is dit else module)
     module = FixedModeDiT(module, streaming).eval()
     args = example_inputs(dit, example_batch, example_frames, dtype=dtype, device=param.device)
 

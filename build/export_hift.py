@@ -7,8 +7,9 @@ F = T frames when finalize, T - 3 when not; longer slices are cut inside), outpu
 Inside: the f0 predictor in float64 (its convs as im2col MatMuls: ONNX Runtime's CPU Conv has no float64 kernel;
 MatMul / Elu / CumSum do), the SineGen2 source (phase sum in float64, then float32 as eager), STFT as a Conv1d over a
 windowed DFT basis and iSTFT as a ConvTranspose1d over the inverse basis divided by the overlap-added squared window
-(ONNX has no iSTFT), weight norm folded. TensorRT has no float64: a TRT build would need the f0 predictor in float32
-(or run outside the engine); see tests/test_export_hift.py for the float32-f0 error.
+(ONNX has no iSTFT), weight norm folded. TensorRT has no float64: TensorRT-RTX 1.7's parser accepts this graph and
+computes the f0 predictor in float32 (no layer of the parsed network is DOUBLE; seen on the tiny export, numerics
+unchecked since its plans cannot run here); see tests/test_export_hift.py for the float32-f0 error.
 
 `rand_ini` is not an input: upstream adds it to a sample its frame-rate resampling never reads (see runtime/hift.py),
 so it does not change the output.
@@ -108,6 +109,8 @@ def export_hift_onnx(hift: HiFT, path: str, finalize: bool, opset: int = 18, exa
                          f"(need >= {hift.held_back_frames + 2})")
     graph = HiFTOnnxGraph(hift, finalize).eval()
     mel, noise = example_inputs(hift, example_frames)
+    device = next(hift.parameters()).device  # example inputs on the module's device (a CUDA build exports there)
+    mel, noise = mel.to(device), noise.to(device)
     if per_row_noise:
         noise = noise.expand(mel.shape[0], -1, -1).contiguous()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -23,9 +23,11 @@ def backend_versions(backend: str) -> dict[str, str]:
 
         v["onnxruntime"] = onnxruntime.__version__
     elif backend == "tensorrt":
-        from .tensorrt import tensorrt_version
+        from .tensorrt import tensorrt_library
 
-        v["tensorrt"] = tensorrt_version() or "absent"
+        lib = tensorrt_library()
+        v["tensorrt"] = lib.version if lib else "absent"
+        v["tensorrt_library"] = lib.library if lib else "absent"  # "tensorrt" | "tensorrt_rtx"
     elif backend == "trtllm":
         try:
             import tensorrt_llm  # noqa: PLC0415
@@ -38,6 +40,7 @@ def backend_versions(backend: str) -> dict[str, str]:
 
 # the version that binds an engine file to its backend (AOTInductor packages are tied to the torch build)
 BINDING_VERSION = {"onnxruntime": "onnxruntime", "aoti": "torch", "tensorrt": "tensorrt", "trtllm": "tensorrt_llm"}
+_LIB_NAMES = {"tensorrt": "TensorRT", "tensorrt_rtx": "TensorRT-RTX", "absent": "no TensorRT"}
 
 
 @dataclass
@@ -54,12 +57,15 @@ class Manifest:
     build_seconds: float = 0.0
     commands: dict = field(default_factory=dict)  # e.g. the exact trtllm-build command lines
     format: int = FORMAT
+    # which TensorRT-family library built the plans: "tensorrt" | "tensorrt_rtx" ("" for other backends)
+    tensorrt_library: str = ""
 
     def to_dict(self) -> dict:
         return {"format": self.format, "model": self.model, "backend": self.backend, "device": self.device,
                 "dtype": self.dtype, "versions": self.versions, "profile": self.profile,
                 "profile_hash": self.profile_hash, "engines": [e.to_dict() for e in self.engines],
-                "created": self.created, "build_seconds": self.build_seconds, "commands": self.commands}
+                "created": self.created, "build_seconds": self.build_seconds, "commands": self.commands,
+                "tensorrt_library": self.tensorrt_library}
 
     @staticmethod
     def from_dict(d: dict, where: str = MANIFEST) -> "Manifest":
@@ -69,7 +75,9 @@ class Manifest:
             return Manifest(model=d["model"], backend=d["backend"], device=d["device"], dtype=d["dtype"],
                             versions=d["versions"], profile=d["profile"], profile_hash=d["profile_hash"],
                             engines=[EngineSpec.from_dict(e) for e in d["engines"]], created=d.get("created", ""),
-                            build_seconds=d.get("build_seconds", 0.0), commands=d.get("commands", {}))
+                            build_seconds=d.get("build_seconds", 0.0), commands=d.get("commands", {}),
+                            tensorrt_library=d.get("tensorrt_library") or (
+                                "tensorrt" if d["backend"] == "tensorrt" else ""))
         except KeyError as e:
             raise EngineSetError(f"{where}: manifest lacks field {e.args[0]!r}") from None
 
@@ -107,6 +115,12 @@ class Manifest:
             raise EngineSetError(f"engine set was built for model weights {built} but the loaded model is "
                                  f"{weights_hash}: rebuild it with `trtbuild build`")
         now = backend_versions_now if backend_versions_now is not None else backend_versions(self.backend)
+        if self.backend == "tensorrt":
+            here = now.get("tensorrt_library", "tensorrt")
+            if self.tensorrt_library and here != self.tensorrt_library:
+                raise EngineSetError(f"engine set was built by {_LIB_NAMES.get(self.tensorrt_library, self.tensorrt_library)}"
+                                     f" but this machine has {_LIB_NAMES.get(here, here)}: rebuild it with "
+                                     f"`trtbuild build` (TensorRT and TensorRT-RTX plans are not interchangeable)")
         key = BINDING_VERSION.get(self.backend)
         if key and self.versions.get(key) != now.get(key):
             raise EngineSetError(f"engine set was built with {key} {self.versions.get(key)} but this machine has "

@@ -5,12 +5,17 @@ from .table import format_table
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="tiny", help="'tiny' or a CosyVoice3 model directory")
+    p.add_argument("--model", default="tiny", help="'tiny', 'random-full' (the full-size architecture with seeded "
+                   "random weights: build checks and benchmarks) or a CosyVoice3 model directory")
     p.add_argument("--profile", default=None, help="profile YAML path or shipped name (default: tiny for the tiny "
                    "model, default otherwise)")
     p.add_argument("--backend", default="auto", help="auto | tensorrt | onnxruntime | aoti")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--out", required=True, help="engine-set folder to write")
+    p.add_argument("--stages", default=None, help="comma-separated stages of the profile to build (default: all), "
+                   "e.g. dit,hift")
+    p.add_argument("--onnx-dir", default=None, help="tensorrt: reuse ONNX exports from this folder (named "
+                   "<stage>_<mode>_<dtype>.onnx; missing ones are exported there), e.g. shared by several profiles")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -24,14 +29,52 @@ def run(args) -> int:
 
         import_tensorrt()  # names the missing package before any work
     profile = load_profile(args.profile or ("tiny" if args.model == "tiny" else "default"))
-    models = load_models(args.model, device=args.device)
+    if args.stages:
+        profile = select_stages(profile, args.stages.split(","))
+    models = random_full_models(args.device) if args.model == "random-full" else load_models(args.model,
+                                                                                              device=args.device)
     manifest, results = build_engine_set(models, profile, args.backend, args.device, args.out,
-                                         progress=not args.quiet)
+                                         progress=not args.quiet, onnx_dir=args.onnx_dir)
     rows = [[r.spec.stage, r.spec.mode, r.spec.file, len(r.spec.buckets), r.spec.dtype,
              "built" if r.rebuilt else "up to date", r.seconds] for r in results]
+    lib = f", {manifest.tensorrt_library}" if manifest.tensorrt_library else ""
     print(format_table(["stage", "mode", "file", "buckets", "dtype", "status", "seconds"], rows,
-                       title=f"engine set {args.out} ({manifest.backend}, {manifest.device})"))
+                       title=f"engine set {args.out} ({manifest.backend}{lib}, {manifest.device})"))
+    for r in results:
+        if r.spec.extra.get("runnable_here") is False:
+            print(f"{r.spec.stage}/{r.spec.mode}: built, but cannot run on this machine: "
+                  f"{r.spec.extra.get('not_runnable_reason')}")
     for note in (manifest.commands.get("trtllm_note"),):
         if note:
             print(f"AR (TensorRT-LLM): not built here: {note}; commands recorded in the manifest")
     return 0
+
+
+def select_stages(profile, stages: list[str]):
+    """The profile with only `stages` (an unknown or absent stage is an error naming the profile's)."""
+    import dataclasses
+
+    from ..engines.errors import ProfileError
+
+    missing = [s for s in stages if s not in profile.stages]
+    if missing:
+        raise ProfileError(f"--stages {','.join(stages)}: {', '.join(missing)} not in the profile (has "
+                           f"{', '.join(profile.stages)})")
+    return dataclasses.replace(profile, stages={k: v for k, v in profile.stages.items() if k in stages})
+
+
+def random_full_models(device: str, seed: int = 0):
+    """The full-size CosyVoice3 architecture with seeded random weights (as `trtbuild bench` makes it), folded HiFT."""
+    import torch
+
+    from ..runtime.models.config import full_config
+    from ..runtime.models.loading import CosyVoice3Models, build_modules, check_device
+
+    check_device(device)
+    cfg = full_config()
+    torch.manual_seed(seed)
+    llm, flow, hift = build_modules(cfg, device=device)
+    with torch.no_grad():
+        hift.f0_predictor.classifier.bias.fill_(180.0)
+    hift.fold_weight_norm()
+    return CosyVoice3Models(cfg, llm.eval(), flow.eval(), hift.eval(), "random-full", "", f"random-full-seed{seed}")
