@@ -164,7 +164,7 @@ def test_tokens_same_in_every_ar_graph_bucket(lm, tiny_tts, monkeypatch):
 # ------------------------------------------------------------------------------ library and server, 16 requests
 
 def _specs():
-    return [dict(text=t, seed=100 + i, stream=i % 3 == 0, max_tokens=40 + 3 * i) for i, t in enumerate(TEXTS)]
+    return [dict(text=t, seed=100 + i, stream=i % 3 == 0, max_tokens=30 + i) for i, t in enumerate(TEXTS)]
 
 
 def _threads(fn, n):
