@@ -13,7 +13,8 @@ reduction whose per-output order cannot depend on the batch / rung:
 - `linear`: rows are cut into tiles of exactly `rows` rows (the last one zero-padded) and each tile is one F.linear
   call, so every call has the same (M, K, N) and the same kernel; a row's result does not depend on its neighbours
   nor on where it sits in the tile (checked on CPU by tests/test_batch_invariance.py; the GPU script checks cuBLAS).
-  Decode GEMMs are weight-bandwidth bound, so a batch-1 step padded to 32 rows costs about what one row does.
+  Decode GEMMs are weight-bandwidth bound, so a batch-1 step padded to 64 rows costs about what one row does (the
+  serving scheduler decodes at most 64 rows: one tile).
 - `rms_norm`: the mean of squares is taken per tile of `rows` rows (fixed shape).
 - `silu`: x / (1 + exp(-x)) (F.silu's CPU kernel computes a vector body and a scalar tail differently, so an
   element's value depended on its index in the tensor; exp, add and divide do not).
@@ -34,7 +35,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-DECODE_ROWS = 32      # rows per GEMM / norm call in decode steps and for the prefill's last-position logits
+DECODE_ROWS = 64      # rows per GEMM / norm call in decode steps and for the prefill's last-position logits
 PREFILL_ROWS = 256    # token rows per GEMM / norm call in prefill
 KV_BLOCK = 256        # keys per attention block (the scheduler's KV rungs are multiples of it)
 
@@ -50,7 +51,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
     n = flat.shape[0]
-    out = torch.cat([F.linear(tile, weight, bias) for tile in _pad_rows(flat, rows).split(rows)])
+    tiles = _pad_rows(flat, rows).split(rows)
+    out = F.linear(tiles[0], weight, bias) if len(tiles) == 1 else torch.cat([F.linear(t, weight, bias) for t in tiles])
     return out[:n].reshape(*lead, weight.shape[0])
 
 
@@ -69,12 +71,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int) -> to
     for tile in _pad_rows(flat, rows).split(rows):
         f = tile.float()
         outs.append(weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
-    return torch.cat(outs)[:n].reshape(shape)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out[:n].reshape(shape)
 
 
 @rms_norm.register_fake
 def _(x, weight, eps, rows):
-    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +120,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
 
 @attention.register_fake
 def _(q, k, v, q_pos, kv_len, block):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as the op returns it
 
 
 # ------------------------------------------------------------------------------------------ the LM's two calls
