@@ -199,6 +199,7 @@ def test_16_concurrent_requests_match_each_alone_library(tiny_tts, one_torch_thr
         assert hb.tokens == ha.tokens, f"{s['text']!r} seed {s['seed']}: tokens differ beside 15 other requests"
         assert wa.shape == wb.shape
         assert np.abs(wa - wb).max() <= AUDIO_ATOL, s
+    print("audio max |diff| beside 15 requests:", max(float(np.abs(a[0] - b[0]).max()) for a, b in zip(alone, together)))
 
 
 def test_16_concurrent_requests_match_each_alone_server(tiny_tts, tmp_path, one_torch_thread):
