@@ -48,6 +48,10 @@ class TTS:
         self.engines = engines
         self.sample_rate = pipeline.sample_rate
         self.scheduler_config = scheduler or SchedulerConfig()
+        # the single-request path (pipeline.run) decodes with the scheduler's LM kernels: one seed, one token stream
+        llm = getattr(getattr(pipeline, "models", None), "llm", None)
+        if llm is not None and hasattr(llm, "batch_invariant"):
+            llm.batch_invariant = self.scheduler_config.batch_invariant
         self._scheduler: Scheduler | None = None
         self._lock = threading.Lock()
         # the last `history_window` finished requests: memory and metrics() cost stay bounded on a long-running server

@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .checkpoint import read_state_dict, validate_state_dict
 from .config import LLMConfig, QwenConfig
 from ...engines.errors import InputError
+from . import batch_invariant as _bi
 
 TIED_LM_HEAD_KEY = "llm.model.lm_head.weight"
 
@@ -257,6 +258,10 @@ class CosyVoice3LM(nn.Module):
         self.llm = _Holder(_Holder(Qwen2Backbone(q)))
         self.llm_decoder = nn.Linear(q.hidden_size, config.speech_vocab, bias=False)
         self.speech_embedding = nn.Embedding(config.speech_vocab, q.hidden_size)
+        # Batch-invariant prefill / decode (`models/batch_invariant.py`): a row's logits do not depend on the other
+        # rows of the call nor on the padded bucket / KV length. Off by default here (the plain kernels are the
+        # reference numerics); the scheduler sets it from `SchedulerConfig.batch_invariant`.
+        self.batch_invariant = False
 
     # ------------------------------------------------------------------ weights
 
@@ -376,6 +381,9 @@ class CosyVoice3LM(nn.Module):
         dev = embeds.device
         if slots is None:
             slots = torch.arange(b, device=dev)
+        if self.batch_invariant:
+            logits, hidden = _bi.prefill(self, embeds, lengths, slots)
+            return (logits, hidden) if return_hidden else logits
         positions = torch.arange(t, device=dev)
         causal = positions[None, :] <= positions[:, None]                          # [T, T]
         valid = positions[None, :] < lengths.to(dev)[:, None]                      # [B, T]
@@ -405,6 +413,9 @@ class CosyVoice3LM(nn.Module):
         if rows_are_slots:
             slots = torch.arange(x.shape[0], device=dev)
         positions = positions.to(dev)
+        if self.batch_invariant:
+            logits, hidden = _bi.decode(self, x[:, 0], slots, positions, n, rows_are_slots)
+            return (logits, hidden) if return_hidden else logits
         mask = (torch.arange(n, device=dev)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, n]
         cos, sin = rope_cos_sin(positions[:, None], self.config.qwen.head_dim, self.config.qwen.rope_theta, x.dtype)
         cos, sin = cos[:, None], sin[:, None]                                      # [B, 1, 1, hd]

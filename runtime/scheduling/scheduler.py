@@ -89,6 +89,9 @@ class SchedulerConfig:
     flow_prefix_cache: bool = True
     flow_prompt_cache: bool = True
     flow_cache_budget_bytes: int | None = None
+    # A request's tokens do not depend on the other requests batched with it, nor on the padded bucket / KV rung
+    # (same seed, same tokens; issue #20). The LM then runs batch-invariant kernels (runtime/models/batch_invariant.py).
+    batch_invariant: bool = True
 
     def __post_init__(self):
         if self.on_full not in ("wait", "reject"):
@@ -337,6 +340,7 @@ class Scheduler:
         else:
             self.ar_max_len = cfg.ar_max_len
         use_graphs = cfg.cuda_graphs and torch.device(self.device).type == "cuda"
+        self.lm.batch_invariant = cfg.batch_invariant  # before any compile / graph capture of its calls
         self.slots = KVSlots(self.lm, cfg.ar_max_batch, self.ar_max_len, scratch=use_graphs or cfg.compile)
         self._decode, self._prefill = self.lm.decode, self.lm.prefill
         if cfg.compile:

@@ -1,0 +1,276 @@
+"""Issue #20 on the GPU: what the batch-invariant LM costs and whether it holds on CUDA (one run, full-size
+architecture, seeded random weights, bf16).
+
+1. `step_ms`: AR decode step ms per batch size (KV rung 1024, 300 positions filled), CUDA graph of the eager step and
+   of the torch.compile'd step, `SchedulerConfig.batch_invariant` off vs on (the LM attribute), and the on/off ratio;
+   prefill ms (eager) for 2 x 150 and 8 x 150.
+2. `logits`: max |logit difference| of one row alone vs beside 15 other rows vs padded into batch 64 vs at KV rungs
+   256 / 2048, for eager, CUDA graph and compiled + CUDA graph, off and on (on should be 0.0 everywhere), and the
+   same for prefill (alone vs beside 7 rows vs padded to 512 positions, eager and compiled).
+3. `tokens`: 16 requests of different texts and seeds through TTS.submit with the compiled + CUDA-graph scheduler
+   (SchedulerConfig(compile=True, cuda_graphs=True)), each alone and then all 16 concurrently: how many give the same
+   tokens (on: should be 16 of 16), and the max |audio difference| of those.
+Writes OUT/batch_invariance.json and OUT/batch_invariance.md (a short table).
+
+On the GPU machine, from the repository root (the frontends need the carried wheels, as benchmarks/device_run.sh):
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+    PYTHONPATH=/tmp/site python3 benchmarks/batch_invariance_gpu.py "$OUT"            # about 6-8 minutes
+Options: --parts step,logits,tokens (default all); --off-tokens also runs the token check with the switch off.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_shim = tempfile.mkdtemp()
+os.symlink(REPO, os.path.join(_shim, "cosytrt"))  # import this checkout as `cosytrt`, not an installed wheel
+sys.path.insert(0, _shim)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+T0 = time.perf_counter()
+DEV = "cuda"      # --smoke: "cpu" (tiny model, eager only: checks this script's wiring, not the GPU)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def graph_ms(fn, args, reps: int = 20):
+    """(ms per replay of fn(*args) in a CUDA graph, its output)."""
+    from cosytrt.engines.cuda_graphs import GraphCache
+    from cosytrt.tools.bench.micro import time_cuda
+
+    g = GraphCache(fn, torch.device("cuda"))
+    g.capture(0, args)
+    out = g.run(0, *args).clone()
+    return time_cuda(lambda: g.run(0, *args), reps=reps), out
+
+
+def part_step(llm, res):
+    from cosytrt.runtime.stages.compiled import compile_fn
+    from cosytrt.tools.bench.micro import time_cuda
+
+    dev = "cuda"
+    kv_len, filled = 1024, 300
+    decode_c = compile_fn(llm.decode)
+    rows = []
+    for B in (2, 8, 32, 64):  # batch 2 = one request in the compiled scheduler (one padding row)
+        tokens = torch.randint(0, 6561, (B,), device=dev)
+        slots = torch.arange(B, device=dev)
+        pos = torch.full((B,), filled, device=dev, dtype=torch.long)
+        row = {"batch": B}
+        for on in (False, True):
+            llm.batch_invariant = on
+            tag = "on" if on else "off"
+            with torch.inference_mode():
+                row[f"graph_ms_{tag}"], _ = graph_ms(lambda t, s, p: llm.decode(t, s, p, kv_len=kv_len),
+                                                     (tokens, slots, pos))
+                row[f"compiled_graph_ms_{tag}"], _ = graph_ms(lambda t, s, p: decode_c(t, s, p, kv_len=kv_len),
+                                                              (tokens, slots, pos))
+        for k in ("graph_ms", "compiled_graph_ms"):
+            row[f"{k}_ratio"] = row[f"{k}_on"] / row[f"{k}_off"]
+        log(f"decode B={B}: graph {row['graph_ms_off']:.3f} -> {row['graph_ms_on']:.3f} ms "
+            f"(x{row['graph_ms_ratio']:.2f}), compiled+graph {row['compiled_graph_ms_off']:.3f} -> "
+            f"{row['compiled_graph_ms_on']:.3f} ms (x{row['compiled_graph_ms_ratio']:.2f})")
+        rows.append(row)
+    for B, T in ((2, 150), (8, 150)):
+        emb = torch.randn(B, T, llm.config.qwen.hidden_size, device=dev, dtype=llm.dtype)
+        lengths, slots = torch.full((B,), T, device=dev), torch.arange(B, device=dev)
+        row = {"prefill": f"{B}x{T}"}
+        for on in (False, True):
+            llm.batch_invariant = on
+            with torch.inference_mode():
+                row["eager_ms_" + ("on" if on else "off")] = time_cuda(lambda: llm.prefill(emb, lengths, slots), 5)
+        row["eager_ms_ratio"] = row["eager_ms_on"] / row["eager_ms_off"]
+        log(f"prefill {B}x{T}: eager {row['eager_ms_off']:.2f} -> {row['eager_ms_on']:.2f} ms")
+        rows.append(row)
+    res["step_ms"] = rows
+
+
+def part_logits(llm, res):
+    from cosytrt.runtime.stages.compiled import compile_fn
+
+    dev, H = DEV, llm.config.qwen.hidden_size
+    cuda = dev == "cuda"
+    decode_c, prefill_c = (compile_fn(llm.decode), compile_fn(llm.prefill)) if cuda else (None, None)
+    g = torch.Generator(device=dev).manual_seed(0)
+    lengths = [40 + 7 * i for i in range(16)]
+    embeds = [torch.randn(n, H, device=dev, dtype=llm.dtype, generator=g) for n in lengths]
+    scratch = 64
+
+    def prefill(fn, rows, width=None):
+        width = width or max(lengths[r] for r in rows)
+        x = torch.zeros(len(rows), width, H, device=dev, dtype=llm.dtype)
+        for i, r in enumerate(rows):
+            x[i, :lengths[r]] = embeds[r]
+        return fn(x, torch.tensor([lengths[r] for r in rows], device=dev), torch.tensor(rows, device=dev)).clone()
+
+    def decode_args(rows, pad_to=None):
+        t = [(37 * r) % 6561 for r in rows]
+        s, p = list(rows), [lengths[r] for r in rows]
+        if pad_to:
+            n = pad_to - len(rows)
+            t, s, p = t + [0] * n, s + [scratch] * n, p + [0] * n
+        return tuple(torch.tensor(c, device=dev) for c in (t, s, p))
+
+    out = {}
+    for on in (False, True):
+        llm.batch_invariant = on
+        tag = "on" if on else "off"
+        with torch.inference_mode():
+            for name, fn in (("eager", llm.prefill), ("compiled", prefill_c))[:2 if cuda else 1]:
+                alone = prefill(fn, [5, 6])[0]  # compiled calls get >= 2 rows in the scheduler
+                out[f"prefill {name} beside 7 rows, {tag}"] = (prefill(fn, list(range(8)))[5] - alone).abs().max().item()
+                out[f"prefill {name} padded to 512, {tag}"] = (prefill(fn, [5, 6], 512)[0] - alone).abs().max().item()
+            prefill(llm.prefill, list(range(16)))  # every slot holds its prompt
+            for name, fn in (("eager", llm.decode), ("compiled", decode_c))[:2 if cuda else 1]:
+                for graph in (False, True)[:2 if cuda else 1]:
+                    def call(rows, kv, pad_to=None, fn=fn, graph=graph):
+                        args = decode_args(rows, pad_to)
+                        if graph:
+                            return graph_ms(lambda t, s, p: fn(t, s, p, kv_len=kv), args, reps=1)[1]
+                        return fn(*args, kv_len=kv).clone()
+
+                    label = name + (" + CUDA graph" if graph else "")
+                    alone = call([5], 256, pad_to=2)[0]
+                    out[f"decode {label} beside 15 rows, {tag}"] = (call(list(range(16)), 256)[5] - alone).abs().max().item()
+                    out[f"decode {label} padded to 64 rows, {tag}"] = (call([5], 256, 64)[0] - alone).abs().max().item()
+                    out[f"decode {label} KV rung 2048, {tag}"] = (call([5], 2048, 2)[0] - alone).abs().max().item()
+        log(f"logits ({tag}): " + ", ".join(f"{k}: {v:.2e}" for k, v in out.items() if k.endswith(tag)))
+    res["logits_max_abs_diff"] = out
+
+
+def part_tokens(models, res, on: bool):
+    from cosytrt.runtime.stages.pipeline import Pipeline
+    from cosytrt.runtime.scheduling.scheduler import SchedulerConfig
+    from cosytrt.runtime.tts import TTS
+    from cosytrt.tools.bench.common import pipeline_with_random_frontend as _pipeline_with_random_frontend
+
+    pipe = _pipeline_with_random_frontend(models, Pipeline)
+    cuda = DEV == "cuda"
+    cfg = SchedulerConfig(max_in_flight=64, ar_max_batch=64, ar_max_len=1024, cuda_graphs=cuda, compile=cuda,
+                          batch_invariant=on)
+    t = time.perf_counter()
+    tts = TTS(pipe, scheduler=cfg)
+    tts.scheduler  # start: compiles and captures now
+    log(f"tokens ({'on' if on else 'off'}): scheduler ready in {time.perf_counter() - t:.1f}s")
+    texts = [f"Sentence number {i} for the concurrency test, a little longer." for i in range(16)]
+
+    def run(i):
+        h = tts.submit(texts[i], seed=100 + i, max_tokens=(60 + 5 * i) if cuda else 20 + i)
+        wav = np.concatenate(list(h.chunks(timeout=600)))
+        return h.tokens, wav
+
+    try:
+        alone = [run(i) for i in range(16)]
+        together = [None] * 16
+
+        def go(i):
+            together[i] = run(i)
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(16)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        st = tts.scheduler.stats()
+    finally:
+        tts.close()
+    same = [a[0] == b[0] for a, b in zip(alone, together)]
+    audio = [float(np.abs(a[1] - b[1]).max()) for a, b, s in zip(alone, together, same) if s and a[1].shape == b[1].shape]
+    row = {"batch_invariant": on, "same_tokens": sum(same), "of": 16, "tokens_alone": [len(a[0]) for a in alone],
+           "tokens_together": [len(b[0]) for b in together], "max_decode_batch": st["ar"]["max_decode_batch"],
+           "audio_max_abs_diff_same_tokens": max(audio) if audio else None}
+    log(f"tokens ({'on' if on else 'off'}): {row['same_tokens']}/16 the same; max decode batch "
+        f"{row['max_decode_batch']}; audio max |diff| {row['audio_max_abs_diff_same_tokens']}")
+    res.setdefault("tokens", []).append(row)
+
+
+def table(res) -> str:
+    lines = ["## Batch invariance on the GPU (issue #20)", "", f"{res.get('meta')}", "",
+             "| decode batch | graph off ms | graph on ms | ratio | compiled+graph off ms | on ms | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res.get("step_ms", []):
+        if "batch" in r:
+            lines.append(f"| {r['batch']} | {r['graph_ms_off']:.3f} | {r['graph_ms_on']:.3f} | {r['graph_ms_ratio']:.2f} "
+                         f"| {r['compiled_graph_ms_off']:.3f} | {r['compiled_graph_ms_on']:.3f} | "
+                         f"{r['compiled_graph_ms_ratio']:.2f} |")
+        else:
+            lines.append(f"| prefill {r['prefill']} (eager) | {r['eager_ms_off']:.2f} | {r['eager_ms_on']:.2f} | "
+                         f"{r['eager_ms_ratio']:.2f} | | | |")
+    if "logits_max_abs_diff" in res:
+        lines += ["", "| logits, one row vs | max abs diff |", "|---|---|"]
+        lines += [f"| {k} | {v:.3e} |" for k, v in res["logits_max_abs_diff"].items()]
+    for r in res.get("tokens", []):
+        lines.append(f"\n16 concurrent requests, compiled + CUDA graphs, batch_invariant={r['batch_invariant']}: "
+                     f"{r['same_tokens']}/16 give the tokens they give alone (max decode batch {r['max_decode_batch']});"
+                     f" audio max |diff| of those {r['audio_max_abs_diff_same_tokens']}")
+    for k, v in res.get("errors", {}).items():
+        lines.append(f"\nERROR in {k}: {v.splitlines()[-1]}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--parts", default="step,logits,tokens")
+    ap.add_argument("--off-tokens", action="store_true", help="also run the token check with the switch off")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager only: checks the script itself")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    from cosytrt.tools.bench.common import full_models
+
+    global DEV
+    if args.smoke:
+        DEV = "cpu"
+        args.parts = ",".join(p for p in args.parts.split(",") if p != "step")
+        cfg, llm, flow, hift = full_models("cpu", torch.float32, "tiny")
+    else:
+        cfg, llm, flow, hift = full_models("cuda", torch.bfloat16)
+    res = {"meta": {"gpu": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu (smoke)",
+                    "torch": torch.__version__}, "errors": {}}
+    from cosytrt.runtime.stages.kv_slots import KVSlots
+
+    KVSlots(llm, 64, 2048, scratch=True)
+    parts = args.parts.split(",")
+
+    def save():
+        with open(os.path.join(args.out, "batch_invariance.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        with open(os.path.join(args.out, "batch_invariance.md"), "w") as f:
+            f.write(table(res))
+
+    jobs = [("step", lambda: part_step(llm, res)), ("logits", lambda: part_logits(llm, res))]
+    if "tokens" in parts:
+        from cosytrt.runtime.models.loading import CosyVoice3Models
+
+        models = CosyVoice3Models(cfg, llm, flow, hift, "random-full", "", "random")
+        jobs.append(("tokens", lambda: part_tokens(models, res, True)))
+        if args.off_tokens:
+            jobs.append(("tokens off", lambda: part_tokens(models, res, False)))
+    for name, fn in jobs:
+        if name.split()[0] not in parts:
+            continue
+        log(f"start {name}")
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - one failing part must not lose the others
+            res["errors"][name] = traceback.format_exc()
+            log(f"{name} failed:\n{res['errors'][name]}")
+        llm.batch_invariant = False
+        save()
+    print(table(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
