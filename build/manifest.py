@@ -37,7 +37,9 @@ def backend_versions(backend: str) -> dict[str, str]:
 
 
 # the version that binds an engine file to its backend (AOTInductor packages are tied to the torch build)
-BINDING_VERSION = {"onnxruntime": "onnxruntime", "aoti": "torch", "tensorrt": "tensorrt", "trtllm": "tensorrt_llm"}
+BINDING_VERSION = {"onnxruntime": "onnxruntime", "aoti": "torch", "tensorrt": "tensorrt", "trtllm": "tensorrt_llm",
+                   "compiled": "torch"}
+AR_RUNNER_NAMES = ("torch", "trtllm")  # engines.AR_RUNNERS
 
 
 @dataclass
@@ -54,12 +56,15 @@ class Manifest:
     build_seconds: float = 0.0
     commands: dict = field(default_factory=dict)  # e.g. the exact trtllm-build command lines
     format: int = FORMAT
+    ar_runner: str = "torch"  # the AR runner this set expects: "torch" | "trtllm" (engines.AR_RUNNERS)
+    compile_cache: dict = field(default_factory=dict)  # backend "compiled": runtime.compiled.build_compile_cache
 
     def to_dict(self) -> dict:
         return {"format": self.format, "model": self.model, "backend": self.backend, "device": self.device,
                 "dtype": self.dtype, "versions": self.versions, "profile": self.profile,
                 "profile_hash": self.profile_hash, "engines": [e.to_dict() for e in self.engines],
-                "created": self.created, "build_seconds": self.build_seconds, "commands": self.commands}
+                "created": self.created, "build_seconds": self.build_seconds, "commands": self.commands,
+                "ar_runner": self.ar_runner, "compile_cache": self.compile_cache}
 
     @staticmethod
     def from_dict(d: dict, where: str = MANIFEST) -> "Manifest":
@@ -69,7 +74,8 @@ class Manifest:
             return Manifest(model=d["model"], backend=d["backend"], device=d["device"], dtype=d["dtype"],
                             versions=d["versions"], profile=d["profile"], profile_hash=d["profile_hash"],
                             engines=[EngineSpec.from_dict(e) for e in d["engines"]], created=d.get("created", ""),
-                            build_seconds=d.get("build_seconds", 0.0), commands=d.get("commands", {}))
+                            build_seconds=d.get("build_seconds", 0.0), commands=d.get("commands", {}),
+                            ar_runner=d.get("ar_runner", "torch"), compile_cache=d.get("compile_cache", {}))
         except KeyError as e:
             raise EngineSetError(f"{where}: manifest lacks field {e.args[0]!r}") from None
 

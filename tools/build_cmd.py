@@ -8,7 +8,8 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="'tiny' or a CosyVoice3 model directory")
     p.add_argument("--profile", default=None, help="profile YAML path or shipped name (default: tiny for the tiny "
                    "model, default otherwise)")
-    p.add_argument("--backend", default="auto", help="auto | tensorrt | onnxruntime | aoti")
+    p.add_argument("--backend", default="auto", help="auto | tensorrt | onnxruntime | aoti | compiled (torch.compile's "
+                   "cache for the compiled serving variant: `serve --engines` then starts without compiling)")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--out", required=True, help="engine-set folder to write")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -31,6 +32,11 @@ def run(args) -> int:
              "built" if r.rebuilt else "up to date", r.seconds] for r in results]
     print(format_table(["stage", "mode", "file", "buckets", "dtype", "status", "seconds"], rows,
                        title=f"engine set {args.out} ({manifest.backend}, {manifest.device})"))
+    cc = manifest.compile_cache
+    if cc:
+        print(f"compile cache {cc['file']}: {cc['bytes'] / 1e6:.1f} MB, {cc.get('graphs')} graphs compiled in "
+              f"{cc.get('compile_seconds')} s (torch {cc['torch']}, {cc['device_name']}); AR runner: "
+              f"{manifest.ar_runner}")
     for note in (manifest.commands.get("trtllm_note"),):
         if note:
             print(f"AR (TensorRT-LLM): not built here: {note}; commands recorded in the manifest")
