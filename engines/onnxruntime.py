@@ -297,18 +297,20 @@ class OnnxRuntimeRunner(EngineRunner):
             shape = resolve_shape(templates[name], bucket.batch, bucket.length)
             dt = self._in_torch[name]
             inputs[name] = (torch.ones if name == "mask" else torch.zeros)(shape, dtype=dt, device=self.device)
-        # output shapes: one plain run with ORT-allocated outputs, then fixed torch buffers
-        probe = session.io_binding()
+        # output shapes: one run of the dynamic-shape session with ORT-allocated outputs (a CUDA-graph session is
+        # only ever run on its fixed buffers), then fixed torch buffers
+        probe = self.session.io_binding()
         for name, t in inputs.items():
             _bind_tensor(probe, name, t)
         for name in self.spec.output_names:
             probe.bind_output(name, "cuda" if self.cuda else "cpu", _device_id(self.device) if self.cuda else 0)
         self._sync()
-        session.run_with_iobinding(probe)
+        self.session.run_with_iobinding(probe)
         outputs = {}
         for name, v in zip(self.spec.output_names, probe.get_outputs()):
             outputs[name] = torch.empty(tuple(v.shape()), dtype=_ORT_TO_TORCH.get(_ort_type(v), torch.float32),
                                         device=self.device)
+        del probe
         io = session.io_binding()
         for name, t in inputs.items():
             _bind_tensor(io, name, t)
@@ -318,11 +320,19 @@ class OnnxRuntimeRunner(EngineRunner):
         sb = _StaticBucket(session, io, inputs, outputs, ro, graph)
         for _ in range(CUDA_GRAPH_WARMUP_RUNS if graph else 1):  # the capture happens here, not at a request
             session.run_with_iobinding(io, ro)
+        self._done(io)
         return sb
 
     def _sync(self) -> None:
+        """Inputs written on torch's stream must have landed before ORT, which runs on its own stream, reads them."""
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
+
+    def _done(self, io) -> None:
+        """ORT's outputs complete before torch's stream reads them (IOBinding.synchronize_outputs waits on the EP's
+        stream; ORT also synchronizes at the end of a run unless told not to)."""
+        if self.cuda:
+            io.synchronize_outputs()
 
     # ------------------------------------------------------------------ running
     def run(self, inputs: dict[str, torch.Tensor], bucket: Bucket) -> dict[str, torch.Tensor]:
@@ -343,10 +353,9 @@ class OnnxRuntimeRunner(EngineRunner):
                 raise EngineSetError(f"{self.path}: input {name!r} of shape {tuple(src.shape)} does not fit bucket "
                                      f"{bucket.key} {tuple(buf.shape)}")
             buf.copy_(src)
-        # ORT runs on its own CUDA stream: the copies above (on torch's stream) must have landed; ORT synchronizes
-        # its stream before run_with_iobinding returns, so the outputs are complete when it does
         self._sync()
         sb.session.run_with_iobinding(sb.io, sb.run_options)
+        self._done(sb.io)
         return {n: t.clone() for n, t in sb.outputs.items()}
 
     def _run_bound(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -372,6 +381,7 @@ class OnnxRuntimeRunner(EngineRunner):
                 io.bind_output(name, "cuda" if self.cuda else "cpu", _device_id(self.device) if self.cuda else 0)
         self._sync()
         self.session.run_with_iobinding(io, self._run_options)
+        self._done(io)
         if shapes is None:
             for name, v in zip(self.spec.output_names, io.get_outputs()):
                 outs[name] = _ortvalue_to_torch(v, self.device)
