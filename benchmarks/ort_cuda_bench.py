@@ -14,6 +14,8 @@ Steps:
                            compiled serving variant runs) vs the eager module's CUDA graph; max abs error vs eager
   setup --mode M           seconds to a ready TTS in a fresh process: `cold` (compile=True, empty Inductor caches),
                            `set` (TTS.load(engines=<compiled set>), empty Inductor caches: a new machine with the set)
+  serve --engines SET      offline requests at concurrency 1 and 8 through TTS.load with the ORT set, eager + graphs
+                           (and `--variants ...,compiled`): a quick serving comparison
 """
 from __future__ import annotations
 
@@ -302,9 +304,55 @@ def step_setup(args) -> None:
                                              f"{t_first:.2f} s | total {d['total_s']:.1f} s |")
 
 
+# ------------------------------------------------------------------ serving (a quick matrix)
+def step_serve(args) -> None:
+    """Offline requests at concurrency 1 and 8 (forced token counts, seeded) through TTS.load with: the ORT set
+    (`--engines`), eager + CUDA graphs, and the compiled variant; wall seconds and audio seconds per second."""
+    import torch
+
+    tts_m = _imp("cosytrt.runtime.tts")
+    variants = {"ort": {"engines": args.engines, "dtype": torch.bfloat16},
+                "graphs": {"dtype": torch.bfloat16, "cuda_graphs": args.profile},
+                "compiled": {"dtype": torch.bfloat16, "cuda_graphs": args.profile, "compile": True}}
+    rows = []
+    for name in args.variants.split(","):
+        kw = dict(variants[name], model=args.model, device="cuda")
+        if name == "compiled" and args.compile_cache and os.path.isfile(args.compile_cache):
+            kw["compile_cache"] = args.compile_cache
+        t0 = time.perf_counter()
+        try:
+            tts = tts_m.TTS.load(**kw)
+            tts.synthesize("Warm up.", seed=0, force_tokens=16)
+        except Exception as e:  # noqa: BLE001
+            rows.append({"variant": name, "error": repr(e)[:300]})
+            log(f"{name}: {e!r}")
+            continue
+        setup = time.perf_counter() - t0
+        for conc in (1, 8):
+            t1 = time.perf_counter()
+            hs = [tts.submit("The quick brown fox jumps over the lazy dog.", seed=i, force_tokens=args.tokens)
+                  for i in range(conc)]
+            audio = sum(len(h.result()) for h in hs) / tts.sample_rate
+            wall = time.perf_counter() - t1
+            rows.append({"variant": name, "concurrency": conc, "setup_s": setup, "wall_s": wall,
+                         "audio_s": audio, "audio_s_per_s": audio / wall})
+            log(json.dumps(rows[-1]))
+        tts.close()
+        del tts
+        torch.cuda.empty_cache()
+    lines = ["| variant | concurrency | wall s | audio s | audio s / s | set-up s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | error: {r['error'][:100]} | | | | |")
+        else:
+            lines.append(f"| {r['variant']} | {r['concurrency']} | {r['wall_s']:.2f} | {r['audio_s']:.1f} | "
+                         f"{r['audio_s_per_s']:.1f} | {r['setup_s']:.0f} |")
+    save(args.out, "serve", rows, "\n".join(lines))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("step", choices=["env", "model", "time", "setup"])
+    p.add_argument("step", choices=["env", "model", "time", "setup", "serve"])
     p.add_argument("dir", nargs="?", default="/tmp/full_model")
     p.add_argument("--out", required=True)
     p.add_argument("--sets", default="")
@@ -315,8 +363,10 @@ def main() -> None:
     p.add_argument("--model", default="/tmp/full_model")
     p.add_argument("--engines", default=None)
     p.add_argument("--profile", default="h200-graphs")
+    p.add_argument("--variants", default="ort,graphs")
+    p.add_argument("--tokens", type=int, default=150)
     args = p.parse_args()
-    {"env": step_env, "model": step_model, "time": step_time, "setup": step_setup}[args.step](args)
+    {"env": step_env, "model": step_model, "time": step_time, "setup": step_setup, "serve": step_serve}[args.step](args)
 
 
 if __name__ == "__main__":

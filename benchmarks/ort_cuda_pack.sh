@@ -17,7 +17,9 @@ W=$(mktemp -d /tmp/ortpack.XXXX)
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 -d "$W" "onnxruntime-gpu==$VER"
 mkdir -p "$W/x" && (cd "$W/x" && unzip -q ../onnxruntime_gpu-$VER-*.whl)
-rm -f "$W/x/onnxruntime/capi/libonnxruntime_providers_tensorrt.so"
+# the TensorRT provider needs libnvinfer.so.10 (absent there); libonnxruntime.so is the C API library, which the
+# python module does not load (onnxruntime_pybind11_state.so links the runtime in and NEEDs no libonnxruntime.so)
+rm -f "$W/x/onnxruntime/capi/libonnxruntime_providers_tensorrt.so" "$W/x/onnxruntime/capi/libonnxruntime.so.$VER"
 readelf -d "$W/x/onnxruntime/capi/libonnxruntime_providers_cuda.so" | grep NEEDED
 NAME=ort-gpu-$VER-sm90.tar.xz
 if [ "$FULL" = "--full" ]; then NAME=ort-gpu-$VER-all.tar.xz

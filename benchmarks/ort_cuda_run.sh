@@ -18,6 +18,8 @@
 #   compiled-build  trtbuild build --backend compiled (the cold compile = the cold set-up), empty Inductor caches
 #   compiled-load   TTS.load(engines=<that set>) in a fresh process with empty Inductor caches (a new machine)
 #   graphs-load     TTS.load without compile (eager + CUDA graphs), the no-compile baseline
+#   serve           offline requests at concurrency 1 and 8 through TTS.load with the ORT set (fp16 if built) vs
+#                   eager + graphs (SERVE_VARIANTS=ort,graphs,compiled adds the compiled variant: minutes of compile)
 #
 # Carried (see the report / BENCHMARKS): `.ortgpu` parts, `.whl` (soxr, soundfile, kaldi-native-fbank, polygraphy,
 # cffi, pycparser), optionally `compile_cache` (cc.bin.gz.part-*, as device_run.sh). Results: $OUT/ort_cuda.json,
@@ -165,6 +167,13 @@ step_compiled_load() {
       --engines /tmp/es_compiled --model /tmp/full_model --out "$OUT" )
 }
 
+step_serve() {
+  local es=/tmp/es_float16; [ -f $es/manifest.json ] || es=/tmp/es_float32
+  cd /tmp && timeout "$STEP_TIMEOUT" python3 -X faulthandler "$REPO/benchmarks/ort_cuda_bench.py" serve \
+    --engines $es --model /tmp/full_model --variants "${SERVE_VARIANTS:-ort,graphs}" --out "$OUT" \
+    $( [ -f /tmp/cc.bin ] && echo --compile-cache /tmp/cc.bin )
+}
+
 step_graphs_load() {
   ( fresh_caches; cd /tmp && timeout "$STEP_TIMEOUT" python3 -X faulthandler "$REPO/benchmarks/ort_cuda_bench.py" \
       setup --mode graphs \
@@ -188,6 +197,7 @@ run_step() {
     compiled-build) step_compiled_build; rc=$? ;;
     compiled-load) step_compiled_load; rc=$? ;;
     graphs-load) step_graphs_load; rc=$? ;;
+    serve) step_serve; rc=$? ;;
     *) echo "unknown step $s"; rc=2 ;;
   esac
   echo "=== step $s exit $rc $(date -u +%T)"

@@ -204,6 +204,14 @@ class TrtllmARRunner:
         self.executor = executor if executor is not None else self._open(engine_dir, kv_cache_free_gpu_memory_fraction)
         self.requests = 0
 
+    @classmethod
+    def from_engine_set(cls, folder: str, manifest, max_batch: int, max_len: int, device="cuda",
+                        **kw) -> "TrtllmARRunner":
+        """The runner of an engine set whose manifest says `ar_runner: trtllm` (build/engine_set.py writes the HF
+        export to `ar_hf/` and the engine to `ar_trtllm_engine/`)."""
+        hf = os.path.join(folder, manifest.commands.get("ar_hf_checkpoint", "ar_hf"))
+        return cls(os.path.join(folder, "ar_trtllm_engine"), hf, max_batch, max_len, device, **kw)
+
     def _open(self, engine_dir: str, fraction: float):
         if not os.path.isdir(engine_dir):
             raise EngineSetError(f"TensorRT-LLM engine directory not found: {engine_dir} (run the commands the "
