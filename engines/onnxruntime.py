@@ -311,17 +311,27 @@ class OnnxRuntimeRunner(EngineRunner):
             outputs[name] = torch.empty(tuple(v.shape()), dtype=_ORT_TO_TORCH.get(_ort_type(v), torch.float32),
                                         device=self.device)
         del probe
+        try:
+            return self._warm(session, inputs, outputs, graph)
+        except Exception as e:  # noqa: BLE001 - a capture ORT refuses at run time: the same session, no graph
+            if not graph:
+                raise
+            self.notes.append(f"{bucket.key}: CUDA graph capture failed ({type(e).__name__}: {str(e)[:200]})")
+            providers, _ = provider_plan(*self._plan_args, cuda_graph=False, options=self.options)
+            return self._warm(self._session(providers, dims), inputs, outputs, False)
+
+    def _warm(self, session, inputs: dict, outputs: dict, graph: bool) -> _StaticBucket:
+        """Bind the fixed buffers and run: two warm-up runs and the capture with a CUDA graph, one run without."""
         io = session.io_binding()
         for name, t in inputs.items():
             _bind_tensor(io, name, t)
         for name, t in outputs.items():
             _bind_tensor(io, name, t, output=True)
         ro = self._ort.RunOptions()
-        sb = _StaticBucket(session, io, inputs, outputs, ro, graph)
         for _ in range(CUDA_GRAPH_WARMUP_RUNS if graph else 1):  # the capture happens here, not at a request
             session.run_with_iobinding(io, ro)
         self._done(io)
-        return sb
+        return _StaticBucket(session, io, inputs, outputs, ro, graph)
 
     def _sync(self) -> None:
         """Inputs written on torch's stream must have landed before ORT, which runs on its own stream, reads them."""
