@@ -24,7 +24,7 @@ from ..runtime.models.loading import CosyVoice3Models
 from ..runtime.stages.profile import Profile
 from ..engines.manifest import Manifest, backend_versions, now_iso
 
-BACKENDS = ("onnxruntime", "aoti", "tensorrt")
+BACKENDS = ("onnxruntime", "aoti", "tensorrt", "compiled")  # compiled: torch.compile's cache, no engine files
 
 
 def resolve_backend(backend: str, device: str) -> str:
@@ -80,6 +80,8 @@ class EngineSetBuilder:
 
     # ------------------------------------------------------------------ planning
     def plan(self) -> list[tuple[str, str]]:
+        if self.backend == "compiled":  # no engine file per stage: one compile cache for the whole pipeline
+            return []
         out = []
         for stage in ("dit", "hift"):
             sp = self.profile.stage(stage)
@@ -129,13 +131,16 @@ class EngineSetBuilder:
         commands = {}
         if self.profile.stage("ar") is not None:  # every backend: the runtime runs the AR itself unless TRT-LLM is built
             commands.update(self._build_ar_trtllm())
+        compile_cache = self._build_compile_cache() if self.backend == "compiled" else {}
         manifest = Manifest(
             model={"source": self.models.source, "kind": self.models.kind, "weights_hash": self.models.weights_hash,
                    "config": self.models.config.to_dict()},
             backend=self.backend, device=self.device, dtype=self.profile.dtype, versions=self.versions,
             profile=self.profile.to_dict(), profile_hash=self.profile.profile_hash(),
             engines=[r.spec for r in results], created=now_iso(),
-            build_seconds=sum(r.seconds for r in results), commands=commands,
+            build_seconds=sum(r.seconds for r in results) + compile_cache.get("compile_seconds", 0.0),
+            commands=commands, ar_runner="trtllm" if commands.get("trtllm_built") else "torch",
+            compile_cache=compile_cache,
             tensorrt_library=self.versions.get("tensorrt_library", "") if self.backend == "tensorrt" else "")
         manifest.save(self.out_dir)
         self.results = results
@@ -206,6 +211,29 @@ class EngineSetBuilder:
         with open(stamp, "w") as f:
             json.dump(want, f)
         return path
+
+    def _build_compile_cache(self) -> dict:
+        """Backend `compiled`: compile what a compiled server compiles (same model, device, dtype and CUDA-graph
+        profile) and keep Inductor's artifacts; reused while torch, the GPU model, the config and the profile are
+        unchanged (see build/compile_cache.py)."""
+        import yaml
+
+        from ..runtime.stages.compiled import COMPILE_CACHE_FILE, device_name
+        from .compile_cache import build_compile_cache
+
+        stamp = json.loads(json.dumps({"config": self.models.config.to_dict(), "profile_hash": self.profile.profile_hash(),
+                                       "torch": torch.__version__, "device_name": device_name(self.device)}))
+        prev = self.previous.compile_cache if self.previous is not None else {}
+        if prev.get("stamp") == stamp and os.path.isfile(os.path.join(self.out_dir, COMPILE_CACHE_FILE)):
+            return prev
+        profile_path = os.path.join(self.out_dir, "profile.yaml")
+        with open(profile_path, "w") as f:
+            yaml.safe_dump(self.profile.to_dict(), f, sort_keys=False)
+        dtype = torch_dtype(self.profile.dtype) if self.device.startswith("cuda") else None
+        entry = build_compile_cache(self.out_dir, self.models.source, self.device, profile_path, dtype)
+        entry["stamp"] = stamp
+        entry["profile_file"] = "profile.yaml"
+        return entry
 
     def _build_ar_trtllm(self) -> dict:
         """Merged-vocab HF checkpoint + the exact TensorRT-LLM commands; run only where tensorrt_llm imports."""

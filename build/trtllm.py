@@ -6,6 +6,11 @@ Two steps, as NVIDIA's CosyVoice3 recipe (FunAudioLLM/CosyVoice `runtime/triton_
 2. `trtllm-build --checkpoint_dir .. --output_dir .. --max_batch_size .. --max_num_tokens .. --max_input_len ..
    --max_seq_len .. --gemm_plugin <dtype>`.
 TensorRT-LLM after 1.2 removed the engine backend (convert_checkpoint / trtllm-build), hence the version check.
+
+`runner_flags` (default on) adds what cosytrt's TensorRT-LLM AR runner (runtime/stages/ar_trtllm.py) needs: the
+generation logits returned to the caller (`--gather_generation_logits`: the scheduler samples with RAS itself) and
+paged context FMHA (`--use_paged_context_fmha enable`: KV-cache block reuse between its one-token requests) with small
+KV blocks (`--tokens_per_block 16`: a step recomputes fewer than 16 tokens past the reused blocks).
 """
 from __future__ import annotations
 
@@ -42,7 +47,8 @@ def convert_script(hf_dir: str, ckpt_dir: str, dtype: str) -> str:
 def trtllm_commands(hf_dir: str, ckpt_dir: str, engine_dir: str, dtype: str = "bfloat16", max_batch_size: int = 64,
                     max_num_tokens: int = 32768, max_input_len: int = DEFAULT_MAX_INPUT_LEN,
                     max_seq_len: int = DEFAULT_MAX_SEQ_LEN, gemm_plugin: str | None = None,
-                    python: str | None = None) -> list[list[str]]:
+                    python: str | None = None, runner_flags: bool = True,
+                    tokens_per_block: int = 16) -> list[list[str]]:
     """The two command lines (HF -> TRT-LLM checkpoint, then trtllm-build) as argv lists."""
     if dtype not in DTYPES:
         raise InputError(f"trtllm: dtype {dtype!r} unsupported (one of {', '.join(DTYPES)})")
@@ -61,6 +67,10 @@ def trtllm_commands(hf_dir: str, ckpt_dir: str, engine_dir: str, dtype: str = "b
              "--max_input_len", str(max_input_len),
              "--max_seq_len", str(max_seq_len),
              "--gemm_plugin", gemm]
+    if runner_flags:
+        _positive("tokens_per_block", tokens_per_block)
+        build += ["--gather_generation_logits", "--use_paged_context_fmha", "enable",
+                  "--tokens_per_block", str(tokens_per_block)]
     return [convert, build]
 
 

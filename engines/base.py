@@ -21,7 +21,7 @@ class EngineSpec:
 
     stage: str  # "dit" | "hift" | "ar"
     mode: str  # "stream" | "offline" | "decode" | "prefill"
-    backend: str  # "onnxruntime" | "aoti" | "tensorrt" | "trtllm" | "eager"
+    backend: str  # an engines.ADAPTERS key: "onnxruntime" | "aoti" | "tensorrt" ("cudagraph": in-process wrappers)
     file: str  # relative to the engine-set folder
     input_names: list[str]
     output_names: list[str]

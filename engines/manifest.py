@@ -39,8 +39,10 @@ def backend_versions(backend: str) -> dict[str, str]:
 
 
 # the version that binds an engine file to its backend (AOTInductor packages are tied to the torch build)
-BINDING_VERSION = {"onnxruntime": "onnxruntime", "aoti": "torch", "tensorrt": "tensorrt", "trtllm": "tensorrt_llm"}
+BINDING_VERSION = {"onnxruntime": "onnxruntime", "aoti": "torch", "tensorrt": "tensorrt", "trtllm": "tensorrt_llm",
+                   "compiled": "torch"}
 _LIB_NAMES = {"tensorrt": "TensorRT", "tensorrt_rtx": "TensorRT-RTX", "absent": "no TensorRT"}
+AR_RUNNER_NAMES = ("torch", "trtllm")  # engines.AR_RUNNERS
 
 
 @dataclass
@@ -59,13 +61,16 @@ class Manifest:
     format: int = FORMAT
     # which TensorRT-family library built the plans: "tensorrt" | "tensorrt_rtx" ("" for other backends)
     tensorrt_library: str = ""
+    ar_runner: str = "torch"  # the AR runner this set expects: "torch" | "trtllm" (engines.AR_RUNNERS)
+    compile_cache: dict = field(default_factory=dict)  # backend "compiled": build/compile_cache.py
 
     def to_dict(self) -> dict:
         return {"format": self.format, "model": self.model, "backend": self.backend, "device": self.device,
                 "dtype": self.dtype, "versions": self.versions, "profile": self.profile,
                 "profile_hash": self.profile_hash, "engines": [e.to_dict() for e in self.engines],
                 "created": self.created, "build_seconds": self.build_seconds, "commands": self.commands,
-                "tensorrt_library": self.tensorrt_library}
+                "tensorrt_library": self.tensorrt_library,
+                "ar_runner": self.ar_runner, "compile_cache": self.compile_cache}
 
     @staticmethod
     def from_dict(d: dict, where: str = MANIFEST) -> "Manifest":
@@ -77,7 +82,8 @@ class Manifest:
                             engines=[EngineSpec.from_dict(e) for e in d["engines"]], created=d.get("created", ""),
                             build_seconds=d.get("build_seconds", 0.0), commands=d.get("commands", {}),
                             tensorrt_library=d.get("tensorrt_library") or (
-                                "tensorrt" if d["backend"] == "tensorrt" else ""))
+                                "tensorrt" if d["backend"] == "tensorrt" else ""),
+                            ar_runner=d.get("ar_runner", "torch"), compile_cache=d.get("compile_cache", {}))
         except KeyError as e:
             raise EngineSetError(f"{where}: manifest lacks field {e.args[0]!r}") from None
 

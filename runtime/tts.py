@@ -67,9 +67,20 @@ class TTS:
         are the scheduler's (SchedulerConfig.cuda_graphs). `compile`: torch.compile the AR prefill / decode step and
         (without an engine set) the DiT; on CUDA the compiled functions are what the graphs capture. Everything is
         compiled here, not at the first request (minutes for the full-size model on a cold cache); `compile_cache`
-        (a file) is loaded first when it exists and (re)written afterwards, so restarts reuse the compiled code."""
+        (a file) is loaded first when it exists and (re)written afterwards, so restarts reuse the compiled code.
+        `engines` may also be a `compiled` engine set (`trtbuild build --backend compiled`): its cache is checked and
+        loaded first, then the model is compiled with the set's CUDA-graph profile and dtype (cache hits: no
+        Inductor compile work at start-up)."""
         import dataclasses
 
+        compiled_set = None
+        if engines is not None:  # a `compiled` set (torch.compile's cache): loaded first, then compile as usual
+            from .stages.engine_set import open_compiled_set
+
+            compiled_set = open_compiled_set(engines, device)
+            if compiled_set is not None:
+                compile, cuda_graphs = True, compiled_set.profile_path
+                dtype = dtype if dtype is not None or not str(device).startswith("cuda") else compiled_set.dtype
         if compile_cache is not None:
             if not compile:
                 raise InputError("compile_cache needs compile=True")
@@ -80,7 +91,10 @@ class TTS:
             if os.path.isfile(compile_cache):
                 load_compile_cache(compile_cache)
         pipeline = Pipeline.load(model, device=device, dtype=dtype)
-        if engines is not None:
+        if compiled_set is not None:
+            compiled_set.check_model(pipeline.models)
+            pipeline.compiled_set = compiled_set
+        if engines is not None and compiled_set is None:
             from .stages.engine_set import attach_engine_set
 
             attach_engine_set(pipeline, engines)

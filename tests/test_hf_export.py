@@ -116,9 +116,11 @@ def test_trtllm_command_lines():
     compile(convert[2], "<convert>", "exec")
     assert build == ["trtllm-build", "--checkpoint_dir", "/m/ckpt", "--output_dir", "/m/engine",
                      "--max_batch_size", "64", "--max_num_tokens", "32768", "--max_input_len", "2048",
-                     "--max_seq_len", "4096", "--gemm_plugin", "bfloat16"]
+                     "--max_seq_len", "4096", "--gemm_plugin", "bfloat16",
+                     # what the AR runner needs (runtime/stages/ar_trtllm.py)
+                     "--gather_generation_logits", "--use_paged_context_fmha", "enable", "--tokens_per_block", "16"]
     _, b16 = trtllm_commands("a", "b", "c", dtype="float16", max_batch_size=16, max_num_tokens=8192,
-                             max_input_len=1024, max_seq_len=3072)
+                             max_input_len=1024, max_seq_len=3072, runner_flags=False)
     assert b16[b16.index("--max_batch_size") + 1] == "16" and b16[-1] == "float16"
     assert b16[b16.index("--max_input_len") + 1] == "1024" and b16[b16.index("--max_seq_len") + 1] == "3072"
     assert trtllm_commands("a", "b", "c")[0][0] == sys.executable

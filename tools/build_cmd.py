@@ -9,7 +9,8 @@ def add_arguments(p) -> None:
                    "random weights: build checks and benchmarks) or a CosyVoice3 model directory")
     p.add_argument("--profile", default=None, help="profile YAML path or shipped name (default: tiny for the tiny "
                    "model, default otherwise)")
-    p.add_argument("--backend", default="auto", help="auto | tensorrt | onnxruntime | aoti")
+    p.add_argument("--backend", default="auto", help="auto | tensorrt | onnxruntime | aoti | compiled (torch.compile's "
+                   "cache for the compiled serving variant: `serve --engines` then starts without compiling)")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--out", required=True, help="engine-set folder to write")
     p.add_argument("--stages", default=None, help="comma-separated stages of the profile to build (default: all), "
@@ -44,6 +45,11 @@ def run(args) -> int:
         if r.spec.extra.get("runnable_here") is False:
             print(f"{r.spec.stage}/{r.spec.mode}: built, but cannot run on this machine: "
                   f"{r.spec.extra.get('not_runnable_reason')}")
+    cc = manifest.compile_cache
+    if cc:
+        print(f"compile cache {cc['file']}: {cc['bytes'] / 1e6:.1f} MB, {cc.get('graphs')} graphs compiled in "
+              f"{cc.get('compile_seconds')} s (torch {cc['torch']}, {cc['device_name']}); AR runner: "
+              f"{manifest.ar_runner}")
     for note in (manifest.commands.get("trtllm_note"),):
         if note:
             print(f"AR (TensorRT-LLM): not built here: {note}; commands recorded in the manifest")

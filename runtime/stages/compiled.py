@@ -153,3 +153,53 @@ def load_compile_cache(path: str) -> bool:
     with open(path, "rb") as f:
         blob = f.read()
     return torch.compiler.load_cache_artifacts(blob) is not None
+
+
+# ---------------------------------------------------------------- the compile cache as an engine set
+
+COMPILE_CACHE_FILE = "compile_cache.bin"
+
+
+def device_name(device) -> str:
+    """What a compile cache is tied to besides the torch version: the GPU model (Inductor tunes and emits code per
+    architecture), or "cpu"."""
+    d = torch.device(device)
+    if d.type == "cuda":
+        return torch.cuda.get_device_name(d)
+    return "cpu"
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def load_engine_set_cache(folder: str, entry: dict, device) -> float:
+    """Check a compiled engine set's cache entry against this machine (torch version, GPU model, file digest) and
+    pre-load it; returns the seconds the load took. EngineSetError says what differs (rebuild the set)."""
+    import time
+
+    from ...engines.errors import EngineSetError
+
+    if not entry or "file" not in entry:
+        raise EngineSetError(f"{folder}: a compiled engine set without a compile_cache entry in its manifest")
+    path = os.path.join(folder, entry["file"])
+    if not os.path.isfile(path):
+        raise EngineSetError(f"compile cache missing: {path}")
+    if entry.get("torch") != torch.__version__:
+        raise EngineSetError(f"compile cache {path} was written by torch {entry.get('torch')}, this is "
+                             f"{torch.__version__}: rebuild it with `trtbuild build --backend compiled`")
+    here = device_name(device)
+    if entry.get("device_name") != here:
+        raise EngineSetError(f"compile cache {path} was written on {entry.get('device_name')!r}, this device is "
+                             f"{here!r}: rebuild it with `trtbuild build --backend compiled`")
+    if entry.get("sha256") and _sha256(path) != entry["sha256"]:
+        raise EngineSetError(f"compile cache {path} does not match its manifest digest (modified or truncated)")
+    t0 = time.perf_counter()
+    load_compile_cache(path)
+    return time.perf_counter() - t0

@@ -10,13 +10,76 @@ from ...engines.errors import EngineSetError, InputError
 from .bucketed import BucketedDiT
 
 
+def check_ar_runner(manifest: Manifest, folder: str) -> str:
+    """The AR runner a set expects (manifest `ar_runner`), checked here: a known name, and for `trtllm` the
+    TensorRT-LLM package and the engine directory (BackendUnavailableError / EngineSetError say which is missing)."""
+    import os
+
+    from ...engines import AR_RUNNERS
+
+    name = manifest.ar_runner
+    if name not in AR_RUNNERS:
+        raise EngineSetError(f"{folder}: the manifest expects AR runner {name!r}; this cosytrt has "
+                             f"{', '.join(AR_RUNNERS)}")
+    if name == "trtllm":
+        from .ar_trtllm import import_executor_api
+
+        import_executor_api()
+        for sub in ("ar_trtllm_engine", manifest.commands.get("ar_hf_checkpoint", "ar_hf")):
+            if not os.path.isdir(os.path.join(folder, sub)):
+                raise EngineSetError(f"{folder}: the manifest expects the trtllm AR runner but {sub}/ is missing")
+    return name
+
+
+class CompiledSet:
+    """A `compiled` engine set opened on this machine: its cache pre-loaded, its CUDA-graph profile and dtype."""
+
+    def __init__(self, folder: str, manifest: Manifest, profile_path: str, dtype, load_seconds: float):
+        self.folder, self.manifest, self.profile_path = folder, manifest, profile_path
+        self.dtype, self.load_seconds = dtype, load_seconds
+        self.ar_runner = manifest.ar_runner
+
+    def check_model(self, models) -> None:
+        """The cache is bound to the architecture (not the weights' values): refuse another config."""
+        import json
+
+        if self.manifest.model.get("config") != json.loads(json.dumps(models.config.to_dict())):
+            raise EngineSetError(f"{self.folder}: compiled for another model configuration "
+                                 f"({self.manifest.model.get('source')}): rebuild it with `trtbuild build --backend "
+                                 f"compiled --model ...`")
+
+
+def open_compiled_set(folder: str, device) -> CompiledSet | None:
+    """None unless `folder` is a `compiled` engine set; else check it (torch version, GPU model, digest, AR runner)
+    and pre-load its compile cache, before anything compiles."""
+    import os
+
+    from .compiled import load_engine_set_cache
+
+    manifest = Manifest.load(folder)
+    if manifest.backend != "compiled":
+        return None
+    check_ar_runner(manifest, folder)
+    secs = load_engine_set_cache(folder, manifest.compile_cache, device)
+    profile_path = os.path.join(folder, manifest.compile_cache.get("profile_file", "profile.yaml"))
+    if not os.path.isfile(profile_path):
+        raise EngineSetError(f"compiled engine set lacks its profile file {profile_path}")
+    dt = manifest.compile_cache.get("dtype")
+    dtype = getattr(torch, dt) if dt else None
+    return CompiledSet(folder, manifest, profile_path, dtype, secs)
+
+
 class LoadedEngineSet:
     """An engine set opened for one device: the manifest, runners per (stage, mode), and the call statistics."""
 
     def __init__(self, folder: str, weights_hash: str, device: str = "cpu"):
         self.folder = folder
         self.manifest = Manifest.load(folder)
+        if self.manifest.backend == "compiled":
+            raise EngineSetError(f"{folder} is a compiled engine set (a torch.compile cache): load it with "
+                                 "TTS.load(engines=...) / `trtbuild serve --engines`")
         self.manifest.check_compatible(weights_hash)
+        self.ar_runner = check_ar_runner(self.manifest, folder)
         if self.manifest.backend == "tensorrt" and not str(device).startswith("cuda"):
             raise EngineSetError("a TensorRT engine set needs device='cuda'")
         waste = float(self.manifest.profile.get("max_padding_waste", 1.5))
