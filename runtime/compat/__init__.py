@@ -1,0 +1,1 @@
+"""Drop-in adapters for users of other TTS front ends (the official CosyVoice repository)."""
