@@ -159,6 +159,8 @@ class EngineSetBuilder:
 
         results: list[BuildResult] = []
         jobs = self.plan()
+        if self.backend == "aoti":  # fail in seconds, not after compiling the engines before the bad one
+            self.check_exports([j for j in jobs if self._reusable(*j, self._input_hash(*j)) is None])
         bar = tqdm(jobs, desc=f"building {self.backend} engines", unit="engine", disable=not self.progress)
         for stage, mode in bar:
             bar.set_postfix_str(f"{stage}/{mode}")
@@ -188,6 +190,33 @@ class EngineSetBuilder:
         manifest.save(work)
         self.results = results
         return manifest
+
+    def _stage_export(self, stage: str, mode: str):
+        """(StageExport, buckets, max batch, min length, max length) of one planned engine."""
+        sp = self.profile.stage(stage)
+        buckets = sp.buckets(mode)
+        dtype = torch_dtype(sp.dtype)
+        if stage == "dit":
+            from .stage_exports import dit_export
+
+            exp = dit_export(self.models.flow.estimator, mode == "stream", dtype, self.device)
+        else:
+            from .stage_exports import hift_export
+
+            exp = hift_export(self.models.hift, mode, self.device)
+        return (exp, buckets, max(b.batch for b in buckets), min(b.length_range[0] for b in buckets),
+                max(b.length for b in buckets))
+
+    def check_exports(self, jobs: list[tuple[str, str]] | None = None) -> None:
+        """AOTInductor: torch.export every planned engine over its ranges before compiling any (seconds each), so a
+        range that cannot be exported fails the build at once, naming the engine."""
+        self._programs = getattr(self, "_programs", {})
+        for stage, mode in (self.plan() if jobs is None else jobs):
+            exp, _, max_b, lo, hi = self._stage_export(stage, mode)
+            try:
+                self._programs[(stage, mode)] = exp.check_export(max_b, lo, hi)  # compiled later, not re-exported
+            except EngineSetError as e:
+                raise EngineSetError(f"{stage}/{mode} (batch <= {max_b}, length {lo}..{hi}): {e}") from None
 
     def _build_stage(self, stage: str, mode: str, out_dir: str) -> EngineSpec:
         sp = self.profile.stage(stage)
@@ -227,7 +256,8 @@ class EngineSetBuilder:
                 extra.update(info)
         elif self.backend == "aoti":
             file = base + ".pt2"
-            info = exp.to_aoti(os.path.join(out_dir, file), max_b, lo, hi)
+            program = getattr(self, "_programs", {}).pop((stage, mode), None)
+            info = exp.to_aoti(os.path.join(out_dir, file), max_b, lo, hi, program=program)
             extra = {"input_shapes": exp.input_shapes, **info}
         else:  # pragma: no cover - resolve_backend guards
             raise EngineSetError(f"unknown backend {self.backend}")
