@@ -136,7 +136,12 @@ class EngineSetBuilder:
             if os.path.isdir(final):
                 old = f"{final}.old-{os.getpid()}"
                 os.replace(final, old)
-            os.replace(work, final)
+            try:
+                os.replace(work, final)
+            except BaseException:
+                if old:
+                    os.replace(old, final)  # put the previous set back
+                raise
             if old:
                 shutil.rmtree(old, ignore_errors=True)
         except BaseException:
@@ -161,6 +166,8 @@ class EngineSetBuilder:
         jobs = self.plan()
         if self.backend == "aoti":  # fail in seconds, not after compiling the engines before the bad one
             self.check_exports([j for j in jobs if self._reusable(*j, self._input_hash(*j)) is None])
+        if self.backend == "tensorrt" and os.path.isfile(os.path.join(self.out_dir, "timing.cache")):
+            shutil.copy2(os.path.join(self.out_dir, "timing.cache"), work)  # a copy: TensorRT rewrites it
         bar = tqdm(jobs, desc=f"building {self.backend} engines", unit="engine", disable=not self.progress)
         for stage, mode in bar:
             bar.set_postfix_str(f"{stage}/{mode}")
@@ -178,8 +185,6 @@ class EngineSetBuilder:
         commands = {}
         if self.profile.stage("ar") is not None:  # every backend: the runtime runs the AR itself unless TRT-LLM is built
             commands.update(self._build_ar_trtllm(work, final))
-        if self.backend == "tensorrt":
-            self._carry("timing.cache", work)
         manifest = Manifest(
             model={"source": self.models.source, "kind": self.models.kind, "weights_hash": self.models.weights_hash,
                    "config": self.models.config.to_dict(), "files": dict(getattr(self.models, "file_hashes", {}))},
@@ -210,8 +215,11 @@ class EngineSetBuilder:
     def check_exports(self, jobs: list[tuple[str, str]] | None = None) -> None:
         """AOTInductor: torch.export every planned engine over its ranges before compiling any (seconds each), so a
         range that cannot be exported fails the build at once, naming the engine."""
+        from tqdm import tqdm
+
         self._programs = getattr(self, "_programs", {})
-        for stage, mode in (self.plan() if jobs is None else jobs):
+        jobs = self.plan() if jobs is None else jobs
+        for stage, mode in tqdm(jobs, desc="torch.export", unit="engine", disable=not self.progress or not jobs):
             exp, _, max_b, lo, hi = self._stage_export(stage, mode)
             try:
                 self._programs[(stage, mode)] = exp.check_export(max_b, lo, hi)  # compiled later, not re-exported

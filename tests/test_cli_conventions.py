@@ -182,3 +182,11 @@ def test_heatmap_title_names_set_commit_and_device(tmp_path):
     path = write_heatmap(r, {}, str(tmp_path / "h.png"))
     with open(path, "rb") as f:
         assert f.read(4) == b"\x89PNG"
+
+
+def test_serve_start_up_line_shows_model_hashes(capsys):
+    from cosytrt.tools.serve import _print_model_hashes
+
+    _print_model_hashes("tiny")
+    err = capsys.readouterr().err
+    assert err.startswith("trtbuild serve: model ") and "sha256 llm.pt " in err and "speech_tokenizer_v3.onnx" in err
