@@ -6,6 +6,15 @@ runtime (static KV cache + CUDA graphs) for those backends; with `tensorrt` the 
 TensorRT-LLM build commands are written too (and run when `tensorrt_llm` is importable).
 
 Incremental: an engine whose inputs (weights, profile buckets, dtype, backend versions) are unchanged is not rebuilt.
+
+Atomic: the set is written into a sibling temporary folder (`OUT.partial-PID`; reusable files of the previous set
+are hard-linked or copied in) and renamed over OUT only once every engine is built and the manifest (with the sha256
+of every file) is written; a failed build removes the temporary folder and leaves OUT as it was.
+
+HiFT: only the offline (finalize) graph is built. The streaming vocoder (runtime/hift_stream.py) carries f0 and the
+sine phase across windows and calls only the conv stack (`HiFT.decode(mel, source)`), so a whole-HiFT graph of a
+window (`HiFTOnnxGraph(finalize=False)`) cannot serve it; the profile's `hift.stream` buckets are used by the CUDA-graph
+path (`attach_cuda_graphs`), which captures that conv stack per bucket.
 """
 from __future__ import annotations
 
@@ -13,6 +22,7 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -22,7 +32,7 @@ from ..engines.base import EngineSpec, torch_dtype
 from ..engines.errors import BackendUnavailableError, EngineSetError
 from ..runtime.models.loading import CosyVoice3Models
 from ..runtime.stages.profile import Profile
-from ..engines.manifest import Manifest, backend_versions, now_iso
+from ..engines.manifest import Manifest, backend_versions, hash_set_files, now_iso, set_path
 
 BACKENDS = ("onnxruntime", "aoti", "tensorrt", "compiled")  # compiled: torch.compile's cache, no engine files
 
@@ -79,17 +89,17 @@ class EngineSetBuilder:
             return None
 
     # ------------------------------------------------------------------ planning
+    # (stage, mode) pairs an engine file is built for; hift/stream is not (see the module docstring)
+    BUILT = (("dit", "stream"), ("dit", "offline"), ("hift", "offline"))
+
     def plan(self) -> list[tuple[str, str]]:
         if self.backend == "compiled":  # no engine file per stage: one compile cache for the whole pipeline
             return []
         out = []
-        for stage in ("dit", "hift"):
+        for stage, mode in self.BUILT:
             sp = self.profile.stage(stage)
-            if sp is None:
-                continue
-            for mode in ("stream", "offline"):
-                if sp.buckets(mode):
-                    out.append((stage, mode))
+            if sp is not None and sp.buckets(mode):
+                out.append((stage, mode))
         return out
 
     def _input_hash(self, stage: str, mode: str) -> str:
@@ -104,49 +114,126 @@ class EngineSetBuilder:
         spec = self.previous.engine(stage, mode)
         if spec is None or spec.extra.get("input_hash") != input_hash or spec.backend != self.backend:
             return None
-        if not os.path.isfile(os.path.join(self.out_dir, spec.file)):
+        try:
+            path = set_path(self.out_dir, spec.file)
+        except EngineSetError:
             return None
+        if not os.path.isfile(path) or self.previous.files.get(spec.file) != _sha(path):
+            return None  # missing or changed since its build: rebuild it
         return spec
 
     # ------------------------------------------------------------------ building
     def build(self) -> Manifest:
+        """Build into a temporary sibling folder, then rename it over `out_dir` (nothing half-written is left)."""
+        final = os.path.abspath(self.out_dir)
+        parent = os.path.dirname(final)
+        os.makedirs(parent, exist_ok=True)
+        if os.path.exists(final) and not os.path.isdir(final):
+            raise EngineSetError(f"--out {self.out_dir!r} exists and is not a folder")
+        work = f"{final}.partial-{os.getpid()}"
+        shutil.rmtree(work, ignore_errors=True)
+        os.makedirs(work)
+        try:
+            manifest = self._build_into(work, final)
+            old = None
+            if os.path.isdir(final):
+                old = f"{final}.old-{os.getpid()}"
+                os.replace(final, old)
+            try:
+                os.replace(work, final)
+            except BaseException:
+                if old:
+                    os.replace(old, final)  # put the previous set back
+                raise
+            if old:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        return manifest
+
+    def _carry(self, rel: str, work: str) -> None:
+        """Bring a reusable file or folder of the previous set into the work folder (hard link, else copy)."""
+        src = os.path.join(self.out_dir, rel)
+        dst = os.path.join(work, rel)
+        if os.path.isdir(src):
+            shutil.copytree(src, dst, copy_function=_link_or_copy, dirs_exist_ok=True)
+        elif os.path.isfile(src):
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            _link_or_copy(src, dst)
+
+    def _build_into(self, work: str, final: str) -> Manifest:
         from tqdm import tqdm
 
-        os.makedirs(self.out_dir, exist_ok=True)
         results: list[BuildResult] = []
         jobs = self.plan()
+        if self.backend == "aoti":  # fail in seconds, not after compiling the engines before the bad one
+            self.check_exports([j for j in jobs if self._reusable(*j, self._input_hash(*j)) is None])
+        if self.backend == "tensorrt" and os.path.isfile(os.path.join(self.out_dir, "timing.cache")):
+            shutil.copy2(os.path.join(self.out_dir, "timing.cache"), work)  # a copy: TensorRT rewrites it
         bar = tqdm(jobs, desc=f"building {self.backend} engines", unit="engine", disable=not self.progress)
         for stage, mode in bar:
             bar.set_postfix_str(f"{stage}/{mode}")
             h = self._input_hash(stage, mode)
             spec = self._reusable(stage, mode, h)
             if spec is not None:
+                self._carry(spec.file, work)
                 results.append(BuildResult(spec, False, 0.0))
                 continue
             t0 = time.perf_counter()
-            spec = self._build_stage(stage, mode)
+            spec = self._build_stage(stage, mode, work)
             spec.extra["input_hash"] = h
             spec.build_seconds = time.perf_counter() - t0
             results.append(BuildResult(spec, True, spec.build_seconds))
         commands = {}
         if self.profile.stage("ar") is not None:  # every backend: the runtime runs the AR itself unless TRT-LLM is built
-            commands.update(self._build_ar_trtllm())
-        compile_cache = self._build_compile_cache() if self.backend == "compiled" else {}
+            commands.update(self._build_ar_trtllm(work, final))
+        compile_cache = self._build_compile_cache(work) if self.backend == "compiled" else {}
         manifest = Manifest(
             model={"source": self.models.source, "kind": self.models.kind, "weights_hash": self.models.weights_hash,
-                   "config": self.models.config.to_dict()},
+                   "config": self.models.config.to_dict(), "files": dict(getattr(self.models, "file_hashes", {}))},
             backend=self.backend, device=self.device, dtype=self.profile.dtype, versions=self.versions,
             profile=self.profile.to_dict(), profile_hash=self.profile.profile_hash(),
             engines=[r.spec for r in results], created=now_iso(),
             build_seconds=sum(r.seconds for r in results) + compile_cache.get("compile_seconds", 0.0),
             commands=commands, ar_runner="trtllm" if commands.get("trtllm_built") else "torch",
-            compile_cache=compile_cache,
+            compile_cache=compile_cache, files=hash_set_files(work),
             tensorrt_library=self.versions.get("tensorrt_library", "") if self.backend == "tensorrt" else "")
-        manifest.save(self.out_dir)
+        manifest.save(work)
         self.results = results
         return manifest
 
-    def _build_stage(self, stage: str, mode: str) -> EngineSpec:
+    def _stage_export(self, stage: str, mode: str):
+        """(StageExport, buckets, max batch, min length, max length) of one planned engine."""
+        sp = self.profile.stage(stage)
+        buckets = sp.buckets(mode)
+        dtype = torch_dtype(sp.dtype)
+        if stage == "dit":
+            from .stage_exports import dit_export
+
+            exp = dit_export(self.models.flow.estimator, mode == "stream", dtype, self.device)
+        else:
+            from .stage_exports import hift_export
+
+            exp = hift_export(self.models.hift, mode, self.device)
+        return (exp, buckets, max(b.batch for b in buckets), min(b.length_range[0] for b in buckets),
+                max(b.length for b in buckets))
+
+    def check_exports(self, jobs: list[tuple[str, str]] | None = None) -> None:
+        """AOTInductor: torch.export every planned engine over its ranges before compiling any (seconds each), so a
+        range that cannot be exported fails the build at once, naming the engine."""
+        from tqdm import tqdm
+
+        self._programs = getattr(self, "_programs", {})
+        jobs = self.plan() if jobs is None else jobs
+        for stage, mode in tqdm(jobs, desc="torch.export", unit="engine", disable=not self.progress or not jobs):
+            exp, _, max_b, lo, hi = self._stage_export(stage, mode)
+            try:
+                self._programs[(stage, mode)] = exp.check_export(max_b, lo, hi)  # compiled later, not re-exported
+            except EngineSetError as e:
+                raise EngineSetError(f"{stage}/{mode} (batch <= {max_b}, length {lo}..{hi}): {e}") from None
+
+    def _build_stage(self, stage: str, mode: str, out_dir: str) -> EngineSpec:
         sp = self.profile.stage(stage)
         buckets = sp.buckets(mode)
         dtype = torch_dtype(sp.dtype)
@@ -163,7 +250,11 @@ class EngineSetBuilder:
         lo = min(b.length_range[0] for b in buckets)
         hi = max(b.length for b in buckets)
         if self.backend in ("onnxruntime", "tensorrt"):
-            onnx_path = os.path.join(self.out_dir, base + ".onnx")
+            if stage == "dit":  # torch.onnx.export(dynamo=True) imports onnxscript
+                from cosytrt.extras import require
+
+                require("onnxscript", "onnx", f"building {self.backend} engines (the DiT's ONNX export)")
+            onnx_path = os.path.join(out_dir, base + ".onnx")
             if self.backend == "tensorrt" and self.onnx_dir:
                 onnx_path = self._shared_onnx(exp, f"{base}_{sp.dtype}")
             else:
@@ -176,10 +267,10 @@ class EngineSetBuilder:
 
                 opts = TensorRTOptions(opt_level=int(sp.options.get("opt_level", 3)),
                                        workspace_gb=float(sp.options.get("workspace_gb", 8)),
-                                       timing_cache=os.path.join(self.out_dir, "timing.cache"),
+                                       timing_cache=os.path.join(out_dir, "timing.cache"),
                                        compute_capabilities=list(sp.options.get("compute_capabilities", [])),
                                        max_threads=sp.options.get("max_threads"))
-                info = build_plan(onnx_path, os.path.join(self.out_dir, base + ".plan"), buckets, exp.input_shapes,
+                info = build_plan(onnx_path, os.path.join(out_dir, base + ".plan"), buckets, exp.input_shapes,
                                   opts)
                 file = base + ".plan"
                 extra.update(info, onnx=os.path.relpath(onnx_path, self.out_dir))
@@ -189,7 +280,8 @@ class EngineSetBuilder:
                           f"plan {info['plan_bytes'] / 2**20:.1f} MiB", flush=True)
         elif self.backend == "aoti":
             file = base + ".pt2"
-            info = exp.to_aoti(os.path.join(self.out_dir, file), max_b, lo, hi)
+            program = getattr(self, "_programs", {}).pop((stage, mode), None)
+            info = exp.to_aoti(os.path.join(out_dir, file), max_b, lo, hi, program=program)
             extra = {"input_shapes": exp.input_shapes, **info}
         else:  # pragma: no cover - resolve_backend guards
             raise EngineSetError(f"unknown backend {self.backend}")
@@ -212,7 +304,7 @@ class EngineSetBuilder:
             json.dump(want, f)
         return path
 
-    def _build_compile_cache(self) -> dict:
+    def _build_compile_cache(self, work: str) -> dict:
         """Backend `compiled`: compile what a compiled server compiles (same model, device, dtype and CUDA-graph
         profile) and keep Inductor's artifacts; reused while torch, the GPU model, the config and the profile are
         unchanged (see build/compile_cache.py)."""
@@ -225,37 +317,43 @@ class EngineSetBuilder:
                                        "torch": torch.__version__, "device_name": device_name(self.device)}))
         prev = self.previous.compile_cache if self.previous is not None else {}
         if prev.get("stamp") == stamp and os.path.isfile(os.path.join(self.out_dir, COMPILE_CACHE_FILE)):
+            for rel in (COMPILE_CACHE_FILE, prev.get("profile_file", "profile.yaml")):
+                self._carry(rel, work)
             return prev
-        profile_path = os.path.join(self.out_dir, "profile.yaml")
+        profile_path = os.path.join(work, "profile.yaml")
         with open(profile_path, "w") as f:
             yaml.safe_dump(self.profile.to_dict(), f, sort_keys=False)
         dtype = torch_dtype(self.profile.dtype) if self.device.startswith("cuda") else None
-        entry = build_compile_cache(self.out_dir, self.models.source, self.device, profile_path, dtype)
+        entry = build_compile_cache(work, self.models.source, self.device, profile_path, dtype)
         entry["stamp"] = stamp
         entry["profile_file"] = "profile.yaml"
         return entry
 
-    def _build_ar_trtllm(self) -> dict:
-        """Merged-vocab HF checkpoint + the exact TensorRT-LLM commands; run only where tensorrt_llm imports."""
+    def _build_ar_trtllm(self, work: str, final: str) -> dict:
+        """Merged-vocab HF checkpoint + the exact TensorRT-LLM commands (naming the final folder); run only where
+        tensorrt_llm imports."""
         from .hf_export import export_merged_hf
         from .trtllm import build_trtllm_engine, trtllm_commands
 
         sp = self.profile.stage("ar")
-        hf_dir = os.path.join(self.out_dir, "ar_hf")
+        hf_dir = os.path.join(work, "ar_hf")
         dtype = torch_dtype(sp.dtype)
         meta_path = os.path.join(hf_dir, "cosytrt_metadata.json")
         stamp = {"weights": self.models.weights_hash, "dtype": sp.dtype}
-        if not (os.path.isfile(meta_path) and json.load(open(meta_path)).get("cosytrt_build") == stamp):
+        if _read_json(os.path.join(self.out_dir, "ar_hf", "cosytrt_metadata.json")).get("cosytrt_build") == stamp:
+            self._carry("ar_hf", work)  # the previous set's checkpoint is current (never rewritten in place)
+        else:
             meta = export_merged_hf(self.models.llm, hf_dir, dtype=dtype)
             meta["cosytrt_build"] = stamp
             with open(meta_path, "w") as f:
                 json.dump(meta, f, indent=1)
-        ckpt = os.path.join(self.out_dir, "ar_trtllm_ckpt")
-        eng = os.path.join(self.out_dir, "ar_trtllm_engine")
+        ckpt = os.path.join(work, "ar_trtllm_ckpt")
+        eng = os.path.join(work, "ar_trtllm_engine")
         max_b = max(b.batch for b in sp.buckets("decode")) if sp.buckets("decode") else 64
         seq = sp.max_seq_len or 2048
         kw = {"dtype": "bfloat16", "max_batch_size": max_b, "max_seq_len": seq, "max_input_len": max(1, seq // 2)}
-        cmds = trtllm_commands(hf_dir, ckpt, eng, **kw)
+        cmds = trtllm_commands(*(os.path.join(final, d) for d in ("ar_hf", "ar_trtllm_ckpt", "ar_trtllm_engine")),
+                               **kw)
         out = {"trtllm": [" ".join(shlex.quote(a) for a in c) for c in cmds], "trtllm_built": False,
                "ar_hf_checkpoint": "ar_hf"}
         try:
@@ -264,6 +362,29 @@ class EngineSetBuilder:
         except BackendUnavailableError as e:
             out["trtllm_note"] = str(e)
         return out
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _sha(path: str) -> str:
+    from ..engines.manifest import sha256_file
+
+    return sha256_file(path)
+
+
+def _link_or_copy(src: str, dst: str) -> str:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+    return dst
 
 
 def build_engine_set(models: CosyVoice3Models, profile: Profile, backend: str, device: str, out_dir: str,

@@ -404,7 +404,7 @@ class ParityChecker:
         self.manifest = Manifest.load(folder)
         if not check_weights:
             built = self.manifest.model.get("weights_hash")
-            models = dataclasses.replace(models, weights_hash=built)
+            models = dataclasses.replace(models, weights_hash=built, file_hashes={})
         self.eager_pipeline, self.engine_pipeline = self._pipelines(models)
         self.engine_set = self.engine_pipeline.engine_set
 
@@ -523,7 +523,7 @@ class ParityChecker:
             targets = polygraphy_targets(spec, self.folder, bucket, self.device, session)
         except ImportError as e:
             return [Check(name, "polygraphy", True, rule.describe(), spec.stage, spec.mode, bucket.key, "max_len",
-                          spec.dtype, note=f"skipped: {e}")]
+                          spec.dtype, note=f"skipped: {e} (Polygraphy comes with pip install -e '.[parity]')")]
         if not targets:
             return []
         if spec.stage == "dit":

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from .aoti_build import compile_aoti
+from .aoti_build import compile_aoti, export_program
 
 
 @dataclass
@@ -20,10 +20,20 @@ class StageExport:
     example: Callable[[int, int], tuple]  # (batch, length) -> example inputs on the build device
     dynamic_shapes: Callable[[int, int, int], dict]  # (max_batch, min_len, max_len) -> torch.export dynamic shapes
 
-    def to_aoti(self, path: str, max_batch: int, min_len: int, max_len: int) -> dict:
-        b = max(2, min(max_batch, 2))
+    def _example(self, min_len: int, max_len: int) -> tuple:
         t = max(2, min(max_len, max(min_len, 64)))
-        return compile_aoti(self.module, self.example(b, t), self.dynamic_shapes(max_batch, min_len, max_len), path)
+        return self.example(2, t)
+
+    def to_aoti(self, path: str, max_batch: int, min_len: int, max_len: int, program=None) -> dict:
+        """Compile to an AOTInductor package (`program`: this export's ExportedProgram from `check_export`)."""
+        return compile_aoti(self.module, self._example(min_len, max_len),
+                            self.dynamic_shapes(max_batch, min_len, max_len), path, program=program)
+
+    def check_export(self, max_batch: int, min_len: int, max_len: int):
+        """torch.export over the ranges only (what `to_aoti` compiles; no compilation): the ExportedProgram, or
+        EngineSetError on a constraint violation."""
+        return export_program(self.module, self._example(min_len, max_len),
+                              self.dynamic_shapes(max_batch, min_len, max_len))
 
 
 def dit_export(dit, streaming: bool, dtype: torch.dtype, device: str) -> StageExport:

@@ -208,7 +208,8 @@ def test_16_concurrent_requests_match_each_alone_server(tiny_tts, tmp_path, one_
 
     from cosytrt.runtime.serving.app import ServerSettings, create_app
 
-    app = create_app(tiny_tts, ServerSettings(voices_dir=str(tmp_path / "voices"), max_in_flight=16, warmup=False))
+    app = create_app(tiny_tts, ServerSettings(voices_dir=str(tmp_path / "voices"), max_in_flight=16, warmup=False,
+                                              allowed_hosts=["testserver"]))
     specs = _specs()
 
     def post(c, s):

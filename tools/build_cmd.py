@@ -1,6 +1,10 @@
 """`trtbuild build`: build an engine set (ONNX Runtime / AOTInductor / TensorRT) from a bucket profile."""
 from __future__ import annotations
 
+import json
+import sys
+
+from ._cli import BACKEND_CHOICES, add_device, captured_stdout, quiet_exporters
 from .table import format_table
 
 
@@ -9,15 +13,17 @@ def add_arguments(p) -> None:
                    "random weights: build checks and benchmarks) or a CosyVoice3 model directory")
     p.add_argument("--profile", default=None, help="profile YAML path or shipped name (default: tiny for the tiny "
                    "model, default otherwise)")
-    p.add_argument("--backend", default="auto", help="auto | tensorrt | onnxruntime | aoti | compiled (torch.compile's "
-                   "cache for the compiled serving variant: `serve --engines` then starts without compiling)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda")
-    p.add_argument("--out", required=True, help="engine-set folder to write")
+    p.add_argument("--backend", default="auto", choices=BACKEND_CHOICES,
+                   help="auto (TensorRT where installed on CUDA, else AOTInductor on CUDA, else ONNX Runtime)")
+    add_device(p)
+    p.add_argument("--out", required=True, help="engine-set folder to write (replaced only when the build succeeds)")
     p.add_argument("--stages", default=None, help="comma-separated stages of the profile to build (default: all), "
                    "e.g. dit,hift")
     p.add_argument("--onnx-dir", default=None, help="tensorrt: reuse ONNX exports from this folder (named "
                    "<stage>_<mode>_<dtype>.onnx; missing ones are exported there), e.g. shared by several profiles")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--verbose", action="store_true", help="show the exporters' (torch.export / ONNX) warnings")
+    p.add_argument("--json", action="store_true", help="print one JSON object (the engines built) instead of tables")
 
 
 def run(args) -> int:
@@ -32,10 +38,21 @@ def run(args) -> int:
     profile = load_profile(args.profile or ("tiny" if args.model == "tiny" else "default"))
     if args.stages:
         profile = select_stages(profile, args.stages.split(","))
-    models = random_full_models(args.device) if args.model == "random-full" else load_models(args.model,
-                                                                                              device=args.device)
-    manifest, results = build_engine_set(models, profile, args.backend, args.device, args.out,
-                                         progress=not args.quiet, onnx_dir=args.onnx_dir)
+    with captured_stdout(args.json), quiet_exporters(args.verbose):
+        models = random_full_models(args.device) if args.model == "random-full" else load_models(args.model,
+                                                                                                  device=args.device)
+        manifest, results = build_engine_set(models, profile, args.backend, args.device, args.out,
+                                             progress=not (args.quiet or args.json), onnx_dir=args.onnx_dir)
+    if args.json:
+        print(json.dumps({"out": args.out, "backend": manifest.backend, "device": manifest.device,
+                          "dtype": manifest.dtype, "build_seconds": manifest.build_seconds,
+                          "engines": [{"stage": r.spec.stage, "mode": r.spec.mode, "file": r.spec.file,
+                                       "buckets": r.spec.buckets, "dtype": r.spec.dtype, "rebuilt": r.rebuilt,
+                                       "seconds": r.seconds, "sha256": manifest.files.get(r.spec.file)}
+                                      for r in results],
+                          "model_files": manifest.model.get("files", {}),
+                          "trtllm_note": manifest.commands.get("trtllm_note")}, indent=1))
+        return 0
     rows = [[r.spec.stage, r.spec.mode, r.spec.file, len(r.spec.buckets), r.spec.dtype,
              "built" if r.rebuilt else "up to date", r.seconds] for r in results]
     lib = f", {manifest.tensorrt_library}" if manifest.tensorrt_library else ""
@@ -50,9 +67,11 @@ def run(args) -> int:
         print(f"compile cache {cc['file']}: {cc['bytes'] / 1e6:.1f} MB, {cc.get('graphs')} graphs compiled in "
               f"{cc.get('compile_seconds')} s (torch {cc['torch']}, {cc['device_name']}); AR runner: "
               f"{manifest.ar_runner}")
+    print(f"{len(manifest.files)} files hashed (sha256) in the manifest; `trtbuild inspect --verify {args.out}` "
+          f"re-checks them")
     for note in (manifest.commands.get("trtllm_note"),):
         if note:
-            print(f"AR (TensorRT-LLM): not built here: {note}; commands recorded in the manifest")
+            print(f"AR (TensorRT-LLM): not built here: {note}; commands recorded in the manifest", file=sys.stderr)
     return 0
 
 

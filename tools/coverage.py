@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from ._cli import add_device
 from .table import format_table
 
 
@@ -27,7 +28,7 @@ def add_arguments(p) -> None:
     p.add_argument("--scale", type=float, default=1.0, help="multiply the matrix concurrency and speech tokens")
     p.add_argument("--out", default=None, help="report folder: report.json and heatmap.png")
     p.add_argument("--model", default=None, help="'tiny' or a model directory (default: the manifest's model)")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: the manifest's device)")
+    add_device(p, default=None, help_extra=" (default: the manifest's device)")
     p.add_argument("--waste-target", type=float, default=1.25,
                    help="suggest buckets that cut the padding of calls above this waste (0: do not)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one request")
@@ -37,6 +38,31 @@ def add_arguments(p) -> None:
 
 def _f(v, fmt=".3f"):
     return "-" if v is None else format(v, fmt)
+
+
+def mostly_fallback_note(r: dict, threshold: float = 0.5) -> list[str]:
+    """When most calls fell back to eager: why (the reasons, largest first) and what to try."""
+    t = r["totals"]
+    if not t["calls"] or t["fallbacks"] / t["calls"] <= threshold:
+        return []
+    reasons: dict[str, int] = {}
+    for sm, st in r["stages"].items():
+        if not st.get("has_engine", True):
+            reasons[f"{sm}: no engine in this set"] = reasons.get(f"{sm}: no engine in this set", 0) + st["fallbacks"]
+            continue
+        for e in st["fallback_shapes"]:
+            key = f"{sm}: {e['reason']}"
+            reasons[key] = reasons.get(key, 0) + e["count"]
+    top = sorted(reasons.items(), key=lambda kv: -kv[1])[:4]
+    lines = [f"\nmost calls ran eagerly ({t['fallbacks']} of {t['calls']}, {100 * t['fallbacks'] / t['calls']:.0f}%); "
+             f"why: " + "; ".join(f"{k} ({n} calls)" for k, n in top)]
+    src = r["workload"]["source"]
+    if "quick" not in src and not src.endswith(".jsonl"):
+        lines.append("the default matrix (long texts, concurrency up to 32) is sized for a full profile: on a small "
+                     "set (e.g. profiles/tiny.yaml) run `trtbuild coverage --quick`, or add the suggested buckets")
+    else:
+        lines.append("add the suggested buckets to the profile and rebuild (`trtbuild build`)")
+    return lines
 
 
 def format_report(r: dict) -> str:
@@ -82,6 +108,7 @@ def format_report(r: dict) -> str:
                          f"({x['calls']} calls)")
     out.append("\nsuggested buckets:" if lines else "\nsuggested buckets: none (no fallbacks, waste within target)")
     out += lines
+    out += mostly_fallback_note(r)
     if w["failed"]:
         out.append(f"\n{len(w['failed'])} request(s) failed, first: {w['failed'][0]['group']}: "
                    f"{w['failed'][0]['error']}")

@@ -542,11 +542,35 @@ def _reason_code(reason: str | None) -> str:
 
 # ------------------------------------------------------------------------------------------------------- heatmap
 
+def plot_provenance(report: dict) -> str:
+    """Title line of a plot: engine set, backend, cosytrt commit and the device (GPU name on CUDA)."""
+    import subprocess
+
+    commit = "unknown commit"
+    try:
+        here = os.path.dirname(os.path.realpath(__file__))
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=5).stdout.strip() or commit
+    except (OSError, subprocess.SubprocessError):
+        pass
+    device = str(report.get("device", "cpu"))
+    if device.startswith("cuda"):
+        try:
+            import torch
+
+            device = f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+        except Exception:  # noqa: BLE001 - a title never fails the report
+            pass
+    return (f"engine set {os.path.basename(os.path.normpath(str(report.get('engines', '?'))))} "
+            f"({report.get('backend', '?')}), cosytrt {commit}, {device}")
+
+
 def write_heatmap(report: dict, tables: dict[tuple[str, str], BucketTable], path: str, bins: int = 24) -> str:
     """batch x length grid per stage/mode, coloured by calls (log scale); cells with eager fallbacks marked with a
     red x; each bucket's coverage outlined."""
-    import matplotlib
+    from cosytrt.extras import require
 
+    matplotlib = require("matplotlib", "plot", "the coverage heatmap (--out)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -583,9 +607,9 @@ def write_heatmap(report: dict, tables: dict[tuple[str, str], BucketTable], path
         im = ax.imshow(masked, aspect="auto", origin="lower", cmap="viridis", norm=LogNorm(vmin=1, vmax=vmax),
                        extent=(0, nb * width, -0.5, len(batches) - 0.5), interpolation="nearest")
         ys, xs = np.nonzero(fallback)
-        if len(xs):
+        if len(xs):  # legend outside the axes, so it never covers a cell
             ax.scatter((xs + 0.5) * width, ys, marker="x", color="red", s=50, label="eager fallback")
-            ax.legend(loc="upper right", fontsize=8)
+            ax.legend(loc="upper left", bbox_to_anchor=(1.12, 1.0), fontsize=8, borderaxespad=0.0)
         for bk in (table or []):  # what each bucket covers: batch <= B, length <= L (min_length.. if dynamic)
             top_row = max(i for i, b in enumerate(batches) if b <= bk.batch)
             lo = bk.min_length if bk.dynamic else 0
@@ -598,6 +622,7 @@ def write_heatmap(report: dict, tables: dict[tuple[str, str], BucketTable], path
         st = report["stages"].get(sm, {})
         ax.set_title(f"{sm}: {st.get('calls', 0)} calls, {st.get('fallbacks', 0)} eager fallbacks")
         fig.colorbar(im, ax=ax, label="calls")
+    fig.suptitle(plot_provenance(report), fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)

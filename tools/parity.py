@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 
+from ._cli import add_device
 from .table import format_table
 
 
 def add_arguments(p) -> None:
     p.add_argument("--engines", required=True, help="engine-set folder (with manifest.json)")
     p.add_argument("--model", default=None, help="'tiny' or a model directory (default: the manifest's model)")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: the manifest's device)")
+    add_device(p, default=None, help_extra=" (default: the manifest's device)")
     p.add_argument("--json", action="store_true", help="print the JSON report")
     p.add_argument("--seed", type=int, default=0, help="seed of the test inputs and of the pipeline request")
     p.add_argument("--no-pipeline", action="store_true", help="skip the pipeline-level checks")
@@ -53,8 +54,25 @@ def format_report(report) -> str:
         out.append(f"note  {c.name}: {c.note}")
     for c in report.failed:
         out.append(f"FAIL  {c.name}: {c.note or c.rule}")
-    out.append("PASS" if report.passed else f"FAIL ({len(report.failed)} of {len(report.checks)} checks)")
+    out.append(summary_line(report))
+    out.append(f"PASS ({len(report.checks)} of {len(report.checks)} checks)" if report.passed
+               else f"FAIL ({len(report.failed)} of {len(report.checks)} checks)")
     return "\n".join(out)
+
+
+def summary_line(report) -> str:
+    """`summary: N checks: P passed (S skipped), F failed; by kind: engine a/b, polygraphy c/d, ...`."""
+    from collections import Counter
+
+    skipped = sum(1 for c in report.checks if c.passed and "skipped" in (c.note or ""))
+    total, ok = Counter(), Counter()
+    for c in report.checks:
+        total[c.kind] += 1
+        ok[c.kind] += bool(c.passed)
+    kinds = ", ".join(f"{k} {ok[k]}/{total[k]}" for k in total)
+    n, failed = len(report.checks), len(report.failed)
+    return (f"summary: {n} checks: {n - failed} passed" + (f" ({skipped} skipped)" if skipped else "")
+            + f", {failed} failed" + (f"; passed by kind: {kinds}" if kinds else ""))
 
 
 def run(args) -> int:

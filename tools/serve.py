@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import sys
 
+from ._cli import add_device
+
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a CosyVoice3 model directory")
     p.add_argument("--engines", default=None, help="engine set folder built by `trtbuild build` (default: eager)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    add_device(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", default=None,
@@ -84,8 +86,19 @@ def run(args) -> int:
                               allowed_hosts=args.allowed_hosts, ref_audio_dir=args.ref_audio_dir,
                               max_voices=args.max_voices, max_transcript_chars=args.max_transcript_chars,
                               body_timeout_s=args.body_timeout_s, normalize_text=not args.no_normalize, **kw)
+    if args.cluster is None:
+        _print_model_hashes(args.model)
     if args.cluster == "ray":
         from ..runtime.cluster.app import serve_cluster
 
         return serve_cluster(args.config, settings)
     return serve(settings)
+
+
+def _print_model_hashes(model: str) -> None:
+    """Start-up line: the sha256 of the model's checkpoints and ONNX frontends (cached: the load re-uses them)."""
+    from ..runtime.models.loading import model_file_hashes, resolve_source
+
+    _, d, _ = resolve_source(model)
+    parts = ", ".join(f"{k} {v[:16]}" for k, v in model_file_hashes(d).items())
+    print(f"trtbuild serve: model {d}: sha256 {parts}", file=sys.stderr, flush=True)

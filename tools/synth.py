@@ -1,15 +1,18 @@
-"""`trtbuild synth`: synthesize speech to a 24 kHz mono 16-bit WAV, printing per-stage times, TTFA and RTF."""
+"""`trtbuild synth`: synthesize speech to a 24 kHz mono file (WAV, FLAC, MP3 or Opus by the --out extension),
+printing per-stage times, TTFA and RTF (`--json`: one JSON object)."""
 from __future__ import annotations
 
-import numpy as np
+import json
+import sys
 
+from ._cli import add_device, check_audio_out, write_audio
 from .table import format_table
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a CosyVoice3 model directory")
     p.add_argument("--engines", default=None, help="engine set folder built by `trtbuild build` (default: eager)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    add_device(p)
     p.add_argument("--text", required=True, help="text to speak")
     p.add_argument("--prompt-wav", default=None, help="reference audio (any common sample rate)")
     p.add_argument("--prompt-text", default=None, help="transcript of the reference audio (zero-shot mode)")
@@ -24,7 +27,9 @@ def add_arguments(p) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the LM and DiT (slow start, faster runs)")
     p.add_argument("--compile-cache", default=None, metavar="FILE",
                    help="with --compile: reuse / write torch.compile's artifacts in FILE")
-    p.add_argument("--out", required=True, help="output WAV path")
+    p.add_argument("--out", required=True, help="output audio path: .wav (16-bit PCM), .flac, .mp3 or .opus")
+    p.add_argument("--json", action="store_true", help="print one JSON object (times, RTF, file hashes) instead of "
+                   "the table")
 
 
 def run(args) -> int:
@@ -34,8 +39,14 @@ def run(args) -> int:
     from ..runtime.models.sampling import SamplingParams
     from ..runtime.tts import TTS
 
+    check_audio_out(args.out)  # a bad extension or folder fails now, not after the synthesis
     tts = TTS.load(model=args.model, engines=args.engines, device=args.device, compile=args.compile,
                    compile_cache=args.compile_cache)
+    models = tts.pipeline.models
+    if not args.json:
+        from ..runtime.models.loading import describe_hashes
+
+        print(describe_hashes(models), file=sys.stderr)
     if args.save_speaker:
         if not args.prompt_wav:
             from ..engines.errors import InputError
@@ -48,8 +59,17 @@ def run(args) -> int:
     req = Request(text=args.text, prompt_wav=args.prompt_wav, prompt_text=args.prompt_text, instruct=args.instruct,
                   speaker=args.speaker, stream=args.stream, sampling=sampling)
     wav, m = tts.synthesize_request(req)
-    pcm = np.clip(wav, -1.0, 1.0)
-    sf.write(args.out, pcm, tts.sample_rate, subtype="PCM_16")
+    write_audio(args.out, wav, tts.sample_rate)
+    if args.json:
+        es = getattr(tts.pipeline, "engine_set", None)
+        print(json.dumps({"out": args.out, "sample_rate": tts.sample_rate, "tokens": m.tokens,
+                          "audio_seconds": m.audio_seconds, "t_tokenizer": m.t_tokenizer, "t_ar": m.t_ar,
+                          "t_dit": m.t_dit, "t_vocoder": m.t_vocoder, "t_queue": m.t_queue, "ttfa": m.ttfa,
+                          "total": m.total, "rtf": m.rtf, "model": models.model_dir,
+                          "weights_hash": models.weights_hash, "model_files": models.file_hashes,
+                          "engines": args.engines, "backend": getattr(getattr(es, "manifest", None), "backend", None)},
+                         indent=1))
+        return 0
     rows = [["T_tokenizer", m.t_tokenizer], ["T_AR", m.t_ar], ["T_DiT", m.t_dit], ["T_vocoder", m.t_vocoder],
             ["T_queue", m.t_queue], ["time to first audio", m.ttfa or 0.0], ["total", m.total],
             ["audio", m.audio_seconds], ["RTF", m.rtf]]

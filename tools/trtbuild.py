@@ -18,8 +18,23 @@ SUBCOMMANDS = {
 }
 
 
+def _version() -> str:
+    import platform
+
+    from cosytrt import __version__
+
+    try:
+        import torch
+
+        tv = torch.__version__
+    except ImportError:  # pragma: no cover
+        tv = "absent"
+    return f"cosytrt {__version__} (torch {tv}, Python {platform.python_version()})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trtbuild", description="cosytrt: compiled-engine CosyVoice3 TTS")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}
     for name, (modname, help_text) in SUBCOMMANDS.items():
@@ -43,6 +58,20 @@ def main(argv: list[str] | None = None) -> int:
     except CosytrtError as e:
         print(f"trtbuild {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `trtbuild inspect --json DIR | head`: the reader left, not an error
+        _silence_stdout()
+        return 0
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: point stdout at devnull so the interpreter's final flush does not raise again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # pragma: no cover - stdout without a file descriptor
+        pass
 
 
 if __name__ == "__main__":

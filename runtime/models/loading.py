@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,7 @@ class CosyVoice3Models:
     source: str  # "tiny", a golden dir or a model dir
     model_dir: str  # folder holding the checkpoints (and frontends for tiny / real models)
     weights_hash: str
+    file_hashes: dict = field(default_factory=dict)  # {"llm.pt": full sha256, ..., "campplus.onnx": ...}
 
     @property
     def kind(self) -> str:
@@ -78,14 +79,43 @@ def build_modules(config: CosyVoice3Config, device: str | torch.device = "cpu"):
     return mods
 
 
+# files of a model directory whose sha256 is recorded in engine-set manifests and shown at start-up
+HASHED_FILES = CHECKPOINTS + ("campplus.onnx", "speech_tokenizer_v3.onnx")
+_HASH_CACHE: dict[tuple, str] = {}
+
+
+def sha256_file(path: str) -> str:
+    """Full sha256 (hex) of a file, cached per (path, size, mtime) for this process."""
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if key not in _HASH_CACHE:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        _HASH_CACHE[key] = h.hexdigest()
+    return _HASH_CACHE[key]
+
+
 def hash_files(paths: list[str]) -> str:
+    """The short weights hash of the checkpoints (names and per-file sha256s; changes when any byte does)."""
     h = hashlib.sha256()
     for p in paths:
         h.update(os.path.basename(p).encode())
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
+        h.update(sha256_file(p).encode())
     return h.hexdigest()[:16]
+
+
+def model_file_hashes(model_dir: str) -> dict[str, str]:
+    """{file: sha256} of the checkpoints and ONNX frontends present in a model directory."""
+    return {f: sha256_file(os.path.join(model_dir, f)) for f in HASHED_FILES
+            if os.path.isfile(os.path.join(model_dir, f))}
+
+
+def describe_hashes(models: "CosyVoice3Models", width: int = 16) -> str:
+    """One line for start-up output: `model DIR: llm.pt sha256 1a2b.., flow.pt ..`."""
+    parts = ", ".join(f"{k} {v[:width]}" for k, v in models.file_hashes.items())
+    return f"model {models.model_dir} (weights {models.weights_hash}): sha256 {parts}"
 
 
 def _randomize(module: torch.nn.Module, seed: int) -> None:
@@ -179,7 +209,7 @@ def load_models(source: str = "tiny", device: str = "cpu", dtype: torch.dtype | 
     for module, path in zip((llm, flow, hift), paths):
         module.load_checkpoint(read_state_dict(path))
     models = CosyVoice3Models(config=config, llm=llm, flow=flow, hift=hift, source=source if kind == "tiny" else d,
-                              model_dir=d, weights_hash=hash_files(paths))
+                              model_dir=d, weights_hash=hash_files(paths), file_hashes=model_file_hashes(d))
     return models.to(device=device, dtype=dtype)
 
 

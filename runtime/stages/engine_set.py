@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from ...engines.manifest import Manifest
+from ...engines.manifest import Manifest, set_path
 from ...engines import open_runner
 from ...engines.buckets import BucketTable, ShapeStats, parse_key
-from ...engines.errors import EngineSetError, InputError
+from ...engines.errors import CosytrtError, EngineSetError, InputError
 from .bucketed import BucketedDiT
 
 
@@ -72,21 +72,36 @@ def open_compiled_set(folder: str, device) -> CompiledSet | None:
 class LoadedEngineSet:
     """An engine set opened for one device: the manifest, runners per (stage, mode), and the call statistics."""
 
-    def __init__(self, folder: str, weights_hash: str, device: str = "cpu"):
+    def __init__(self, folder: str, weights_hash: str, device: str = "cpu", model_file_hashes: dict | None = None,
+                 verify: bool = True):
+        """`verify`: re-hash every file of the set against the manifest first (EngineSetError naming a changed or
+        missing file); `model_file_hashes`: the loaded model directory's {file: sha256}, checked against the
+        manifest's record (a corrupted checkpoint or frontend is named)."""
         self.folder = folder
         self.manifest = Manifest.load(folder)
         if self.manifest.backend == "compiled":
             raise EngineSetError(f"{folder} is a compiled engine set (a torch.compile cache): load it with "
                                  "TTS.load(engines=...) / `trtbuild serve --engines`")
+        if model_file_hashes:
+            self.manifest.check_model_files(model_file_hashes)
         self.manifest.check_compatible(weights_hash)
         self.ar_runner = check_ar_runner(self.manifest, folder)
         if self.manifest.backend == "tensorrt" and not str(device).startswith("cuda"):
             raise EngineSetError("a TensorRT engine set needs device='cuda'")
+        if verify:
+            self.manifest.verify(folder)
         waste = float(self.manifest.profile.get("max_padding_waste", 1.5))
         self.runners = {}
         self.tables = {}
         for spec in self.manifest.engines:
-            runner = open_runner(spec, folder, device)
+            set_path(folder, spec.file)  # inside the set (the manifest reader checked the name; this, symlinks)
+            try:
+                runner = open_runner(spec, folder, device)
+            except CosytrtError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a backend's own error on a bad file (e.g. InvalidProtobuf)
+                raise EngineSetError(f"engine set {folder!r}: cannot load {spec.file} ({spec.backend}): "
+                                     f"{type(e).__name__}: {e}") from None
             buckets = [parse_key(k) for k in spec.buckets]
             if spec.backend == "aoti" and str(device).startswith("cuda"):
                 runner = _graphed(runner, spec, buckets, device)
@@ -113,7 +128,9 @@ def _graphed(runner, spec, buckets, device):
 
 def attach_engine_set(pipeline, folder: str) -> LoadedEngineSet:
     """Route the pipeline's DiT (and HiFT) calls through the engine set's buckets."""
-    return _install(pipeline, LoadedEngineSet(folder, pipeline.models.weights_hash, str(pipeline.device)))
+    models = pipeline.models
+    return _install(pipeline, LoadedEngineSet(folder, models.weights_hash, str(pipeline.device),
+                                              getattr(models, "file_hashes", None)))
 
 
 def _install(pipeline, es, eager_dit=None):

@@ -203,12 +203,21 @@ def _load_text(text: str, source: str) -> Profile:
         raise ProfileError(f"{source}: {e}") from None
     except yaml.YAMLError as e:
         raise ProfileError(f"{source}: not valid YAML ({e})") from None
+    except RecursionError:
+        raise ProfileError(f"{source}: YAML nested too deeply to be a profile") from None
     return profile_from_dict(data, source)
+
+
+MAX_OPTION_DEPTH = 8      # builder options nest at most this deep
+MAX_OPTION_NODES = 10000  # and hold at most this many values (YAML aliases can multiply a small file)
 
 
 def profile_from_dict(data: Any, source: str = "<dict>") -> Profile:
     """Validate a profile given as plain data (the parsed YAML, or Profile.to_dict())."""
-    return _Parser(source).profile(data)
+    try:
+        return _Parser(source).profile(data)
+    except RecursionError:
+        raise ProfileError(f"{source}: nested too deeply to be a profile") from None
 
 
 # ---------------------------------------------------------------------------------------------------- validation
@@ -267,15 +276,22 @@ class _Parser:
         if not isinstance(v, dict):
             self.fail(path, "must be a mapping of builder options", v)
 
-        def check(x, p):
+        seen = [0]
+
+        def check(x, p, depth=0):
+            seen[0] += 1
+            if depth > MAX_OPTION_DEPTH:
+                self.fail(p, f"options nest deeper than {MAX_OPTION_DEPTH} levels")
+            if seen[0] > MAX_OPTION_NODES:
+                self.fail(path, f"more than {MAX_OPTION_NODES} option values")
             if isinstance(x, dict):
                 for k, y in x.items():
                     if not isinstance(k, str):
                         self.fail(p, "option names must be strings", k)
-                    check(y, f"{p}.{k}")
+                    check(y, f"{p}.{k}", depth + 1)
             elif isinstance(x, list):
                 for i, y in enumerate(x):
-                    check(y, f"{p}[{i}]")
+                    check(y, f"{p}[{i}]", depth + 1)
             elif not (x is None or isinstance(x, (bool, int, str)) or (isinstance(x, float) and math.isfinite(x))):
                 self.fail(p, "option values must be plain numbers, strings, booleans, lists or mappings", x)
         check(v, path)
