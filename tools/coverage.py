@@ -83,7 +83,8 @@ def format_report(r: dict) -> str:
         rows.append(["eager fallback", st["fallbacks"], _f(calls_pct, ".1f"),
                      _f(100 * st["fallback_work_share"], ".1f"), "-", "-", "-", _f(st["fallback_seconds"]),
                      _f(time_share, ".1f")])
-        hit = f", bucket hit rate {100 * st['hits'] / st['calls']:.1f}%" if st["calls"] else ""
+        hits = st.get("hits", st["calls"] - st["fallbacks"])
+        hit = f", bucket hit rate {100 * hits / st['calls']:.1f}%" if st["calls"] else ""
         title = (f"\n{sm}: {st['calls']} calls{hit}, padding waste mean {_f(st['waste']['mean'])} p95 "
                  f"{_f(st['waste']['p95'])} max {_f(st['waste']['max'])}"
                  + ("" if st["has_engine"] else " (no engine in this set: every call runs eagerly)"))
