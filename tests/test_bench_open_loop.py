@@ -137,6 +137,10 @@ def test_ab_settings_accept_boolean_fields_and_skip_the_rest():
     assert len(skipped) == 2 and "no_such_flag" in skipped[0] and "max_in_flight" in skipped[1]
     assert ab_settings(base, []) == ([("default", {})], [])
     assert ab_settings(base, ["flow_prefix_cache_not_here"])[0] == [("default", {})]
+    # several fields switched together
+    both, _ = ab_settings(base, ["async_d2h+continuous_batching"])
+    assert both == [("async_d2h+continuous_batching off", {"async_d2h": False, "continuous_batching": False}),
+                    ("async_d2h+continuous_batching on", {"async_d2h": True, "continuous_batching": True})]
 
 
 def test_stats_delta_reads_what_is_there():

@@ -34,17 +34,22 @@ OPEN_LOOP_MAX_IN_FLIGHT = 4096  # arrivals are never held back by admission: a b
 
 def ab_settings(base, flags: list[str]) -> tuple[list[tuple[str, dict]], list[str]]:
     """[(label, SchedulerConfig overrides)] for the A/B over `flags` (each off, then on; settings with the same
-    overrides merged), and the messages of the flags skipped. No usable flag: one setting, "default"."""
+    overrides merged), and the messages of the flags skipped. A flag `a+b` switches several fields together (off:
+    all False, on: all True). No usable flag: one setting, "default"."""
     fields = {f.name: f for f in dataclasses.fields(base)}
     settings: list[tuple[str, dict]] = []
     skipped = []
     for flag in flags:
-        f = fields.get(flag)
-        if f is None or not isinstance(getattr(base, flag), bool):
-            skipped.append(f"--ab {flag}: not a boolean field of SchedulerConfig in this build, skipped")
+        names = flag.split("+")
+        bad = [n for n in names if n not in fields or not isinstance(getattr(base, n), bool)]
+        if bad:
+            skipped.append(f"--ab {flag}: {', '.join(bad)} not a boolean field of SchedulerConfig in this build, "
+                           f"skipped")
             continue
         for value in (False, True):
-            settings.append((f"{flag} {'on' if value else 'off'}", {flag: value}))
+            overrides = {n: value for n in names}
+            if all(o != overrides for _, o in settings):
+                settings.append((f"{flag} {'on' if value else 'off'}", overrides))
     return settings or [("default", {})], skipped
 
 
