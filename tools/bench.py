@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from ..engines.dtypes import TORCH_DTYPES
+
 H200_HBM_BPS = 4.8e12
 H200_BF16_FLOPS = 790e12
 
@@ -561,7 +563,7 @@ def run(args) -> int:
     if bad:
         raise InputError(f"unknown serving variant(s) {sorted(bad)}: use compiled, graphs, eager")
     cells = args.cells or ("quick" if args.quick else "full")
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    dtype = TORCH_DTYPES[args.dtype]
     b = Bench(args)
     if args.compile_cache and os.path.isfile(args.compile_cache):
         _log(f"loading compile cache {args.compile_cache}: {load_compile_cache(args.compile_cache)}")

@@ -74,10 +74,6 @@ class FlowRow:
     frames: int
     prompt_frames: int
 
-    @property
-    def output_frames(self) -> int:
-        return self.frames - self.prompt_frames
-
 
 def _default_noise(frames: int) -> torch.Tensor:
     """Upstream's fixed CFM noise: randn([1, 80, 15000]) from seed 0, extended by further draws if longer."""
