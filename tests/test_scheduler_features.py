@@ -6,11 +6,10 @@ import time
 from dataclasses import replace
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from cosytrt.engines.buckets import group_by_length
-from cosytrt.engines.errors import InputError
 from cosytrt.runtime.scheduling.request import default_voice_wav
 from cosytrt.runtime.scheduling.scheduler import Scheduler, SchedulerConfig
 from cosytrt.runtime.tts import make_request

@@ -10,6 +10,8 @@ import time
 from collections import deque
 from types import SimpleNamespace
 
+import torch
+
 from ...engines.errors import InputError, RejectedError
 from ..models.frontend import LMRequestInputs, SavedSpeaker
 from ..scheduling.handle import RequestHandle

@@ -130,6 +130,7 @@ class Token2WavStage:
         self.backends = backends if backends is not None else pipeline.backends
         self._lock = threading.RLock()
         self._feeds: dict[int, _Feed] = {}  # live requests by id(handle)
+        self._open: set[int] = set()        # requests whose final DiT job is not queued yet (read without the lock)
         self.requests = Lifecycle(cfg, on_dead=self._forget)
         self.worker = Token2WavWorker(pipeline.models, self.backends, cfg, pipeline.sample_rate, self.device,
                                       self.clock, self.requests.finish, more_tokens=self._more_tokens)
@@ -143,6 +144,7 @@ class Token2WavStage:
         r = self.requests.admit(req, inputs)
         with self._lock:
             self._feeds[id(r.handle)] = _Feed()
+            self._open.add(id(r.handle))
         self.frontend.submit(r)
         return r.handle
 
@@ -198,14 +200,18 @@ class Token2WavStage:
         r.tokens.extend(f.pending)
         f.pending.clear()
         done = f.lm_done and not f.final_queued
-        f.final_queued |= done
+        if done:
+            f.final_queued = True
+            self._open.discard(id(r.handle))
         self.worker.tokens(r, done)
         self.worker.flush()
 
     def _forget(self, r: RequestState) -> None:
         with self._lock:
             self._feeds.pop(id(r.handle), None)
+            self._open.discard(id(r.handle))
 
-    def _more_tokens(self) -> bool:  # more DiT jobs can come while a request still expects tokens
-        with self._lock:
-            return bool(self.frontend.pending or any(not f.final_queued for f in self._feeds.values()))
+    def _more_tokens(self) -> bool:
+        """More DiT jobs can come while a request still expects tokens. Called by the DiT thread under its queue's
+        lock, so it takes no lock itself (feed holds the lock while it queues DiT jobs)."""
+        return bool(self.frontend.pending or self._open)

@@ -3,6 +3,7 @@ residual blocks, the f0 predictor, the sine source's linear mix, and STFT / iSTF
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 import torch
 import torch.nn as nn
