@@ -630,7 +630,7 @@ class ParityChecker:
         filled with ragged rows. Offline rows go through the runtime's HiFT wrapper when it has one (it recomputes
         the tails: whole rows compared), else through the engine with the tail rule."""
         hift = self.models.hift
-        vocoder = getattr(self.engine_pipeline.token2wav, "hift_runner", None)
+        vocoder = self.engine_pipeline.backends.hift_offline
         out = []
         for spec in self.manifest.engines:
             if spec.stage != "hift":
