@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engines.base import EngineSpec, torch_dtype
+from ..engines.base import EngineSpec
+from ..engines.dtypes import torch_dtype
 from ..engines.errors import BackendUnavailableError, EngineSetError
 from ..runtime.models.loading import CosyVoice3Models
 from ..runtime.stages.profile import Profile

@@ -24,7 +24,7 @@ from cosytrt.engines.errors import InputError, ModelDirError
 
 METADATA_FILE = "cosytrt_metadata.json"
 SPEECH_VOCAB = SPEECH_TOKEN_SIZE + NUM_SPECIAL  # 6761
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+from cosytrt.engines.dtypes import DTYPE_NAMES as _DTYPE_NAMES  # noqa: E402
 
 
 def padded_vocab_size(text_vocab: int, speech_vocab: int, multiple: int = 128) -> int:

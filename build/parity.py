@@ -258,7 +258,7 @@ def hift_kept_samples(hift, frames: int, finalize: bool) -> int:
 def hift_engine_feeds(spec, hift, bucket: Bucket, mel: torch.Tensor) -> dict[str, torch.Tensor]:
     """Engine inputs for a padded mel [batch, 80, L]: `mel` and the fixed sine noise from sample 0 (its shape from the
     manifest's template, [1, L*480, 9] by default), as the runtime's BucketedHiFT feeds them."""
-    from ..engines.base import torch_dtype
+    from ..engines.dtypes import torch_dtype
     from ..engines.shapes import resolve_shape
 
     templates = spec.extra.get("input_shapes", {})
@@ -406,7 +406,7 @@ class ParityChecker:
             built = self.manifest.model.get("weights_hash")
             models = dataclasses.replace(models, weights_hash=built, file_hashes={})
         self.eager_pipeline, self.engine_pipeline = self._pipelines(models)
-        self.engine_set = self.engine_pipeline.engine_set
+        self.engine_set = self.engine_pipeline.backends.engine_set
 
     def _pipelines(self, models):
         from ..runtime.stages.engine_set import attach_engine_set
@@ -414,7 +414,7 @@ class ParityChecker:
 
         frontend, speaker = make_frontend(models)
         eager = Pipeline(self.models, frontend, speaker)
-        engine = Pipeline(models, frontend, speaker)  # its own Token2Wav: attach swaps only this one's estimator
+        engine = Pipeline(models, frontend, speaker)  # its own StageBackends
         attach_engine_set(engine, self.folder)
         return eager, engine
 
@@ -630,7 +630,7 @@ class ParityChecker:
         filled with ragged rows. Offline rows go through the runtime's HiFT wrapper when it has one (it recomputes
         the tails: whole rows compared), else through the engine with the tail rule."""
         hift = self.models.hift
-        vocoder = getattr(self.engine_pipeline.token2wav, "hift_runner", None)
+        vocoder = self.engine_pipeline.backends.hift_offline
         out = []
         for spec in self.manifest.engines:
             if spec.stage != "hift":

@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 
 from .buckets import Bucket
+from .dtypes import torch_dtype  # noqa: F401 - re-exported (the table lives in dtypes.py)
 
 
 @dataclass
@@ -65,13 +66,3 @@ class EngineRunner(abc.ABC):
     def output_names(self) -> list[str]:
         return self.spec.output_names
 
-
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    from .errors import EngineSetError
-
-    if name not in _TORCH_DTYPES:
-        raise EngineSetError(f"unknown dtype {name!r} (expected one of {sorted(_TORCH_DTYPES)})")
-    return _TORCH_DTYPES[name]

@@ -21,13 +21,11 @@ import re
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from .signatures import SAMPLES_PER_MEL_FRAME
 from .errors import BucketError, InputError
 
-if TYPE_CHECKING:  # torch is only needed by the padding helpers
-    import torch
 
 STAGES = ("ar", "dit", "hift")
 STAGE_MODES = {"ar": ("decode", "prefill"), "dit": ("stream", "offline"), "hift": ("stream", "offline")}
@@ -36,9 +34,8 @@ DEFAULT_MAX_PADDING_WASTE = 1.5
 _EPS = 1e-9
 
 __all__ = [
-    "STAGES", "STAGE_MODES", "CFG_ROWS", "DEFAULT_MAX_PADDING_WASTE", "SAMPLES_PER_MEL_FRAME",
-    "Bucket", "parse_key", "BucketTable", "pad_batch", "crop", "group_by_length", "ShapeStats",
-    "StreamCall", "streaming_schedule", "streaming_call_frames",
+    "STAGES", "STAGE_MODES", "CFG_ROWS", "DEFAULT_MAX_PADDING_WASTE",
+    "Bucket", "parse_key", "BucketTable", "group_by_length", "ShapeStats",
 ]
 
 
@@ -247,69 +244,6 @@ class BucketTable:
         return f"{head}: {best.key} (padding waste {w:.3f} <= {self.max_padding_waste:g})"
 
 
-# ------------------------------------------------------------------------------------------------ padding helpers
-
-def pad_batch(tensors: Sequence["torch.Tensor"], bucket: Bucket, pad_value: float = 0.0,
-              mask_dtype: "torch.dtype | None" = None, unused_mask: float = 0.0):
-    """Right-pad rows [..., T_i] into the bucket shape.
-
-    Returns (x [batch, ..., L], mask [batch, 1, L], lengths) where L = bucket.run_length(max T_i), unused batch
-    slots are all `pad_value` with mask `unused_mask` (0; give 1 for attention, so no row is fully masked), and
-    `lengths` is the host list of the T_i (real rows only)."""
-    import torch
-
-    if not isinstance(bucket, Bucket):
-        raise BucketError(f"pad_batch needs a Bucket, got {bucket!r}")
-    rows = list(tensors)
-    if not rows:
-        raise BucketError(f"pad_batch got no rows for {bucket.key}")
-    if len(rows) > bucket.batch:
-        raise BucketError(f"{len(rows)} rows do not fit bucket {bucket.key} (batch {bucket.batch})")
-    first = rows[0]
-    for i, t in enumerate(rows):
-        if not isinstance(t, torch.Tensor) or t.dim() < 1:
-            raise BucketError(f"pad_batch row {i} must be a tensor [..., T], got {type(t).__name__}")
-        if t.shape[:-1] != first.shape[:-1] or t.dtype != first.dtype or t.device != first.device:
-            raise BucketError(f"pad_batch row {i} has shape {tuple(t.shape)} {t.dtype} {t.device}, row 0 has "
-                              f"{tuple(first.shape)} {first.dtype} {first.device} (leading dims must match)")
-    lengths = [int(t.shape[-1]) for t in rows]
-    n = max(lengths)
-    if min(lengths) < 1 or not bucket.covers(len(rows), n):
-        raise BucketError(f"rows of lengths {lengths} do not fit bucket {bucket.key} "
-                          f"(length range {bucket.min_length}..{bucket.length})")
-    L = bucket.run_length(n)
-    x = first.new_full((bucket.batch, *first.shape[:-1], L), pad_value)
-    if mask_dtype is None:
-        mask_dtype = first.dtype if first.is_floating_point() else torch.float32
-    mask = torch.zeros(bucket.batch, 1, L, dtype=mask_dtype, device=first.device)
-    mask[len(rows):] = unused_mask
-    for i, t in enumerate(rows):
-        x[i, ..., : lengths[i]] = t
-        mask[i, :, : lengths[i]] = 1
-    return x, mask, lengths
-
-
-def crop(out: "torch.Tensor", lengths: Sequence[int], scale: int = 1, clone: bool = False) -> list["torch.Tensor"]:
-    """Cut each real row of a padded output [batch, ..., L*scale] back to lengths[i]*scale along the last dim.
-
-    scale: output samples per input frame (HiFT: SAMPLES_PER_MEL_FRAME = 480). Returns views of `out` unless
-    clone=True (clone when `out` is a static engine/graph buffer that the next call overwrites)."""
-    if not _is_int(scale) or scale < 1:
-        raise BucketError(f"crop scale must be a positive integer, got {scale!r}")
-    if out.dim() < 2:
-        raise BucketError(f"crop needs an output [batch, ..., T], got shape {tuple(out.shape)}")
-    if len(lengths) > out.shape[0]:
-        raise BucketError(f"crop got {len(lengths)} lengths for an output of batch {out.shape[0]}")
-    res = []
-    for i, n in enumerate(lengths):
-        if not _is_int(n) or n < 0 or n * scale > out.shape[-1]:
-            raise BucketError(f"crop row {i}: length {n!r} x scale {scale} does not fit output length "
-                              f"{out.shape[-1]}")
-        r = out[i, ..., : n * scale]
-        res.append(r.clone() if clone else r)
-    return res
-
-
 def group_by_length(lengths: Sequence[int], max_batch: int, max_padding_waste: float = DEFAULT_MAX_PADDING_WASTE,
                     max_frames: int | None = None, length_aware: bool = True) -> list[list[int]]:
     """Length-aware grouping (the HiFT batching policy): index groups that may share one right-padded call.
@@ -438,63 +372,3 @@ def _pct(sorted_vals: list[float], q: float) -> float | None:
     if not sorted_vals:
         return None
     return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
-
-
-# ------------------------------------------------------------------------------------------- streaming schedule
-
-@dataclass(frozen=True)
-class StreamCall:
-    """One call of the upstream CosyVoice3 streaming loop (CosyVoice2Model.tts + CosyVoice3Model.token2wav)."""
-    index: int
-    token_offset: int    # target tokens already turned into audio before this call
-    hop: int             # target tokens this call turns into audio (final: all the rest)
-    dit_tokens: int      # target tokens the DiT sees: offset + hop + look-ahead (final: all)
-    dit_frames: int      # DiT call length: (prompt + dit_tokens - look-ahead) * ratio (look-ahead gives no frames)
-    hift_frames: int     # HiFT input: the whole mel cache so far, this call's mel included
-    new_mel_frames: int  # mel frames this call adds to the cache
-    final: bool
-
-
-def streaming_schedule(prompt_tokens: int, total_tokens: int, *, token_hop_len: int = 25,
-                       token_max_hop_len: int = 100, stream_scale_factor: int = 2, pre_lookahead_len: int = 3,
-                       token_mel_ratio: int = 2) -> list[StreamCall]:
-    """The calls a streaming request of `prompt_tokens` + `total_tokens` (target) speech tokens makes.
-
-    First hop = token_hop_len + pad, pad = ceil(P / hop) * hop - P, so prompt + hop ends on a chunk boundary;
-    a hop fires once offset + hop + look-ahead tokens exist, runs the DiT on the prompt + all target tokens so far
-    + look-ahead (the flow recomputes the whole prefix) and keeps the mel of the hop; hops grow x scale up to
-    token_max_hop_len; the final call runs on everything. HiFT runs on the whole mel cache each time."""
-    for name, v, lo in (("prompt_tokens", prompt_tokens, 0), ("total_tokens", total_tokens, 1),
-                        ("token_hop_len", token_hop_len, 1), ("token_max_hop_len", token_max_hop_len, 1),
-                        ("stream_scale_factor", stream_scale_factor, 1), ("pre_lookahead_len", pre_lookahead_len, 0),
-                        ("token_mel_ratio", token_mel_ratio, 1)):
-        if not _is_int(v) or v < lo:
-            raise InputError(f"streaming_schedule: {name} must be an integer >= {lo}, got {v!r}")
-    P, N, r = prompt_tokens, total_tokens, token_mel_ratio
-    pad = -(-P // token_hop_len) * token_hop_len - P
-    calls: list[StreamCall] = []
-    offset, base_hop = 0, token_hop_len
-    while True:
-        hop = base_hop + pad if offset == 0 else base_hop
-        if N - offset < hop + pre_lookahead_len:
-            break
-        seen = offset + hop + pre_lookahead_len
-        # the look-ahead tokens are PreLookahead context only: the DiT runs on (P + offset + hop) * r frames
-        calls.append(StreamCall(len(calls), offset, hop, seen, (P + offset + hop) * r, (offset + hop) * r, hop * r,
-                                False))
-        offset += hop
-        base_hop = min(token_max_hop_len, base_hop * stream_scale_factor)
-    calls.append(StreamCall(len(calls), offset, N - offset, N, (P + N) * r, N * r, (N - offset) * r, True))
-    return calls
-
-
-def streaming_call_frames(prompt_tokens: int, total_tokens: int, stage: str = "dit", **schedule) -> list[int]:
-    """Per call of a streaming request: DiT mel frames (stage='dit') or HiFT input mel frames (stage='hift').
-
-    P=20, 120 target tokens: dit [100, 200, 280], hift [60, 160, 240]."""
-    calls = streaming_schedule(prompt_tokens, total_tokens, **schedule)
-    if stage == "dit":
-        return [c.dit_frames for c in calls]
-    if stage == "hift":
-        return [c.hift_frames for c in calls]
-    raise BucketError(f"streaming_call_frames: stage must be 'dit' or 'hift', got {stage!r}")

@@ -54,11 +54,6 @@ def static_copies(inputs: tuple) -> tuple:
     """The static input buffers of a graph: clones of the example inputs made under inference mode, like every tensor
     the scheduler's workers pass. A torch.compile'd function guards on whether its inputs are inference tensors, so
     buffers made outside inference mode would leave the workers' first uncaptured call (a shape no bucket holds) to
-    compile the function again: a minute for the full-size DiT on the H200, a stall of every request in flight
-    (BENCHMARKS.md, runs 7 and 9)."""
+    compile the function again: a minute for the full-size DiT on the H200, a stall of every request in flight."""
     with torch.inference_mode():
         return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
-
-
-def graphs_available(device) -> bool:
-    return torch.device(device).type == "cuda" and torch.cuda.is_available()

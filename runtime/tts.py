@@ -22,7 +22,9 @@ from .models.frontend import SavedSpeaker, save_speaker
 from .stages.pipeline import Pipeline, make_frontend
 from .scheduling.request import Request, RequestMetrics
 from .models.sampling import SamplingParams
-from .scheduling.scheduler import RequestHandle, Scheduler, SchedulerConfig
+from .scheduling.config import SchedulerConfig
+from .scheduling.handle import RequestHandle
+from .scheduling.scheduler import Scheduler
 
 HISTORY_WINDOW = 4096  # finished requests kept for metrics() / export_metrics() (a sliding window)
 
@@ -53,6 +55,7 @@ class TTS:
         if llm is not None and hasattr(llm, "batch_invariant"):
             llm.batch_invariant = self.scheduler_config.batch_invariant
         self._scheduler: Scheduler | None = None
+        self._ar_runner = None
         self._lock = threading.Lock()
         # the last `history_window` finished requests: memory and metrics() cost stay bounded on a long-running server
         self._history: collections.deque[RequestMetrics] = collections.deque(maxlen=max(1, int(history_window)))
@@ -91,24 +94,25 @@ class TTS:
             if os.path.isfile(compile_cache):
                 load_compile_cache(compile_cache)
         pipeline = Pipeline.load(model, device=device, dtype=dtype)
+        models = pipeline.models
         if compiled_set is not None:
-            compiled_set.check_model(pipeline.models)
+            compiled_set.check_model(models)
             pipeline.compiled_set = compiled_set
         if engines is not None and compiled_set is None:
-            from .stages.engine_set import attach_engine_set
+            from .stages.engine_set import engine_set_backends
 
-            attach_engine_set(pipeline, engines)
+            pipeline.set_backends(engine_set_backends(models, engines, str(pipeline.device)))
         elif cuda_graphs and pipeline.device.type == "cuda":
-            from .stages.engine_set import attach_cuda_graphs
+            from .stages.engine_set import cuda_graph_backends
             from .stages.profile import load_profile
 
             name = cuda_graphs if isinstance(cuda_graphs, str) else (
-                "h200-graphs" if pipeline.models.config.flow.dit.dim >= 1024 else "tiny")
-            attach_cuda_graphs(pipeline, load_profile(name), compile=compile)
+                "h200-graphs" if models.config.flow.dit.dim >= 1024 else "tiny")
+            pipeline.set_backends(cuda_graph_backends(models, pipeline.device, load_profile(name), compile=compile))
         elif compile:
-            from .stages.compiled import attach_compiled
+            from .stages.compiled import compiled_backends
 
-            attach_compiled(pipeline)
+            pipeline.set_backends(compiled_backends(models))
         if not compile:
             return cls(pipeline, engines, scheduler)
         tts = cls(pipeline, engines, dataclasses.replace(scheduler or SchedulerConfig(), compile=True))
@@ -127,8 +131,24 @@ class TTS:
         """The request scheduler (started on first use)."""
         with self._lock:
             if self._scheduler is None:
-                self._scheduler = Scheduler(self.pipeline, self.scheduler_config, on_finish=self._record)
+                self._scheduler = self.make_scheduler(self.scheduler_config, on_finish=self._record)
             return self._scheduler
+
+    @property
+    def ar_runner(self):
+        """The AR runner (KV slots, decode / prefill graphs, compiled LM) every scheduler of this TTS runs on;
+        built with the first scheduler, closed by `close()`."""
+        if self._ar_runner is None:
+            from .scheduling.scheduler import make_ar_runner
+
+            self._ar_runner = make_ar_runner(self.pipeline.models, self.scheduler_config, self.pipeline.device)
+        return self._ar_runner
+
+    def make_scheduler(self, config: SchedulerConfig | None = None, backends=None, on_finish=None) -> Scheduler:
+        """A Scheduler over this TTS's AR runner and (default) stage backends: cheap, so a benchmark builds one per
+        SchedulerConfig (its AR fields must match the runner's) or per StageBackends variant."""
+        return Scheduler(self.pipeline, config or self.scheduler_config, on_finish, runner=self.ar_runner,
+                         backends=backends)
 
     def _record(self, m: RequestMetrics) -> None:
         with self._lock:
@@ -209,11 +229,17 @@ class TTS:
         to_json(history, path, sched.stats() if sched is not None else None)
 
     def close(self, drain_timeout_s: float = 30.0) -> None:
-        """Finish in-flight requests (up to `drain_timeout_s`) and stop the scheduler; later calls start a new one."""
+        """Finish in-flight requests (up to `drain_timeout_s`), stop the scheduler, close the AR runner and the stage
+        backends' runners. Later calls start a new scheduler and AR runner; engine runners stay closed (load a new
+        TTS to serve with engines again)."""
         with self._lock:
             sched, self._scheduler = self._scheduler, None
+            runner, self._ar_runner = self._ar_runner, None
         if sched is not None:
             sched.close(drain_timeout_s)
+        if runner is not None:
+            runner.close()
+        self.pipeline.backends.close()
 
     def __enter__(self) -> "TTS":
         return self

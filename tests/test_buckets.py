@@ -7,9 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cosytrt.engines.buckets import (SAMPLES_PER_MEL_FRAME, Bucket, BucketTable, ShapeStats, crop,
-                                     group_by_length, pad_batch, parse_key, streaming_call_frames,
-                                     streaming_schedule)
+from cosytrt.engines.buckets import Bucket, BucketTable, ShapeStats, group_by_length, parse_key
+from cosytrt.runtime.stages.hop_schedule import streaming_call_frames, streaming_schedule
 from cosytrt.runtime.models.config import tiny_config
 from cosytrt.engines.errors import BucketError, InputError
 
@@ -151,59 +150,6 @@ def test_table_rejects_mixed_and_duplicates():
         SMALL.select(0, 10)
     with pytest.raises(BucketError, match="call length"):
         SMALL.select(1, 2.5)
-
-
-# ------------------------------------------------------------------------------------------- padding / cropping
-
-def test_pad_batch_and_crop_roundtrip():
-    g = torch.Generator().manual_seed(0)
-    lens = [50, 64, 37]
-    rows = [torch.randn(80, n, generator=g) for n in lens]
-    bucket = Bucket("hift", "offline", 4, 64)
-    x, mask, lengths = pad_batch(rows, bucket)
-    assert x.shape == (4, 80, 64) and mask.shape == (4, 1, 64) and mask.dtype == torch.float32
-    assert lengths == lens
-    assert mask.sum(dim=(1, 2)).tolist() == [50.0, 64.0, 37.0, 0.0]
-    assert torch.count_nonzero(x[3]) == 0                       # unused slot: zero row
-    assert torch.count_nonzero(x[0, :, 50:]) == 0 and torch.count_nonzero(x[2, :, 37:]) == 0
-    back = crop(x, lengths)
-    assert len(back) == 3 and all(torch.equal(a, b) for a, b in zip(back, rows))
-    # a HiFT-like output: 480 samples per frame, [batch, samples]
-    wav = x[:, 0, :].repeat_interleave(SAMPLES_PER_MEL_FRAME, dim=-1)
-    out = crop(wav, lengths, scale=SAMPLES_PER_MEL_FRAME)
-    assert [o.shape[-1] for o in out] == [24000, 30720, 17760]
-    for o, r in zip(out, rows):
-        assert torch.equal(o, r[0].repeat_interleave(480))
-    c = crop(wav, lengths, scale=480, clone=True)
-    wav.zero_()
-    assert torch.equal(c[1], rows[1][0].repeat_interleave(480))   # clone survives a buffer overwrite
-
-
-def test_pad_batch_dynamic_tokens_and_dtype():
-    rows = [torch.tensor([5, 6, 7]), torch.tensor([1, 2, 3, 4, 9])]
-    x, mask, lengths = pad_batch(rows, Bucket("ar", "prefill", 4, 128, 2), pad_value=-1)
-    assert x.shape == (4, 5) and x.dtype == torch.int64            # dynamic: padded to the longest row only
-    assert x.tolist() == [[5, 6, 7, -1, -1], [1, 2, 3, 4, 9], [-1] * 5, [-1] * 5]
-    assert mask.shape == (4, 1, 5) and mask.dtype == torch.float32 and lengths == [3, 5]
-    h = [torch.ones(2, 3, dtype=torch.float16)]
-    x, mask, _ = pad_batch(h, Bucket("hift", "stream", 2, 8))
-    assert x.dtype == torch.float16 and mask.dtype == torch.float16 and x.shape == (2, 2, 8)
-    _, mask, _ = pad_batch(h, Bucket("hift", "stream", 2, 8), unused_mask=1.0)   # attention: no all-masked row
-    assert mask[0, 0].tolist() == [1.0] * 3 + [0.0] * 5 and mask[1, 0].tolist() == [1.0] * 8
-
-
-def test_pad_batch_errors():
-    b = Bucket("hift", "offline", 2, 64)
-    with pytest.raises(BucketError, match="do not fit bucket"):
-        pad_batch([torch.zeros(80, 10)] * 3, b)
-    with pytest.raises(BucketError, match="do not fit bucket"):
-        pad_batch([torch.zeros(80, 65)], b)
-    with pytest.raises(BucketError, match="leading dims"):
-        pad_batch([torch.zeros(80, 10), torch.zeros(40, 10)], b)
-    with pytest.raises(BucketError, match="no rows"):
-        pad_batch([], b)
-    with pytest.raises(BucketError, match="does not fit output"):
-        crop(torch.zeros(2, 10), [11])
 
 
 # -------------------------------------------------------------------------------------------- group_by_length

@@ -112,7 +112,7 @@ def test_engine_set_pipeline_hits_buckets_and_matches_eager(ort_set):
     b = tts.synthesize("Engines and eager agree.", **kw)
     assert a.shape == b.shape == (50 * 960,)
     assert float(abs(a - b).max()) < 2e-3
-    s = tts.pipeline.engine_set.stats.summary()
+    s = tts.pipeline.backends.shape_stats.summary()
     assert s["buckets"]["dit/offline/b2xt288"]["hits"] == 10  # 10 Euler steps
     assert s["buckets"]["hift/offline/b1xt128"]["hits"] == 1
     eager.close()

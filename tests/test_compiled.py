@@ -179,24 +179,46 @@ def test_compiled_hift_runs_batch_one_eagerly(tiny_tts, monkeypatch):
     assert compiled_mod.CompiledHiFT.of(hift) is compiled_mod.CompiledHiFT.of(hift)
 
 
-def test_use_hift_variant_swaps_runner_and_stream_decoder():
-    from types import SimpleNamespace
+def test_stage_backends_route_the_stage_calls(tiny_tts):
+    """StageBackends are handed explicitly to whoever runs a stage: a scheduler over them calls their DiT estimator
+    of each mode, their offline HiFT and their streaming-window decoder (HiFT variants are different StageBackends),
+    with the eager stages' audio; close() runs the closers once."""
+    from cosytrt.runtime.stages.backends import StageBackends
+    from cosytrt.runtime.tts import make_request
 
-    from cosytrt.runtime.stages.engine_set import use_hift_variant
+    models = tiny_tts.pipeline.models
+    calls = set()
 
-    graphs = {"eager": ("eager-runner", "eager-windows"), "compiled": ("compiled-runner", "compiled-windows")}
-    es = SimpleNamespace(hift_fns=dict.fromkeys(graphs), hift_graphs=graphs.__getitem__,
-                         hift_variant="compiled", runners={("hift", "offline"): "compiled-runner"},
-                         stream_decoder="compiled-windows")
-    pipe = SimpleNamespace(engine_set=es, token2wav=SimpleNamespace(hift_runner=SimpleNamespace(runners={})),
-                           models=SimpleNamespace(hift=SimpleNamespace(stream_decoder="compiled-windows")))
-    use_hift_variant(pipe, "eager")
-    assert pipe.token2wav.hift_runner.runners["offline"] == "eager-runner"
-    assert pipe.models.hift.stream_decoder == "eager-windows" == es.stream_decoder
-    assert es.hift_variant == "eager" and es.runners[("hift", "offline")] == "eager-runner"
-    use_hift_variant(pipe, "compiled")
-    assert pipe.models.hift.stream_decoder == "compiled-windows"
-    with pytest.raises(InputError, match=r"no HiFT variant 'fp8'.*\['compiled', 'eager'\]"):
-        use_hift_variant(pipe, "fp8")
-    with pytest.raises(InputError, match="has: none"):
-        use_hift_variant(SimpleNamespace(), "eager")
+    def estimator(mode):
+        def run(*args, streaming=False):
+            calls.add(("dit", mode, streaming))
+            return models.flow.estimator(*args, streaming=streaming)
+        return run
+
+    class Offline:
+        def inference_batch(self, mels, finalize=True):
+            calls.add(("hift", "offline"))
+            return models.hift.inference_batch(mels, finalize)
+
+    def windows(mel, source, finalize):
+        calls.add(("hift", "window"))
+        return models.hift.decode(mel, source, finalize)
+
+    closed = []
+    backends = StageBackends(estimator("stream"), estimator("offline"), Offline(), windows,
+                             closers=[lambda: closed.append(1)])
+    sched = tiny_tts.make_scheduler(backends=backends)
+    try:
+        off = sched.submit(make_request("Routed.", seed=5, force_tokens=40)).result(timeout=120)
+        stream = np.concatenate(list(sched.submit(make_request("Routed.", seed=5, force_tokens=40, stream=True))
+                                     .chunks(timeout=120)))
+    finally:
+        sched.close()
+    assert calls == {("dit", "stream", True), ("dit", "offline", False), ("hift", "offline"), ("hift", "window")}
+    ref = tiny_tts.synthesize("Routed.", seed=5, force_tokens=40)
+    assert off.shape == ref.shape and np.abs(off - ref).max() <= BATCHED_ATOL
+    ref = np.concatenate(list(tiny_tts.stream("Routed.", seed=5, force_tokens=40)))
+    assert stream.shape == ref.shape and np.abs(stream - ref).max() <= BATCHED_ATOL
+    backends.close()
+    backends.close()
+    assert closed == [1]

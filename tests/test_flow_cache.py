@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from cosytrt.runtime.models.checkpoint import read_state_dict
 from cosytrt.runtime.models.config import config_from_golden_json
 from cosytrt.runtime.models.flow import Flow, FlowInput
-from cosytrt.runtime.stages.flow_cache import (FlowCachePool, bytes_per_frame, model_fingerprint,
+from cosytrt.runtime.stages.flow_cache import (FlowCachePool, flow_rows, bytes_per_frame, model_fingerprint,
                                                prompt_cacheable_frames, prompt_key)
 from cosytrt.runtime.stages.token2wav import LOOKAHEAD, TOKEN_MAX_HOP, first_hop
 
@@ -55,7 +55,7 @@ def hop_ends(P: int, n_tokens: int) -> list[int]:
 
 def hop(flow, tokens, prompt, upto, cache=None):
     pt, pf, emb = prompt
-    return flow.inference_batch([FlowInput(tokens[:upto + LOOKAHEAD], pt, pf, emb, False, cache)], streaming=True)[0]
+    return flow_rows(flow, [FlowInput(tokens[:upto + LOOKAHEAD], pt, pf, emb, False, cache)], True)[0]
 
 
 def max_err(a, b) -> float:
@@ -220,7 +220,7 @@ def test_batched_cached_hops_equal_alone(flow):
     for rnd in range(2):
         rows = [FlowInput(tokens[i][:ends[i][advance[i] + rnd] + LOOKAHEAD], *prompts[i], False, sa[i])
                 for i in range(len(specs))]
-        batched = flow.inference_batch(rows, streaming=True)
+        batched = flow_rows(flow, rows, True)
         for i in range(len(specs)):
             upto = ends[i][advance[i] + rnd]
             alone = hop(flow, tokens[i], prompts[i], upto, sb[i])
@@ -241,11 +241,11 @@ def test_mixed_batch_cached_uncached_and_final(flow):
     hop(flow, tokens, prompt, ends[0], st)
     rows = [FlowInput(tokens[:ends[1] + LOOKAHEAD], *prompt, False, st),
             FlowInput(tokens[:ends[1] + LOOKAHEAD], *prompt, False)]
-    a, b = flow.inference_batch(rows, streaming=True)
+    a, b = flow_rows(flow, rows, True)
     assert max_err(a, b) <= CACHE_TOL
     # a finalize row with a cache ignores it (full-history pass)
-    fin = flow.inference_batch([FlowInput(tokens, *prompt, True, st)], streaming=False)[0]
-    ref = flow.inference_batch([FlowInput(tokens, *prompt, True)], streaming=False)[0]
+    fin = flow_rows(flow, [FlowInput(tokens, *prompt, True, st)], False)[0]
+    ref = flow_rows(flow, [FlowInput(tokens, *prompt, True)], False)[0]
     assert torch.equal(fin, ref)
 
 

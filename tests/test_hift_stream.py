@@ -158,17 +158,14 @@ def test_bucketed_stream_decoder_is_exact(hift, mel):
         calls.append((bucket.batch, m.shape[-1]))
         return hift.decode(m, s, finalize=False)
 
-    ref_stream, out_stream = HiFTStream(hift), HiFTStream(hift)
+    ref_stream = HiFTStream(hift)
+    out_stream = HiFTStream(hift, decoder=BucketedStreamDecoder(hift, run, table, stats))
     ref, out = [], []
     sched = [(0, 30, False), (30, 70, False), (70, 120, False), (120, TOTAL, True)]
     for a, b, fin in sched:
         ref.append(ref_stream.push(mel[:, :, a:b], finalize=fin))
-    hift.stream_decoder = BucketedStreamDecoder(hift, run, table, stats)
-    try:
-        for a, b, fin in sched:
-            out.append(out_stream.push(mel[:, :, a:b], finalize=fin))
-    finally:
-        del hift.stream_decoder
+    for a, b, fin in sched:
+        out.append(out_stream.push(mel[:, :, a:b], finalize=fin))
     assert [r.shape for r in ref] == [o.shape for o in out]
     assert max(float((r - o).abs().max()) for r, o in zip(ref, out)) <= 1e-6
     s = stats.summary()["stages"]["hift/stream"]

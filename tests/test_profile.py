@@ -4,7 +4,8 @@ import textwrap
 
 import pytest
 
-from cosytrt.engines.buckets import Bucket, streaming_schedule
+from cosytrt.engines.buckets import Bucket
+from cosytrt.runtime.stages.hop_schedule import streaming_schedule
 from cosytrt.engines.errors import BucketError, ProfileError
 from cosytrt.runtime.stages.profile import load_profile, profile_from_dict
 

@@ -3,12 +3,13 @@ changes how calls are batched, never the audio (tokens identical, audio within t
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from cosytrt.engines.buckets import group_by_length
-from cosytrt.engines.errors import InputError
 from cosytrt.runtime.scheduling.request import default_voice_wav
 from cosytrt.runtime.scheduling.scheduler import Scheduler, SchedulerConfig
 from cosytrt.runtime.tts import make_request
@@ -94,7 +95,7 @@ def test_group_by_length_in_arrival_order_when_not_length_aware():
 
 def test_hift_length_aware_switch_reaches_the_grouping(tts, speaker, monkeypatch):
     """The offline HiFT grouping gets the switch (its effect on the groups is the unit test above)."""
-    import cosytrt.runtime.scheduling.scheduler as scheduler_module
+    import cosytrt.runtime.scheduling.policies as policies_module
 
     seen = []
 
@@ -103,7 +104,7 @@ def test_hift_length_aware_switch_reaches_the_grouping(tts, speaker, monkeypatch
             seen.append(kw["length_aware"])
         return group_by_length(*args, **kw)
 
-    monkeypatch.setattr(scheduler_module, "group_by_length", spy)
+    monkeypatch.setattr(policies_module, "group_by_length", spy)
     for flag in (True, False):
         seen.clear()
         run_all(tts, SchedulerConfig(hift_length_aware=flag), lockstep(speaker, 2, stream=False))
@@ -118,30 +119,29 @@ def test_async_d2h_off_is_the_synchronous_copy(tts, speaker):
     assert_same_audio(on, off)
 
 
-def test_set_policies_on_a_running_scheduler(tts, speaker):
-    """Switched on a live scheduler, a policy applies from the next decision: DiT batching off -> one request per
-    call for the next wave, on again -> batched again. Unknown names and non-bools are refused."""
-    sched = Scheduler(tts.pipeline, SchedulerConfig(dit_max_wait_ms=50))
-    try:
-        def wave():
-            before = sched.stats()["dit"]
-            [h.result(timeout=120) for h in [sched.submit(r) for r in lockstep(speaker)]]
-            after = sched.stats()["dit"]
-            return after["calls"] - before["calls"], after["rows"] - before["rows"]
+def test_policies_compared_over_one_ar_runner(tts, speaker):
+    """A Scheduler is cheap over an existing AR runner (its KV slots, graphs, compiled functions): one scheduler per
+    SchedulerConfig compares the policies on the same runner. DiT batching off -> one request per call; on ->
+    batched calls; every slot is free again after each scheduler."""
+    from cosytrt.runtime.scheduling.scheduler import make_ar_runner
 
-        calls_on, rows_on = wave()
-        sched.set_policies(dit_chunk_aligned=False)
-        assert sched.config.dit_chunk_aligned is False and sched.config.dit_max_wait_ms == 50
-        calls_off, rows_off = wave()
-        sched.set_policies(dit_chunk_aligned=True)
-        calls_again, _ = wave()
-        assert calls_off == rows_off and calls_on < rows_on and calls_again < calls_off
-        with pytest.raises(InputError, match=r"unknown policy \['batching'\]"):
-            sched.set_policies(batching=False)
-        with pytest.raises(InputError, match="async_d2h must be True or False"):
-            sched.set_policies(async_d2h=1)
-    finally:
-        sched.close()
+    base = SchedulerConfig(dit_max_wait_ms=50)
+    runner = make_ar_runner(tts.pipeline.models, base, tts.pipeline.device)
+
+    def wave(cfg):
+        sched = Scheduler(tts.pipeline, cfg, runner=runner)
+        try:
+            [h.result(timeout=120) for h in [sched.submit(r) for r in lockstep(speaker)]]
+            st = sched.stats()["dit"]
+            return st["calls"], st["rows"]
+        finally:
+            sched.close()
+
+    calls_on, rows_on = wave(base)
+    calls_off, rows_off = wave(replace(base, dit_chunk_aligned=False))
+    calls_again, _ = wave(base)
+    assert calls_off == rows_off and calls_on < rows_on and calls_again < calls_off
+    assert runner.free == runner.max_batch
 
 
 # ---------------------------------------------------------------- DiT slack priority
@@ -189,3 +189,40 @@ def test_dit_slack_priority_off_keeps_the_audio(tts, speaker):
     off, _ = run_all(tts, SchedulerConfig(dit_max_wait_ms=20, dit_slack_priority=False), reqs)
     assert st_on["completed"] == 4
     assert_same_audio(on, off)
+
+
+# ---------------------------------------------------------------- building blocks
+
+def test_run_rows_retries_row_by_row():
+    """One helper runs every batched call of the workers: the batch at once, and when it raises each row alone, so
+    only the failing rows fail."""
+    from cosytrt.runtime.scheduling.state import run_rows
+
+    failed, calls = [], []
+
+    def call(rows):
+        calls.append(list(rows))
+        if 2 in rows:
+            raise ValueError("bad row")
+        return [r * 10 for r in rows]
+
+    assert run_rows(call, [1, 2, 3], lambda r, e: failed.append((r, str(e)))) == [(1, 10), (3, 30)]
+    assert failed == [(2, "bad row")] and calls == [[1, 2, 3], [1], [2], [3]]
+    assert run_rows(call, [2], lambda r, e: failed.append(r)) == [] and failed[-1] == 2
+    assert run_rows(call, [1, 2], lambda r, e: None, single=lambda r: -r) == [(1, -1), (2, -2)]
+
+
+def test_admission_policy():
+    """Free slots and the padded-token budget of one prefill bound an admission (always at least one row); without
+    continuous batching nobody joins while rows are decoding."""
+    from types import SimpleNamespace
+
+    from cosytrt.runtime.scheduling.policies import admit
+
+    waiting = [SimpleNamespace(lm_input=torch.zeros(n, 4)) for n in (100, 300, 50, 10)]
+    cfg = SchedulerConfig(ar_max_prefill_tokens=600)
+    assert admit(waiting, 0, 8, cfg) == 2                  # 2 x 300 = 600 fits, 3 x 300 does not
+    assert admit(waiting, 0, 1, cfg) == 1
+    assert admit(waiting[1:], 0, 8, SchedulerConfig(ar_max_prefill_tokens=10)) == 1
+    assert admit(waiting, 3, 8, replace(cfg, continuous_batching=False)) == 0
+    assert admit(waiting, 0, 8, replace(cfg, continuous_batching=False)) == 2

@@ -235,7 +235,7 @@ def replay(tts, requests: list[WorkloadRequest], timeout_s: float = 600.0, progr
     """Submit each group's requests together through `tts` (its scheduler) and wait for them; groups in order."""
     from ..runtime.scheduling.request import default_voice_wav
 
-    es = getattr(tts.pipeline, "engine_set", None)
+    es = tts.pipeline.backends.engine_set
     if es is None:
         raise InputError("coverage needs a TTS loaded with an engine set (TTS.load(..., engines=DIR))")
     tok = tts.pipeline.frontend.tokenizer
@@ -650,7 +650,7 @@ def run_coverage(engines: str, requests: list[WorkloadRequest], model: str | Non
     finally:
         if own:
             tts.close()
-    es = tts.pipeline.engine_set
+    es = tts.pipeline.backends.engine_set
     models = tts.pipeline.models
     meta = {"engines": engines, "backend": man.backend, "device": str(tts.pipeline.device),
             "model": str(models.source), "max_padding_waste": float(man.profile.get("max_padding_waste", 1.5)),

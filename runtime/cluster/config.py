@@ -26,7 +26,7 @@ from ...engines.errors import InputError
 
 STAGES = ("frontend", "ar", "token2wav", "ingress")
 SHIPPED_CONFIGS = ("cluster-example",)  # in cosytrt.profiles
-DTYPES = ("float32", "float16", "bfloat16")
+from ...engines.dtypes import DTYPES  # noqa: E402
 _STAGE_KEYS = ("replicas", "autoscaling", "num_cpus", "num_gpus", "device", "dtype", "engines", "scheduler",
                "max_ongoing_requests", "torch_threads", "ray_actor_options")
 _TOP_KEYS = ("model", "ray_address", "app_name", "server", "stages")

@@ -63,8 +63,8 @@ class FlowInput:
     prompt_feat: torch.Tensor
     embedding: torch.Tensor
     finalize: bool = True
-    # streaming prefix cache of the request (stages.flow_cache.FlowPrefixState): a non-final streaming row with one
-    # computes only the frames past its cached prefix; None (or a final row): the whole-history call
+    # streaming prefix cache of the request (stages.flow_cache.FlowPrefixState): `stages.flow_cache.flow_rows` runs a
+    # non-final streaming row with one over its new frames only; `Flow.inference_batch` ignores it (whole history)
     cache: Optional[object] = None
 
 
@@ -76,10 +76,6 @@ class FlowRow:
     spks: torch.Tensor
     frames: int
     prompt_frames: int
-
-    @property
-    def output_frames(self) -> int:
-        return self.frames - self.prompt_frames
 
 
 def _default_noise(frames: int) -> torch.Tensor:
@@ -295,33 +291,9 @@ class Flow(nn.Module):
                 raise InputError(f"finalize has {len(flags)} flags for {len(rows)} rows")
         prepared = [self.prepare_row(r.token, r.prompt_token, r.prompt_feat, r.embedding, f)
                     for r, f in zip(rows, flags)]
-        cached = [i for i, (r, f) in enumerate(zip(rows, flags))
-                  if streaming and not f and r.cache is not None and not r.cache.closed]
-        if not cached:
-            mu, mask, spks, cond = self.collate(prepared, pad_to)
-            mel = self.solve(mu, mask, spks, cond, streaming, estimator)
-            return [mel[i:i + 1, :, r.prompt_frames:r.frames] for i, r in enumerate(prepared)]
-        from ..stages.flow_cache import cached_dit_fn, plan_hops, release_plans, solve_cached
-
-        out: list = [None] * len(rows)
-        plans, whole = plan_hops(self, [rows[i] for i in cached], [prepared[i] for i in cached])
-        whole_idx = [i for i in range(len(rows)) if i not in cached] + [cached[k] for k in whole]
-        if whole_idx:
-            sub = [prepared[i] for i in whole_idx]
-            try:
-                mu, mask, spks, cond = self.collate(sub, pad_to)
-                mel = self.solve(mu, mask, spks, cond, streaming, estimator)
-            except BaseException:
-                release_plans(plans)
-                raise
-            for k, i in enumerate(whole_idx):
-                out[i] = mel[k:k + 1, :, prepared[i].prompt_frames:prepared[i].frames]
-        if plans:
-            mels = solve_cached(self, plans, cached_dit_fn(self, estimator))
-            for plan, m in zip(plans, mels):
-                i = cached[plan.index]
-                out[i] = m[:, :, prepared[i].prompt_frames:prepared[i].frames]
-        return out
+        mu, mask, spks, cond = self.collate(prepared, pad_to)
+        mel = self.solve(mu, mask, spks, cond, streaming, estimator)
+        return [mel[i:i + 1, :, r.prompt_frames:r.frames] for i, r in enumerate(prepared)]
 
 
 def _as_1d(x: torch.Tensor, name: str) -> torch.Tensor:

@@ -43,8 +43,11 @@ WINDOW_STEP = 16  # decode windows are rounded up to a multiple of this many fra
 class HiFTStream:
     """One request's streaming state. `push` returns the new samples [1, m] of that chunk."""
 
-    def __init__(self, hift: HiFT, context_frames: int | None = None):
+    def __init__(self, hift: HiFT, context_frames: int | None = None, decoder=None):
+        """`decoder(mel, source, finalize)`: what runs the decode windows (e.g. bucketed CUDA graphs of them, see
+        `StageBackends.hift_stream_windows`); None: `hift.decode`."""
         self.hift = hift
+        self.decoder = decoder
         # history kept for the conv stack: its receptive field plus WINDOW_STEP - 1 spare frames, so decode windows
         # can be rounded up to a multiple of WINDOW_STEP with real history (exact, and few distinct shapes: cuDNN
         # plans and CUDA graphs are per shape)
@@ -186,8 +189,7 @@ def push_batch(streams: list[HiFTStream], chunks: list[torch.Tensor], finalize_f
         f0, cum = zip(*(j.stream._f0(j.lo, j.hi) for j in group))
         noise = torch.cat([hift.noise_slice(j.lo, j.hi - j.lo) for j in group])
         source = hift.source_from_phase(torch.cat(f0), torch.cat(cum), noise)
-        decoder = getattr(hift, "stream_decoder", None)  # bucketed CUDA graphs when attached (stage_runner.py)
-        wav = (decoder or hift.decode)(mel, source, group[0].finalize)
+        wav = (group[0].stream.decoder or hift.decode)(mel, source, group[0].finalize)
         return [wav[r:r + 1, j.skip:] for r, j in enumerate(group)]
     _run_grouped(dec_jobs, run_decode)
 

@@ -165,24 +165,6 @@ def ras_sample(logits: torch.Tensor, history: list[int], params: SamplingParams,
     return int(_select(scores, rows, params.top_k)[0])
 
 
-def nucleus_sample(scores: torch.Tensor, top_p: float, top_k: int, generator: torch.Generator) -> int:
-    """One id from the nucleus of `scores` [V] (inverse CDF, one uniform from `generator`)."""
-    probs = scores.float().softmax(dim=0)[None]
-    sorted_p, sorted_idx = probs.sort(dim=-1, descending=True, stable=True)
-    head = sorted_p[:, :top_k]
-    head = head * nucleus_keep(head, torch.tensor([top_p], device=head.device),
-                               torch.tensor([top_k], device=head.device))
-    u = torch.rand(1, generator=generator, device=generator.device).to(head.device)
-    return int(sorted_idx.gather(1, _inverse_cdf(head, u))[0, 0])
-
-
-def random_sample(scores: torch.Tensor, generator: torch.Generator) -> int:
-    """One id from the full softmax of `scores` [V] (inverse CDF, one uniform from `generator`)."""
-    probs = scores.float().softmax(dim=0)[None]
-    u = torch.rand(1, generator=generator, device=generator.device).to(probs.device)
-    return int(_inverse_cdf(probs, u)[0, 0])
-
-
 # ---------------------------------------------------------------- per-request policy
 
 _NO_STOP_MASK, _MASK_FIRST_STOP, _MASK_ALL_STOPS = 0, 1, 2

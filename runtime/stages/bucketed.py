@@ -11,6 +11,7 @@ import time
 import torch
 
 from ...engines.buckets import BucketTable, ShapeStats
+from .backends import log_fallback_once
 
 
 class BucketedDiT:
@@ -31,17 +32,20 @@ class BucketedDiT:
         if runner is None or table is None:
             out = self.eager(x, mask, mu, t, spks, cond, streaming=streaming)
             self.stats.record("dit", mode, b, n, None, time.perf_counter() - t0, reason="no engine for this mode")
+            log_fallback_once(f"dit/{mode}", "no engine for this mode")
             return out
         bucket = table.select(b, n)
         if bucket is None:
             out = self.eager(x, mask, mu, t, spks, cond, streaming=streaming)
             self.stats.record("dit", mode, b, n, None, time.perf_counter() - t0, reason=table.miss_reason(b, n))
+            log_fallback_once(f"dit/{mode}", "a call shape no bucket covers within the padding-waste limit")
             return out
         try:
             out = self._run(runner, bucket, x, mask, mu, t, spks, cond)
         except Exception as e:  # noqa: BLE001 - an engine failure must not take the request down
             out = self.eager(x, mask, mu, t, spks, cond, streaming=streaming)
             self.stats.record("dit", mode, b, n, None, time.perf_counter() - t0, reason=f"engine error: {e}")
+            log_fallback_once(f"dit/{mode}", f"engine error: {type(e).__name__}: {e}")
             return out
         self.stats.record("dit", mode, b, n, bucket, time.perf_counter() - t0)
         return out
@@ -73,7 +77,7 @@ class BucketedDiT:
 
 
 def _engine_dtype(runner, default: torch.dtype) -> torch.dtype:
-    from ...engines.base import torch_dtype
+    from ...engines.dtypes import torch_dtype
 
     try:
         return torch_dtype(runner.spec.dtype)
@@ -105,12 +109,15 @@ class BucketedHiFT:
             reason = "no engine for this mode" if runner is None or not finalize else table.miss_reason(b, n)
             out = self.hift.inference_batch(mels, finalize)
             self.stats.record("hift", mode, b, n, None, time.perf_counter() - t0, reason=reason)
+            log_fallback_once(f"hift/{mode}", "no engine for this mode" if runner is None or not finalize else
+                              "a call shape no bucket covers within the padding-waste limit")
             return out
         try:
             out = self._run(runner, bucket, mels, lengths)
         except Exception as e:  # noqa: BLE001
             out = self.hift.inference_batch(mels, finalize)
             self.stats.record("hift", mode, b, n, None, time.perf_counter() - t0, reason=f"engine error: {e}")
+            log_fallback_once(f"hift/{mode}", f"engine error: {type(e).__name__}: {e}")
             return out
         self.stats.record("hift", mode, b, n, bucket, time.perf_counter() - t0)
         return out
@@ -161,6 +168,8 @@ class BucketedStreamDecoder:
             out = self.hift.decode(mel, source, finalize)
             self.stats.record("hift", "stream", b, n, None, time.perf_counter() - t0,
                               reason="final window (own iSTFT edge)" if finalize else self.table.miss_reason(b, n))
+            if not finalize:
+                log_fallback_once("hift/stream", "a window shape no bucket covers within the padding-waste limit")
             return out
         spf = self.hift.samples_per_frame
         L = bucket.run_length(n)

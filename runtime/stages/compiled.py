@@ -27,6 +27,7 @@ import torch
 
 from ..models.dit import DiT, FixedModeDiT
 from ...engines.errors import InputError
+from .backends import StageBackends
 
 
 _MEMO = "_cosytrt_compiled"  # attribute of the owning object: its compiled functions live and die with it
@@ -84,9 +85,8 @@ COMPILED_HIFT_MIN_ROWS = 2
 
 class CompiledHiFT:
     """The vocoder compiled by Inductor (f0 predictor, sine source, conv stack with its Snake activations fused, STFT /
-    iSTFT; one dynamic-shape graph per entry point): `offline(mel)` is `hift.inference(mel, finalize=True)[0]`, `stream_window(mel, source)`
-    is a non-final `hift.decode` window. H200, run 13: 1.75-1.9x faster than the eager vocoder's CUDA graph.
-    Dynamo specializes batch 1, so calls of fewer than COMPILED_HIFT_MIN_ROWS rows run the eager vocoder instead of
+    iSTFT; one dynamic-shape graph per entry point): `offline(mel)` is `hift.inference(mel, finalize=True)[0]`,
+    `stream_window(mel, source)` is a non-final `hift.decode` window. Dynamo specializes batch 1, so calls of fewer than COMPILED_HIFT_MIN_ROWS rows run the eager vocoder instead of
     compiling a second time (`CompiledHiFT.of(hift)` returns the one instance per vocoder)."""
 
     def __init__(self, hift):
@@ -116,12 +116,11 @@ class CompiledHiFT:
         return fn(mel, source)
 
 
-def attach_compiled(pipeline) -> CompiledDiT:
-    """Route the pipeline's DiT calls through the compiled estimator (no buckets, no CUDA graphs: the CPU path; on
-    CUDA `attach_cuda_graphs(..., compile=True)` captures the compiled estimator per bucket instead)."""
-    est = CompiledDiT.of(pipeline.models.flow.estimator)
-    pipeline.token2wav.estimator = est
-    return est
+def compiled_backends(models) -> StageBackends:
+    """StageBackends running the DiT calls through the compiled estimator (no buckets, no CUDA graphs: the CPU path;
+    on CUDA `cuda_graph_backends(..., compile=True)` captures the compiled estimator per bucket instead)."""
+    est = CompiledDiT.of(models.flow.estimator)
+    return StageBackends(dit_stream=est, dit_offline=est, name="compiled")
 
 
 def compiled_graph_count() -> int:

@@ -6,7 +6,9 @@ import torch
 from ...engines.manifest import Manifest, set_path
 from ...engines import open_runner
 from ...engines.buckets import BucketTable, ShapeStats, parse_key
+from ...engines.dtypes import dtype_name
 from ...engines.errors import CosytrtError, EngineSetError, InputError
+from .backends import StageBackends
 from .bucketed import BucketedDiT
 
 
@@ -109,6 +111,10 @@ class LoadedEngineSet:
             self.tables[(spec.stage, spec.mode)] = BucketTable(buckets, waste)
         self.stats = ShapeStats()
 
+    def close(self) -> None:
+        for runner in self.runners.values():
+            runner.close()
+
     def stage(self, stage: str) -> tuple[dict, dict]:
         runners = {m: r for (s, m), r in self.runners.items() if s == stage}
         tables = {m: t for (s, m), t in self.tables.items() if s == stage}
@@ -117,7 +123,7 @@ class LoadedEngineSet:
 
 def _graphed(runner, spec, buckets, device):
     """An AOTInductor package on CUDA, captured once per static bucket (loaded with run_single_threaded=True)."""
-    from ...engines.base import torch_dtype
+    from ...engines.dtypes import torch_dtype
     from ...engines.cudagraph import CudaGraphRunner, example_from_templates
 
     dt = torch_dtype(spec.dtype) if spec.stage == "dit" else torch.float32
@@ -126,44 +132,54 @@ def _graphed(runner, spec, buckets, device):
     return CudaGraphRunner(lambda *args: runner.model(*args), spec, device, buckets, example)
 
 
-def attach_engine_set(pipeline, folder: str) -> LoadedEngineSet:
-    """Route the pipeline's DiT (and HiFT) calls through the engine set's buckets."""
-    models = pipeline.models
-    return _install(pipeline, LoadedEngineSet(folder, models.weights_hash, str(pipeline.device),
-                                              getattr(models, "file_hashes", None)))
+def engine_set_backends(models, folder: str, device: str = "cpu") -> StageBackends:
+    """StageBackends running the DiT (and HiFT) calls through an engine set's buckets (manifest checked against the
+    models' weights and, when the model directory's files were hashed, against those files)."""
+    return _backends(models, LoadedEngineSet(folder, models.weights_hash, str(device),
+                                             getattr(models, "file_hashes", None)), name=f"engines:{folder}")
 
 
-def _install(pipeline, es, eager_dit=None):
-    """Point the pipeline's DiT calls and offline HiFT calls at the set's bucketed runners (`eager_dit`: what runs
-    shapes no bucket covers; default the flow's eager DiT)."""
+def attach_engine_set(pipeline, folder: str) -> StageBackends:
+    """`engine_set_backends` for a pipeline's models, set on the pipeline (`Pipeline.set_backends`)."""
+    backends = engine_set_backends(pipeline.models, folder, str(pipeline.device))
+    pipeline.set_backends(backends)
+    return backends
+
+
+def _backends(models, es, eager_dit=None, hift_offline=None, stream_windows=None, name: str = "engines"):
+    """The set's bucketed DiT (`eager_dit`: what runs shapes no bucket covers; default the flow's eager DiT) and, when
+    it has HiFT engines, its bucketed offline HiFT."""
     from .bucketed import BucketedHiFT
 
     runners, tables = es.stage("dit")
-    eager_dit = pipeline.models.flow.estimator if eager_dit is None else eager_dit
-    pipeline.token2wav.estimator = BucketedDiT(eager_dit, runners, tables, es.stats)
-    runners, tables = es.stage("hift")
-    if runners:
-        pipeline.token2wav.hift_runner = BucketedHiFT(pipeline.models.hift, runners, tables, es.stats)
-    pipeline.engine_set = es
-    return es
+    dit = BucketedDiT(models.flow.estimator if eager_dit is None else eager_dit, runners, tables, es.stats)
+    if hift_offline is None:
+        runners, tables = es.stage("hift")
+        if runners:
+            hift_offline = BucketedHiFT(models.hift, runners, tables, es.stats)
+    return StageBackends(dit_stream=dit, dit_offline=dit, hift_offline=hift_offline,
+                         hift_stream_windows=stream_windows, shape_stats=es.stats, engine_set=es, name=name,
+                         closers=[es.close])
 
 
 class GraphedEagerSet:
     """No engine files: the eager DiT and HiFT captured as CUDA graphs per static bucket of a profile (`compile`: the
-    DiT and the HiFT compiled by torch.compile first, see `compiled.py`; `use_hift_variant` switches the HiFT back
-    to the eager vocoder's graphs)."""
+    DiT and the HiFT compiled by torch.compile first, see `compiled.py`).
 
-    def __init__(self, pipeline, profile, progress: bool = False, compile: bool = False):
+    Its HiFT can be captured from the eager vocoder or (with `compile`) the compiled one: `backends(hift)` gives the
+    StageBackends of one variant, sharing the DiT graphs; a variant's HiFT graphs are captured on its first use."""
+
+    def __init__(self, models, device, profile, progress: bool = False, compile: bool = False):
         from ...engines.signatures import DIT_INPUTS, DIT_OUTPUT
         from ...engines.base import EngineSpec
         from ...engines.cudagraph import CudaGraphRunner, example_from_templates
         from ..models.dit import FixedModeDiT
 
-        device = str(pipeline.device)
-        flow, hift = pipeline.models.flow, pipeline.models.hift
+        device = str(device)
+        self.models = models
+        flow, hift = models.flow, models.hift
         dit = flow.estimator
         dtype = next(dit.parameters()).dtype
-        dname = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
         c = dit.cfg
         dit_tpl = {"x": ["B", c.mel_dim, "T"], "mask": ["B", 1, "T"], "mu": ["B", c.mu_dim, "T"], "t": ["B"],
                    "spks": ["B", c.spk_dim], "cond": ["B", c.mel_dim, "T"]}
@@ -181,34 +197,54 @@ class GraphedEagerSet:
             if not buckets:
                 continue
             spec = EngineSpec("dit", mode, "cudagraph", "", list(DIT_INPUTS), [DIT_OUTPUT], [b.key for b in buckets],
-                              dtype=dname, device=device)
+                              dtype=dtype_name(dtype), device=device)
             fn = FixedModeDiT(dit, mode == "stream") if not compile else self.compiled_dit.fixed(mode == "stream")
             self.runners[("dit", mode)] = CudaGraphRunner(
                 fn, spec, device, buckets, example_from_templates(dit_tpl, list(DIT_INPUTS), {n: dtype for n in DIT_INPUTS},
                                                               device), progress)
             self.tables[("dit", mode)] = BucketTable(buckets, waste)
-        # HiFT: the vocoder functions it can capture (`hift_fns`: eager and, with `compile`, compiled); only the one in
-        # use is captured now, another on the first `use_hift_variant` switch to it (the benchmark compares both)
         self._hift, self._profile, self._device, self._progress = hift, profile, device, progress
-        self.hift_fns = {"eager": (lambda mel: hift.inference(mel, finalize=True)[0],
-                                   lambda m, src: hift.decode(m, src, finalize=False))}
+        self.hift_variants = {"eager": (lambda mel: hift.inference(mel, finalize=True)[0],
+                                        lambda m, src: hift.decode(m, src, finalize=False))}
         if compile:
             from .compiled import CompiledHiFT
 
             compiled_hift = CompiledHiFT.of(hift)
-            self.hift_fns["compiled"] = (compiled_hift.offline, compiled_hift.stream_window)
+            self.hift_variants["compiled"] = (compiled_hift.offline, compiled_hift.stream_window)
+        self.default_hift = "compiled" if compile else "eager"
         self._hift_graphs: dict = {}
-        self.hift_variant = "compiled" if compile else "eager"
-        offline_runner, self.stream_decoder = self.hift_graphs(self.hift_variant)
-        if offline_runner is not None:
-            self.runners[("hift", "offline")] = offline_runner
+        if profile.buckets("hift", "offline"):
             self.tables[("hift", "offline")] = BucketTable(profile.buckets("hift", "offline"), waste)
+
+    def backends(self, hift: str | None = None) -> StageBackends:
+        """StageBackends with the DiT graphs and the HiFT graphs of variant `hift` ("eager", or "compiled" with
+        `compile`; default: the compiled one when compiled)."""
+        from .bucketed import BucketedHiFT
+
+        name = hift or self.default_hift
+        if name not in self.hift_variants:
+            raise InputError(f"no HiFT variant {name!r} here (has: {sorted(self.hift_variants)})")
+        offline_runner, stream_windows = self.hift_graphs(name)
+        hift_offline = None
+        if offline_runner is not None:
+            if name == self.default_hift:  # what tools see as the set's offline HiFT engine
+                self.runners[("hift", "offline")] = offline_runner
+            hift_offline = BucketedHiFT(self._hift, {"offline": offline_runner},
+                                        {"offline": self.tables[("hift", "offline")]}, self.stats)
+        b = _backends(self.models, self, self.compiled_dit, hift_offline, stream_windows,
+                      name=f"cuda-graphs{'+compile' if self.compiled_dit is not None else ''} hift={name}")
+        b.closers = []  # the set's graphs are shared by its variants: `close()` releases them
+        return b
+
+    def close(self) -> None:
+        self.runners.clear()
+        self._hift_graphs.clear()
 
     def hift_graphs(self, name: str) -> tuple:
         """(offline runner, streaming window decoder) of the HiFT variant `name`, captured on first use; either is
         None when the profile has no bucket for it."""
         if name not in self._hift_graphs:
-            offline_fn, window_fn = self.hift_fns[name]
+            offline_fn, window_fn = self.hift_variants[name]
             hift, profile, device = self._hift, self._profile, self._device
             self._hift_graphs[name] = (self._hift_offline_runner(hift, profile, offline_fn, device, self._progress),
                                        self._hift_stream_decoder(hift, profile, window_fn, device))
@@ -249,32 +285,19 @@ class GraphedEagerSet:
     stage = LoadedEngineSet.stage
 
 
-def use_hift_variant(pipeline, name: str) -> None:
-    """Switch a pipeline built by `attach_cuda_graphs(..., compile=True)` between its HiFT graphs: "compiled" (the
-    default there) or "eager" (captured on the first switch to it, so call this between requests). Swaps the offline
-    runner and the streaming window decoder; the audio is the same up to float rounding (max abs error ~1e-4 on the
-    H200, run 13)."""
-    es = getattr(pipeline, "engine_set", None)
-    variants = getattr(es, "hift_fns", None) or {}
-    if name not in variants:
-        raise InputError(f"no HiFT variant {name!r} on this pipeline (has: {sorted(variants) or 'none'})")
-    offline_runner, stream_decoder = es.hift_graphs(name)
-    runner = pipeline.token2wav.hift_runner
-    if offline_runner is not None and runner is not None:
-        runner.runners["offline"] = offline_runner
-        es.runners[("hift", "offline")] = offline_runner
-    if stream_decoder is not None:
-        pipeline.models.hift.stream_decoder = stream_decoder
-    es.stream_decoder = stream_decoder
-    es.hift_variant = name
+def cuda_graph_backends(models, device, profile, progress: bool = False, compile: bool = False,
+                        hift: str | None = None) -> StageBackends:
+    """StageBackends routing DiT calls, offline HiFT calls and streaming HiFT windows through CUDA graphs of the
+    eager modules (one per static bucket of `profile`); `compile`: graphs of the torch.compile'd DiT and HiFT
+    (uncovered DiT shapes run the compiled DiT too). Other HiFT variants: `backends.engine_set.backends(name)`."""
+    graphed = GraphedEagerSet(models, device, profile, progress, compile)
+    backends = graphed.backends(hift)
+    backends.closers = [graphed.close]
+    return backends
 
 
-def attach_cuda_graphs(pipeline, profile, progress: bool = False, compile: bool = False) -> GraphedEagerSet:
-    """Route DiT calls, offline HiFT calls and streaming HiFT windows through CUDA graphs of the eager modules (one
-    per static bucket of `profile`); `compile`: graphs of the torch.compile'd DiT and HiFT (uncovered DiT shapes run
-    the compiled DiT too)."""
-    graphed = GraphedEagerSet(pipeline, profile, progress, compile)
-    es = _install(pipeline, graphed, graphed.compiled_dit)
-    if es.stream_decoder is not None:
-        pipeline.models.hift.stream_decoder = es.stream_decoder
-    return es
+def attach_cuda_graphs(pipeline, profile, progress: bool = False, compile: bool = False) -> StageBackends:
+    """`cuda_graph_backends` for a pipeline's models, set on the pipeline (`Pipeline.set_backends`)."""
+    backends = cuda_graph_backends(pipeline.models, pipeline.device, profile, progress, compile)
+    pipeline.set_backends(backends)
+    return backends

@@ -619,3 +619,42 @@ def default_budget(device) -> int:
         total = torch.cuda.get_device_properties(device).total_memory
         return int(min(24 << 30, total // 4))
     return 1 << 30
+
+
+def flow_rows(flow, rows, streaming: bool, estimator=None, finalize=None, pad_to=None) -> list:
+    """`flow.inference_batch` for rows that may carry a prefix cache (FlowInput.cache): non-final streaming rows
+    with an open cache compute only their new frames against it (`solve_cached`); the other rows (and cached rows
+    the pool cannot serve) run the whole-history solve, batched, through `estimator`. One mel [1, 80, T_out] per
+    row, each equal to the whole-history call within the flow's tolerance (tests/test_flow_cache.py)."""
+    from ..models.flow import FlowInput
+
+    rows = [r if isinstance(r, FlowInput) else FlowInput(*r) for r in rows]
+    if isinstance(finalize, bool) or finalize is None:
+        flags = [r.finalize if finalize is None else finalize for r in rows]
+    else:
+        flags = list(finalize)
+    cached = [i for i, (r, f) in enumerate(zip(rows, flags))
+              if streaming and not f and r.cache is not None and not r.cache.closed]
+    kw = {} if estimator is None else {"estimator": estimator}
+    if not cached:
+        return flow.inference_batch(rows, streaming=streaming, finalize=flags, pad_to=pad_to, **kw)
+    prepared = [flow.prepare_row(r.token, r.prompt_token, r.prompt_feat, r.embedding, f) for r, f in zip(rows, flags)]
+    out: list = [None] * len(rows)
+    plans, whole = plan_hops(flow, [rows[i] for i in cached], [prepared[i] for i in cached])
+    whole_idx = [i for i in range(len(rows)) if i not in cached] + [cached[k] for k in whole]
+    if whole_idx:
+        sub = [prepared[i] for i in whole_idx]
+        try:
+            mu, mask, spks, cond = flow.collate(sub, pad_to)
+            mel = flow.solve(mu, mask, spks, cond, streaming, estimator)
+        except BaseException:
+            release_plans(plans)
+            raise
+        for k, i in enumerate(whole_idx):
+            out[i] = mel[k:k + 1, :, prepared[i].prompt_frames:prepared[i].frames]
+    if plans:
+        mels = solve_cached(flow, plans, cached_dit_fn(flow, estimator))
+        for plan, m in zip(plans, mels):
+            i = cached[plan.index]
+            out[i] = m[:, :, prepared[i].prompt_frames:prepared[i].frames]
+    return out

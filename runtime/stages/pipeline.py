@@ -1,7 +1,7 @@
 """One request end to end, eagerly: frontend → AR LM → flow → HiFT, offline or streaming, with per-stage timings.
 
-This is the reference path (and the runtime's single-request fallback); the scheduler in `scheduler.py` runs the same
-steps batched across requests.
+This is the reference path (and the runtime's single-request fallback); the scheduler (`runtime/scheduling/`) runs the
+same steps batched across requests.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from ..models.loading import CosyVoice3Models, load_models
 from ..scheduling.request import Request, RequestMetrics, default_voice_wav, prepare_inputs
 from ..models.sampling import generate
 from ..models.text import ByteTokenizer
+from .backends import StageBackends
 from .token2wav import Token2Wav
 
 
@@ -29,17 +30,23 @@ class Pipeline:
     """Eager single-request synthesis over loaded models."""
 
     def __init__(self, models: CosyVoice3Models, frontend: Frontend, default_speaker: SavedSpeaker | None,
-                 token2wav: Token2Wav | None = None):
+                 backends: StageBackends | None = None):
         self.models = models
         self.frontend = frontend
         self.default_speaker = default_speaker
-        self.token2wav = token2wav or Token2Wav(models.flow, models.hift)
+        self.backends = backends or StageBackends()
+        self.token2wav = Token2Wav(models.flow, models.hift, self.backends)
         self.sample_rate = models.config.sample_rate
         self.device = next(models.llm.parameters()).device
         if self.device.type == "cuda":
             # HiFT runs in float32 and its sine-source phase is sensitive: keep cuDNN convolutions out of TF32
             # (the LM and DiT run in bf16/fp16, which TF32 does not affect)
             torch.backends.cudnn.allow_tf32 = False
+
+    def set_backends(self, backends: StageBackends) -> None:
+        """Run the DiT / HiFT stages through `backends` from now on (the eager reference: `StageBackends()`)."""
+        self.backends = backends
+        self.token2wav = Token2Wav(self.models.flow, self.models.hift, backends)
 
     @classmethod
     def load(cls, model: str = "tiny", device: str = "cpu", dtype: torch.dtype | None = None) -> "Pipeline":

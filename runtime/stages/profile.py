@@ -20,7 +20,7 @@ from ...engines.buckets import (CFG_ROWS, DEFAULT_MAX_PADDING_WASTE, STAGE_MODES
 from ..models.config import CosyVoice3Config, full_config, tiny_config
 from ...engines.errors import ProfileError
 
-DTYPES = ("float32", "float16", "bfloat16")
+from ...engines.dtypes import DTYPES  # noqa: E402
 MODELS = ("full", "tiny")
 SHIPPED_PROFILES = ("default", "tiny", "h200-graphs")
 PROFILE_FORMAT = 1  # bump when the meaning of a profile (and so of its hashes) changes

@@ -9,56 +9,46 @@ chunk needs, so each chunk costs O(chunk) while yielding the same samples.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from ..models.flow import FlowInput
 from ..models.hift_stream import HiFTStream
-
-TOKEN_HOP = 25
-TOKEN_MAX_HOP = 100
-HOP_SCALE = 2
-LOOKAHEAD = 3
-
-
-def first_hop(prompt_tokens: int, hop: int = TOKEN_HOP) -> int:
-    """First hop = hop + pad, with pad making prompt + hop end on a chunk boundary (25 tokens = 50 frames)."""
-    pad = -(-prompt_tokens // hop) * hop - prompt_tokens
-    return hop + pad
+from .backends import StageBackends
+from .hop_schedule import HOP_SCALE, LOOKAHEAD, TOKEN_HOP, TOKEN_MAX_HOP, HopSchedule, first_hop  # noqa: F401
 
 
 @dataclass
 class StreamState:
-    """Per-request streaming position."""
+    """Per-request streaming position: the prompt, the hop schedule, the HiFT stream."""
 
     prompt_token: torch.Tensor  # [P]
     prompt_feat: torch.Tensor  # [2P, 80]
     embedding: torch.Tensor  # [192]
     hift_stream: HiFTStream
-    offset: int = 0  # generated tokens already turned into mel
-    base_hop: int = TOKEN_HOP  # upstream's token_hop_len (grows x2 up to 100)
-    hop: int = 0  # the next hop (first one padded)
-    finished: bool = False
+    hops: HopSchedule
     chunks: int = 0
-    calls: list = field(default_factory=list)  # (dit_frames, new_mel_frames, final) per call, for coverage
     flow_cache: object = None  # stages.flow_cache.FlowPrefixState: the DiT prefix of earlier hops (None: off)
 
     def ready(self, n_tokens: int) -> bool:
-        """Upstream fires a chunk when len(tokens) - offset >= hop + look-ahead."""
-        return not self.finished and n_tokens - self.offset >= self.hop + LOOKAHEAD
+        """Is a hop due with `n_tokens` generated tokens?"""
+        return self.hops.ready(n_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.hops.finished
 
 
 class Token2Wav:
-    """Eager token2wav over a Flow and a HiFT; `estimator` overrides the DiT call (engines plug in here)."""
+    """token2wav over a Flow and a HiFT; `backends` says what runs the DiT and HiFT calls (engines, graphs)."""
 
-    def __init__(self, flow, hift, estimator=None, hift_runner=None, flow_cache=None):
+    def __init__(self, flow, hift, backends: StageBackends | None = None, flow_cache=None):
         self.flow = flow
         self.hift = hift
-        self.estimator = estimator
-        self.hift_runner = hift_runner  # BucketedHiFT when an engine set is attached
-        self.flow_cache = flow_cache    # stages.flow_cache.FlowCachePool: streams started here cache DiT prefixes
+        self.backends = backends or StageBackends()
+        self.flow_cache = flow_cache  # stages.flow_cache.FlowCachePool: streams started here cache DiT prefixes
         self._t_dit = 0.0
         self._t_vocoder = 0.0
 
@@ -83,12 +73,15 @@ class Token2Wav:
 
     def _flow(self, tokens: torch.Tensor, st_or_prompt, streaming: bool, finalize: bool, cache=None) -> torch.Tensor:
         p_tok, p_feat, emb = st_or_prompt
-        kw = {} if self.estimator is None else {"estimator": self.estimator}
+        est = self.backends.estimator(streaming)
         if cache is not None:  # a prefix-cached hop: only the frames past the cached prefix are computed
+            from .flow_cache import flow_rows
+
             row = FlowInput(tokens.reshape(-1), p_tok.reshape(-1), p_feat, emb.reshape(-1), finalize, cache)
-            return self._timed("dit", self.flow.inference_batch, [row], streaming=streaming, **kw)[0]
-        return self._timed("dit", self.flow.inference, tokens.view(1, -1), p_tok.view(1, -1), p_feat.unsqueeze(0), emb.view(1, -1),
-                                   streaming=streaming, finalize=finalize, **kw)
+            return self._timed("dit", flow_rows, self.flow, [row], streaming, est)[0]
+        kw = {} if est is None else {"estimator": est}
+        return self._timed("dit", self.flow.inference, tokens.view(1, -1), p_tok.view(1, -1), p_feat.unsqueeze(0),
+                           emb.view(1, -1), streaming=streaming, finalize=finalize, **kw)
 
     # ------------------------------------------------------------------ offline
     @torch.inference_mode()
@@ -99,8 +92,8 @@ class Token2Wav:
 
     def vocode_batch(self, mels: list) -> list:
         """Offline HiFT of several mels [80, T_i] (engine buckets when attached); exact per row."""
-        if self.hift_runner is not None:
-            return [w.reshape(-1) for w in self.hift_runner.inference_batch(mels, finalize=True)]
+        if self.backends.hift_offline is not None:
+            return [w.reshape(-1) for w in self.backends.hift_offline.inference_batch(mels, finalize=True)]
         if len(mels) == 1:
             return [self.hift.inference(mels[0].unsqueeze(0), finalize=True)[0].reshape(-1)]
         return [w.reshape(-1) for w in self.hift.inference_batch(mels, finalize=True)]
@@ -109,13 +102,12 @@ class Token2Wav:
     def start(self, prompt_token, prompt_feat, embedding, cache_pool=None) -> StreamState:
         """A stream's state; with a FlowCachePool (`cache_pool`, else this Token2Wav's `flow_cache`) its non-final
         DiT hops reuse the earlier hops' K/V (stages/flow_cache.py)."""
-        st = StreamState(prompt_token=prompt_token.reshape(-1), prompt_feat=prompt_feat, embedding=embedding.reshape(-1),
-                         hift_stream=HiFTStream(self.hift))
-        st.hop = first_hop(int(st.prompt_token.numel()), st.base_hop)
+        prompt_token = prompt_token.reshape(-1)
         pool = cache_pool if cache_pool is not None else self.flow_cache
-        if pool is not None:
-            st.flow_cache = pool.new_state()
-        return st
+        return StreamState(prompt_token=prompt_token, prompt_feat=prompt_feat, embedding=embedding.reshape(-1),
+                           hift_stream=HiFTStream(self.hift, decoder=self.backends.hift_stream_windows),
+                           hops=HopSchedule(int(prompt_token.numel())),
+                           flow_cache=None if pool is None else pool.new_state())
 
     @torch.inference_mode()
     def step(self, st: StreamState, tokens: torch.Tensor, final: bool) -> torch.Tensor | None:
@@ -127,25 +119,16 @@ class Token2Wav:
         if not final:
             if not st.ready(n):
                 return None
-            upto = st.offset + st.hop
+            offset, upto = st.hops.advance()
             mel = self._flow(tokens[: upto + LOOKAHEAD], prompt, streaming=True, finalize=False, cache=st.flow_cache)
-            new_mel = mel[:, :, 2 * st.offset:]
-            st.calls.append((int(mel.shape[-1]) + 2 * int(st.prompt_token.numel()), int(new_mel.shape[-1]), False))
-            st.offset = upto
-            st.base_hop = min(TOKEN_MAX_HOP, st.base_hop * HOP_SCALE)
-            st.hop = st.base_hop
-            wav = self._timed("vocoder", st.hift_stream.push, new_mel, finalize=False)
         else:
             if st.finished:
                 return None
             if st.flow_cache is not None:  # the final hop is a full-attention pass over everything
                 st.flow_cache.close()
+            offset = st.hops.finish(n)
             mel = self._flow(tokens, prompt, streaming=False, finalize=True)
-            new_mel = mel[:, :, 2 * st.offset:]
-            st.calls.append((int(mel.shape[-1]) + 2 * int(st.prompt_token.numel()), int(new_mel.shape[-1]), True))
-            st.offset = n
-            st.finished = True
-            wav = self._timed("vocoder", st.hift_stream.push, new_mel, finalize=True)
+        wav = self._timed("vocoder", st.hift_stream.push, mel[:, :, 2 * offset:], finalize=final)
         st.chunks += 1
         return wav.reshape(-1)
 

@@ -11,10 +11,10 @@ import time
 import torch
 
 from ...engines.errors import InputError  # noqa: F401 - first: engines/ before runtime.models (import order)
+from ...engines.dtypes import TORCH_DTYPES as DTYPES
 
 H200_HBM_BPS = 4.8e12
 H200_BF16_FLOPS = 790e12
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 VARIANTS = ("compiled", "graphs", "eager")
 
 
@@ -136,9 +136,9 @@ def make_pipeline(models, variant: str, graph_profile: str):
     if pipe.device.type == "cuda":
         attach_cuda_graphs(pipe, load_profile(graph_profile), compile=variant == "compiled")
     elif variant == "compiled":
-        from ...runtime.stages.compiled import attach_compiled
+        from ...runtime.stages.compiled import compiled_backends
 
-        attach_compiled(pipe)
+        pipe.set_backends(compiled_backends(pipe.models))
     else:
         raise InputError("the 'graphs' serving variant needs CUDA")
     return pipe

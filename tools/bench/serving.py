@@ -23,7 +23,7 @@ from .common import (VARIANTS, jsonable as _jsonable, log as _log, make_pipeline
 from ...runtime.stages.compiled import compiled_graph_count
 from ...runtime.scheduling.stage_clock import occupancy
 from ...runtime.scheduling.metrics import aggregate
-from ...runtime.scheduling.scheduler import POLICIES as FEATURES
+from ...runtime.scheduling.policies import POLICIES as FEATURES
 
 TOKENS = {"short": (125,), "medium": (375,), "long": (1000,), "mixed": (125, 1000)}  # 25 tokens = 1 s of audio
 CELL_TIMEOUT_S = 120.0  # a request of a cell not done by then fails the cell (recorded) and the run goes on
@@ -185,28 +185,29 @@ COMPILED_HIFT = "compiled_hift"  # a features setting that is not a scheduler po
 
 
 def _features(tts, variant: str, cells: str, bench, prompt) -> dict:
-    """Each batching policy off vs all on, switched on the running scheduler (`Scheduler.set_policies`): same
-    graphs, same caches, no second scheduler. "all on" runs first and again last (ALL_ON_REPEAT): the two show
-    how much a cell moves between runs of the same setting (the report compares against their mean)."""
-    from ...runtime.stages.engine_set import use_hift_variant
+    """Each batching policy off vs all on: one scheduler per setting over the TTS's AR runner and stage backends
+    (same graphs, same caches); `compiled_hift off` runs the eager vocoder's HiFT graphs (other StageBackends of the
+    same graph set). "all on" runs first and again last (ALL_ON_REPEAT): the two show how much a cell moves between
+    runs of the same setting (the report compares against their mean)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
     out: dict = {"variant": variant, "cells": []}
-    es = getattr(tts.pipeline, "engine_set", None)
-    hift_variants, hift_default = getattr(es, "hift_fns", {}), getattr(es, "hift_variant", None)
-    try:
-        settings = [("all on", None)] + [(f"{f} off", f) for f in FEATURES]
-        if "compiled" in hift_variants:  # the compiled variant's HiFT graphs vs the eager vocoder's graphs
-            settings.append((f"{COMPILED_HIFT} off", COMPILED_HIFT))
-        for label, off in settings + [(ALL_ON_REPEAT, None)]:
-            if bench.over_budget():
-                _log(f"features: skip {label} (time budget)")
-                continue
-            tts.scheduler.set_policies(**{f: f != off for f in FEATURES})
-            if hift_variants:
-                use_hift_variant(tts.pipeline, "eager" if off == COMPILED_HIFT else hift_default)
-            _run_cells(tts, smoke_cells() if cells == "smoke" else feature_cells(), label, out["cells"], bench,
-                       prompt)
-    finally:
-        tts.scheduler.set_policies(**{f: True for f in FEATURES})
-        if hift_variants:
-            use_hift_variant(tts.pipeline, hift_default)
+    graph_set = tts.pipeline.backends.engine_set
+    has_compiled_hift = "compiled" in getattr(graph_set, "hift_variants", {})
+    settings = [("all on", None)] + [(f"{f} off", f) for f in FEATURES]
+    if has_compiled_hift:  # the compiled variant's HiFT graphs vs the eager vocoder's graphs
+        settings.append((f"{COMPILED_HIFT} off", COMPILED_HIFT))
+    for label, off in settings + [(ALL_ON_REPEAT, None)]:
+        if bench.over_budget():
+            _log(f"features: skip {label} (time budget)")
+            continue
+        config = replace(tts.scheduler_config, **{f: f != off for f in FEATURES})
+        backends = graph_set.backends("eager") if off == COMPILED_HIFT else None
+        sched = tts.make_scheduler(config, backends=backends)
+        try:
+            _run_cells(SimpleNamespace(submit=sched.submit, scheduler=sched),
+                       smoke_cells() if cells == "smoke" else feature_cells(), label, out["cells"], bench, prompt)
+        finally:
+            sched.close()
     return out

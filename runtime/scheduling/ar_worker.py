@@ -1,0 +1,176 @@
+"""The AR worker: admission -> batched prefill / decode through an `ARRunner` -> batched sampling -> tokens out.
+
+One thread. Every iteration admits waiting requests (`policies.admit`: one batched prefill of rows of different
+lengths into free KV slots), runs ONE decode step for all running rows and ONE `sample_batch` for them (one host
+sync). Finished rows free their slot at once; new requests join at the next step (continuous batching). After each
+step it hands every row that got a token to its `TokenSink` (`tokens(r, done)`): in one process the token2wav
+worker (which turns due hops and the end into DiT jobs), in the cluster the AR replica's token stream.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable, Protocol
+
+import torch
+
+from ..models.sampling import sample_batch
+from ..stages.ar_runner import ARRunner, PrefillRow
+from .config import SchedulerConfig
+from .policies import admit
+from .stage_clock import StageClock
+from .state import RequestState, run_rows
+from .stats import ARCounters
+
+
+class Stopped(Exception):
+    """Raised inside a worker loop when its scheduler stops."""
+
+
+class TokenSink(Protocol):
+    def tokens(self, r: RequestState, done: bool) -> None:
+        """`r.tokens` grew by one token (or the LM finished: `done`). Called on the AR thread after each step."""
+
+    def flush(self) -> None:
+        """The step is over: hand on what `tokens` collected."""
+
+
+class ARWorker:
+    """Runs the LM for every admitted request. Queue in: `waiting` (the admission queue, `put`)."""
+
+    def __init__(self, runner: ARRunner, config: SchedulerConfig, sink: TokenSink,
+                 fail: Callable[[RequestState, BaseException], None], clock: StageClock, device):
+        self.runner = runner
+        self.config = config
+        self.sink = sink
+        self.fail = fail
+        self.clock = clock
+        self.device = torch.device(device)
+        self.cond = threading.Condition()
+        self.waiting: deque[RequestState] = deque()   # admission queue: frontend done, no KV slot yet
+        self.running: list[RequestState] = []         # in a KV slot (AR thread only)
+        self.counters = ARCounters()
+        self.stopped = False
+        # On CUDA the worker runs on its own stream: its per-step host sync (the sampled tokens) then waits for its
+        # own kernels only, not for DiT / HiFT batches queued by the other workers, and its graphs overlap theirs.
+        # Its only device inputs from other threads are lm_input (fenced by `inputs_ready`); what it hands on
+        # (tokens) stays on the host.
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    # ---------------------------------------------------------------- other threads
+    def put(self, r: RequestState) -> None:
+        with self.cond:
+            self.waiting.append(r)
+            self.cond.notify_all()
+
+    def wake(self) -> None:
+        """A request died (its slot frees at the next step) or the scheduler stops."""
+        with self.cond:
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.wake()
+
+    def active(self) -> bool:
+        """Can more tokens come soon?"""
+        return bool(self.running or self.waiting)
+
+    # ---------------------------------------------------------------- the loop
+    def loop(self) -> None:
+        with torch.inference_mode(), torch.cuda.stream(self.stream):  # stream None (CPU): no-op
+            while True:
+                with self.cond:
+                    while not self.stopped and not self.waiting and not self.running:
+                        self.cond.wait()
+                    if self.stopped:
+                        raise Stopped
+                    admitted = self._admit()
+                with self.clock.span("ar"):
+                    if admitted:
+                        self._prefill(admitted)
+                    if self.running:
+                        self._decode()
+                self.sink.flush()
+
+    def _admit(self) -> list[RequestState]:
+        """Free the slots of dead running rows; give waiting requests a slot (see `policies.admit`)."""
+        alive = []
+        for r in self.running:
+            if r.dead:
+                self._release(r)
+            else:
+                alive.append(r)
+        self.running = alive
+        self.waiting = deque(r for r in self.waiting if not r.dead)
+        n = admit(self.waiting, len(self.running), self.runner.max_batch - len(self.running), self.config)
+        out = []
+        for _ in range(n):
+            slot = self.runner.allocate()
+            if slot is None:
+                break
+            r = self.waiting.popleft()
+            r.slot = slot
+            out.append(r)
+        return out
+
+    def _release(self, r: RequestState) -> None:
+        if r.slot is not None:
+            self.runner.release(r.slot)
+            r.slot = None
+
+    def _fail(self, r: RequestState, e: BaseException) -> None:
+        self._release(r)
+        if r in self.running:
+            self.running.remove(r)
+        self.fail(r, e)
+
+    def _logits(self, call, rows: list[RequestState]) -> list[tuple[RequestState, torch.Tensor]]:
+        # a graph's output buffer is reused by the next call: clone the rows run alone
+        return run_rows(call, rows, self._fail, single=lambda r: call([r])[0].clone())
+
+    def _prefill(self, rows: list[RequestState]) -> None:
+        t0 = time.perf_counter()
+        for r in rows:
+            if r.inputs_ready is not None:
+                torch.cuda.current_stream().wait_event(r.inputs_ready)
+        for r in rows:
+            r.metrics.t_queue = max(0.0, t0 - r.metrics.t_submit - r.metrics.t_tokenizer)
+        results = self._logits(lambda rs: self.runner.prefill([PrefillRow(r.slot, r.lm_input) for r in rs]), rows)
+        for r, _ in results:
+            r.pos = r.lm_input.shape[0]
+            self.running.append(r)
+        self._sample(results, t0)
+        self.counters.prefill(len(rows))
+
+    def _decode(self) -> None:
+        rows = list(self.running)
+        t0 = time.perf_counter()
+        results = self._logits(lambda rs: self.runner.decode([r.policy.next_input for r in rs], [r.slot for r in rs],
+                                                             [r.pos for r in rs]), rows)
+        for r, _ in results:
+            r.pos += 1
+        self._sample(results, t0)
+        self.counters.decode(len(rows))
+
+    def _sample(self, results: list[tuple[RequestState, torch.Tensor]], t0: float) -> None:
+        """One `sample_batch` for all rows (one host sync; `TokenPolicy.step` row by row if it raises); append the
+        tokens, free the slots of finished rows, hand the rows to the sink."""
+        if not results:
+            return
+        steps = run_rows(lambda res: sample_batch(torch.stack([lg for _, lg in res]), [r.policy for r, _ in res]),
+                         results, lambda row, e: self._fail(row[0], e), single=lambda row: row[0].policy.step(row[1]))
+        for (r, _), (tok, done) in steps:
+            try:
+                if tok is not None:
+                    r.tokens.append(tok)
+                if done:
+                    self._release(r)
+                    self.running.remove(r)
+                self.sink.tokens(r, done)
+            except Exception as e:
+                self._fail(r, e)
+        share = (time.perf_counter() - t0) / len(results)
+        for r, _ in results:
+            r.metrics.t_ar += share

@@ -1,0 +1,61 @@
+"""SchedulerConfig: the knobs of admission, batching per stage and the batching policies."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...engines.errors import InputError
+
+@dataclass
+class SchedulerConfig:
+    max_in_flight: int = 64           # requests admitted and not finished
+    on_full: str = "wait"             # "wait" (up to submit_timeout_s) or "reject" when max_in_flight is reached
+    submit_timeout_s: float = 30.0
+    ar_max_batch: int = 32            # KV-cache slots = most requests decoding together
+    ar_max_prefill_tokens: int = 4096  # padded tokens (rows x longest) of one batched prefill
+    ar_max_len: int | None = None     # KV positions per slot; None: from the noise buffers (see Scheduler)
+    dit_max_requests: int = 8         # requests per DiT call (CFG rows = 2x)
+    dit_max_wait_ms: float = 5.0
+    hift_max_batch: int = 16
+    hift_max_wait_ms: float = 5.0
+    hift_max_frames: int = 8192       # rows x longest mel frames of one offline HiFT call
+    max_padding_waste: float = 1.5    # padded work / real work allowed when grouping DiT and HiFT rows
+    frontend_workers: int = 2
+    cuda_graphs: bool = True          # on CUDA: capture the AR decode step per batch bucket and KV-length rung
+    compile: bool = False             # torch.compile the AR prefill and decode step (before the CUDA-graph capture)
+    # The batching policies, each switchable off to measure what it buys (`trtbuild bench --suite features`):
+    continuous_batching: bool = True  # off: admit new requests only when no request is decoding (static batches)
+    dit_chunk_aligned: bool = True    # off: one request per DiT call, dispatched at once (no cross-request batches)
+    dit_slack_priority: bool = True   # off: each DiT call is built around the oldest queued job (see playback_slack)
+    hift_length_aware: bool = True    # off: offline HiFT batches in arrival order, no padding-waste limit
+    async_d2h: bool = True            # off (CUDA): each chunk's device-to-host copy blocks the HiFT worker
+    ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
+    ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
+    ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)
+    # Flow prefix KV cache (stages/flow_cache.py): non-final DiT hops compute only their new frames; a saved speaker's
+    # prompt chunks are computed once (flow_prompt_cache). Budget in bytes (None: 25 % of the GPU, at most 24 GiB;
+    # 1 GiB on CPU); a hop that does not fit runs as today (stats()["dit"]["cache_fallbacks"]).
+    flow_prefix_cache: bool = True
+    flow_prompt_cache: bool = True
+    flow_cache_budget_bytes: int | None = None
+    # A request's tokens do not depend on the other requests batched with it, nor on the padded bucket / KV rung
+    # (same seed, same tokens). The LM then runs batch-invariant kernels (runtime/models/batch_invariant.py).
+    batch_invariant: bool = True
+
+    def __post_init__(self):
+        if self.on_full not in ("wait", "reject"):
+            raise InputError(f"SchedulerConfig.on_full must be 'wait' or 'reject', got {self.on_full!r}")
+        for name in ("max_in_flight", "ar_max_batch", "ar_max_prefill_tokens", "dit_max_requests", "hift_max_batch",
+                     "hift_max_frames", "frontend_workers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InputError(f"SchedulerConfig.{name} must be a positive int, got {v!r}")
+        if self.ar_max_len is not None and (not isinstance(self.ar_max_len, int) or self.ar_max_len < 1):
+            raise InputError(f"SchedulerConfig.ar_max_len must be a positive int or None, got {self.ar_max_len!r}")
+        for name in ("submit_timeout_s", "dit_max_wait_ms", "hift_max_wait_ms"):
+            if getattr(self, name) < 0:
+                raise InputError(f"SchedulerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        b = self.flow_cache_budget_bytes
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
+            raise InputError(f"SchedulerConfig.flow_cache_budget_bytes must be None or an int >= 0, got {b!r}")
+        if self.max_padding_waste < 1:
+            raise InputError(f"SchedulerConfig.max_padding_waste must be >= 1, got {self.max_padding_waste!r}")

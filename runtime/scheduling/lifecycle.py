@@ -1,0 +1,147 @@
+"""Request lifecycle shared by every wiring of the workers (the scheduler, the cluster's stages): backpressure on
+submit (`max_in_flight`, `on_full`), the live requests, finishing / failing / cancelling them exactly once, drain on
+close, and the frontend thread pool that prepares a request before its first stage."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from ...engines.errors import InputError, RejectedError
+from .config import SchedulerConfig
+from .handle import RequestHandle
+from .request import Request, RequestMetrics
+from .state import RequestState
+
+
+class Lifecycle:
+    """The live requests of one scheduler. `on_finish(metrics)` is called once per request when it completes, fails
+    or is cancelled; `on_dead(r)` right after a request finished (workers drop its jobs, free its KV slot)."""
+
+    def __init__(self, config: SchedulerConfig, on_finish: Callable[[RequestMetrics], None] | None = None,
+                 on_dead: Callable[[RequestState], None] | None = None):
+        self.config = config
+        self.on_finish = on_finish
+        self.on_dead = on_dead
+        self.lock = threading.Lock()
+        self.space = threading.Condition(self.lock)  # backpressure: in_flight < max_in_flight
+        self.live: dict[int, RequestState] = {}
+        self.in_flight = 0
+        self.closing = False
+        self.dead: str | None = None  # why a worker thread died (the scheduler is then unhealthy)
+        self.counts = dict(completed=0, failed=0, cancelled=0, rejected=0)
+
+    def admit(self, req: Request, inputs=None) -> RequestState:
+        """A new request's state (and handle) once there is room; RejectedError when closed or full."""
+        if not isinstance(req, Request):
+            raise InputError(f"Scheduler.submit takes a Request, got {type(req).__name__}")
+        m = RequestMetrics(request_id=req.request_id, stream=req.stream)
+        cfg = self.config
+        with self.space:
+            if self.closing:
+                raise RejectedError(f"request {req.request_id}: the scheduler is closed")
+            if self.in_flight >= cfg.max_in_flight:
+                if cfg.on_full == "reject":
+                    self.counts["rejected"] += 1
+                    raise RejectedError(f"request {req.request_id}: {self.in_flight} requests in flight "
+                                        f"(max_in_flight={cfg.max_in_flight})")
+                ok = self.space.wait_for(lambda: self.in_flight < cfg.max_in_flight or self.closing,
+                                         cfg.submit_timeout_s)
+                if self.closing or not ok:
+                    self.counts["rejected"] += 1
+                    why = "the scheduler is closed" if self.closing else \
+                        f"still {self.in_flight} requests in flight after waiting {cfg.submit_timeout_s} s"
+                    raise RejectedError(f"request {req.request_id}: {why} (max_in_flight={cfg.max_in_flight})")
+            self.in_flight += 1
+            r = RequestState(req, RequestHandle(req, m, self.cancel), inputs)
+            self.live[id(r.handle)] = r
+        return r
+
+    def get(self, handle: RequestHandle) -> RequestState | None:
+        return self.live.get(id(handle))
+
+    def cancel(self, handle: RequestHandle) -> None:
+        r = self.live.get(id(handle))
+        if r is not None:
+            self.finish(r, RejectedError(f"request {handle.request_id} was cancelled"), cancelled=True)
+
+    def finish(self, r: RequestState, error: BaseException | None, cancelled: bool = False) -> None:
+        """Complete (error None) or fail one request; the first call wins."""
+        m = r.metrics
+
+        def stamp():
+            m.total = time.perf_counter() - m.t_submit
+            if error is not None:
+                m.error = f"{type(error).__name__}: {error}"
+        if not r.handle._finish(error, stamp):
+            return
+        with self.space:
+            self.live.pop(id(r.handle), None)
+            self.in_flight -= 1
+            self.counts["cancelled" if cancelled else "failed" if error is not None else "completed"] += 1
+            self.space.notify_all()
+        if self.on_dead is not None:
+            self.on_dead(r)
+        if self.on_finish is not None:
+            self.on_finish(m)
+
+    def drain(self, timeout_s: float) -> None:
+        """Stop accepting requests, wait up to `timeout_s` for in-flight ones, fail the rest with RejectedError."""
+        with self.space:
+            self.closing = True
+            self.space.notify_all()
+            self.space.wait_for(lambda: self.in_flight == 0, timeout_s)
+            left = list(self.live.values())
+        for r in left:
+            self.finish(r, RejectedError(f"request {r.req.request_id}: the scheduler closed before it finished"))
+
+    def fail_all(self, error: BaseException, dead: str | None = None) -> None:
+        """A worker died (`dead`: why): reject later submits and fail every live request (nobody must wait
+        forever)."""
+        with self.space:
+            self.closing = True
+            if dead is not None:
+                self.dead = dead
+            self.space.notify_all()
+        for r in list(self.live.values()):
+            self.finish(r, error)
+
+
+class FrontendPool:
+    """A small thread pool running `prepare(r)` (tokenizer, prompt features, LM input) for each submitted request,
+    then `ready(r)`; a failure fails that request alone (`finish(r, error)`)."""
+
+    def __init__(self, workers: int, prepare: Callable[[RequestState], None], ready: Callable[[RequestState], None],
+                 finish: Callable[[RequestState, BaseException | None], None]):
+        self.prepare, self.ready, self.finish = prepare, ready, finish
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="cosytrt-frontend")
+        self.lock = threading.Lock()
+        self.pending = 0
+
+    def submit(self, r: RequestState) -> None:
+        with self.lock:
+            self.pending += 1
+        try:
+            self.pool.submit(self._run, r)
+        except RuntimeError:  # the pool was shut down by a close() that gave up draining
+            with self.lock:
+                self.pending -= 1
+            err = RejectedError(f"request {r.req.request_id}: the scheduler is closed")
+            self.finish(r, err)
+            raise err from None
+
+    def _run(self, r: RequestState) -> None:
+        try:
+            if r.dead:
+                return
+            self.prepare(r)
+            self.ready(r)
+        except BaseException as e:
+            self.finish(r, e)
+        finally:
+            with self.lock:
+                self.pending -= 1
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,101 @@
+"""The batching decisions, apart from the threads that carry them out.
+
+* admission (`admit`): which waiting requests get a KV slot this AR step;
+* DiT (`dit_order`, `pick_dit_group`): which ready DiT jobs form the next call, or how long to wait for more;
+* HiFT (`pick_hift_jobs`, `hift_offline_groups`): which vocoder jobs run now, and how offline ones are grouped.
+
+Each policy of POLICIES is a SchedulerConfig flag that can be switched off to measure what it buys.
+"""
+from __future__ import annotations
+
+from ...engines.buckets import group_by_length
+from .config import SchedulerConfig
+from .request import RequestMetrics
+from .state import first_per_request
+
+POLICIES = ("continuous_batching", "dit_chunk_aligned", "dit_slack_priority", "hift_length_aware", "async_d2h")
+
+
+def admit(waiting, running: int, free_slots: int, cfg: SchedulerConfig) -> int:
+    """How many requests from the head of `waiting` (live ones, in order) get a slot now: as many as there are free
+    slots, within the padded-token budget of one batched prefill (always at least one); none while requests are
+    decoding when continuous batching is off (static batches)."""
+    if running and not cfg.continuous_batching:
+        return 0
+    n, longest = 0, 0
+    for r in waiting:
+        if n >= free_slots:
+            break
+        width = max(longest, r.lm_input.shape[0])
+        if n and width * (n + 1) > cfg.ar_max_prefill_tokens:
+            break
+        n, longest = n + 1, width
+    return n
+
+
+def playback_slack(m: RequestMetrics, now: float) -> float:
+    """How far ahead of its listener a request is, in seconds: the audio it has delivered minus the time since its
+    first chunk (a client plays from the first chunk on). Before its first chunk (and for offline requests, which
+    deliver one chunk at the end) it is minus the time since submission: the longer a request has waited, the
+    more urgent it is."""
+    if m.ttfa is None:
+        return -(now - m.t_submit)
+    return m.audio_seconds - (now - m.t_submit - m.ttfa)
+
+
+def dit_order(ready: list, now: float, slack_priority: bool) -> list:
+    """The ready DiT jobs (one per request, in queue order) in the order the next call considers them: the first is
+    the job the call is built around, the rest join it when of its kind and of similar length. `slack_priority`:
+    least playback slack first (each request's slack read once), so a new request's first hop goes ahead of the
+    later hops of streams that still have audio buffered (lower time to first audio under load) and an underrunning
+    stream goes first of all; ties keep queue order. Otherwise queue order (the oldest job first)."""
+    if not slack_priority:
+        return list(ready)
+    slack = [playback_slack(j.r.metrics, now) for j in ready]
+    return [ready[i] for i in sorted(range(len(ready)), key=lambda i: (slack[i], i))]
+
+
+def pick_dit_group(queue: list, cfg: SchedulerConfig, now: float, more_coming: bool) -> tuple[list, float | None]:
+    """The next DiT call from the queued jobs: (jobs, None) to run now, or ([], seconds) to wait up to that long
+    for more jobs (None: until notified; nothing is ready).
+
+    The call is built around the first job of `dit_order` and takes ready jobs of its kind ((streaming, finalize):
+    hops or finals), length-grouped, at most `dit_max_requests`, waiting at most `dit_max_wait_ms` after that job
+    was queued, and only while `more_coming` (the AR can still produce jobs). Requests in lockstep reach their hop
+    boundaries in the same AR step, so their jobs are queued together (chunk-aligned dispatch). Without
+    `dit_chunk_aligned`: one job per call, at once."""
+    ready = first_per_request(queue)
+    if not ready:
+        return [], None
+    order = dit_order(ready, now, cfg.dit_slack_priority)
+    anchor = order[0]
+    if not cfg.dit_chunk_aligned:
+        return [anchor], None
+    same = [j for j in order if j.kind == anchor.kind]  # anchor first; equal lengths group by urgency
+    groups = group_by_length([j.frames for j in same], cfg.dit_max_requests, cfg.max_padding_waste)
+    group = [same[i] for i in next(g for g in groups if 0 in g)]
+    left = anchor.t_enqueue + cfg.dit_max_wait_ms / 1e3 - now
+    if len(same) < cfg.dit_max_requests and left > 0 and more_coming:
+        return [], left
+    return group, None
+
+
+def pick_hift_jobs(queue: list, cfg: SchedulerConfig, now: float, more_coming: bool) -> tuple[list, float | None]:
+    """The next vocoder jobs: (jobs, None) to run now, or ([], seconds | None) to wait. Streaming jobs (at most
+    `hift_max_batch`) advance their HiFT streams together; offline finals are grouped by `hift_offline_groups`.
+    Waits up to `hift_max_wait_ms` after the oldest ready job for a fuller batch while DiT work is in flight."""
+    ready = first_per_request(queue)
+    if not ready:
+        return [], None
+    left = ready[0].t_enqueue + cfg.hift_max_wait_ms / 1e3 - now
+    if len(ready) < cfg.hift_max_batch and left > 0 and more_coming:
+        return [], left
+    streams = [j for j in ready if j.r.stream is not None][:cfg.hift_max_batch]
+    return streams + [j for j in ready if j.r.stream is None], None
+
+
+def hift_offline_groups(lengths: list[int], cfg: SchedulerConfig) -> list[list[int]]:
+    """Offline HiFT calls as index groups of `lengths` (mel frames): length-aware (within the padding-waste and
+    frame budgets) or, without `hift_length_aware`, in arrival order."""
+    return group_by_length(lengths, cfg.hift_max_batch, cfg.max_padding_waste, cfg.hift_max_frames,
+                           length_aware=cfg.hift_length_aware)

@@ -1,0 +1,112 @@
+"""Per-request scheduler state (`RequestState`) and the jobs that carry a request between workers.
+
+A request's jobs run strictly in order: each queue takes at most one job per request into a batch
+(`first_per_request`), so a request's DiT and HiFT calls see its stream state in sequence.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..models.sampling import TokenPolicy
+from ..stages.hop_schedule import LOOKAHEAD, TOKEN_MEL_RATIO, HopSchedule
+from ..stages.token2wav import StreamState
+from .handle import RequestHandle
+from .request import Request
+
+
+class RequestState:
+    """Scheduler-side state of one request, from `submit` to its last chunk."""
+
+    def __init__(self, req: Request, handle: RequestHandle, inputs=None):
+        self.req = req
+        self.handle = handle
+        self.metrics = handle.metrics
+        self.inputs = inputs                      # the frontend's LMRequestInputs when computed elsewhere (cluster)
+        self.lm_input: torch.Tensor | None = None
+        self.inputs_ready = None                  # CUDA: event after the frontend thread built lm_input / prompt
+        self.prompt: tuple | None = None          # flow prompt (tokens [P], mel [2P, 80], embedding [192])
+        self.policy: TokenPolicy | None = None
+        self.stream: StreamState | None = None    # token2wav streaming state (streaming requests only)
+        self.flush: HopSchedule | None = None     # cluster AR: where streaming tokens are flushed to token2wav
+        self.sent = 0                             # cluster AR: tokens flushed so far
+        self.tokens: list[int] = []
+        self.slot: int | None = None              # KV slot while the AR runs it
+        self.pos = 0                              # next KV position
+
+    @property
+    def dead(self) -> bool:
+        return self.handle.done()
+
+
+@dataclass
+class DitJob:
+    r: RequestState
+    tokens: torch.Tensor   # generated tokens for this call [N], on the host (the DiT worker moves them)
+    streaming: bool
+    finalize: bool
+    mel_from: int          # new mel starts at this output frame (2 * stream offset)
+    frames: int            # mel frames of the call (prompt + tokens), for grouping
+    t_enqueue: float
+
+    @property
+    def kind(self) -> tuple[bool, bool]:
+        return self.streaming, self.finalize
+
+
+@dataclass
+class HiftJob:
+    r: RequestState
+    mel: torch.Tensor      # [1, 80, n] new mel
+    final: bool
+    t_enqueue: float
+
+
+def hop_job(r: RequestState) -> DitJob:
+    """A non-final streaming call; advances the request's hop schedule as `Token2Wav.step` does."""
+    offset, upto = r.stream.hops.advance()
+    tokens = torch.tensor(r.tokens[:upto + LOOKAHEAD], dtype=torch.long)
+    return DitJob(r, tokens, True, False, TOKEN_MEL_RATIO * offset, TOKEN_MEL_RATIO * (r.prompt[0].numel() + upto),
+                  time.perf_counter())
+
+
+def final_job(r: RequestState) -> DitJob:
+    """The last call: all tokens, full attention, finalize (streaming: keep the mel past the last hop)."""
+    n = len(r.tokens)
+    mel_from = 0 if r.stream is None else TOKEN_MEL_RATIO * r.stream.hops.finish(n)
+    return DitJob(r, torch.tensor(r.tokens, dtype=torch.long), False, True, mel_from,
+                  TOKEN_MEL_RATIO * (r.prompt[0].numel() + n), time.perf_counter())
+
+
+def first_per_request(jobs: list) -> list:
+    """Jobs that are the oldest queued job of their request (a request's jobs must run in order)."""
+    seen, out = set(), []
+    for j in jobs:
+        if id(j.r) not in seen:
+            seen.add(id(j.r))
+            out.append(j)
+    return out
+
+
+def run_rows(call, rows: list, fail, single=None, before_retry=None) -> list[tuple]:
+    """Run `call(rows)` -> one result per row as one batch; if the batch raises, retry row by row (`single(row)`,
+    default `call([row])[0]`; `before_retry(row)` first) so only the failing rows fail (`fail(row, error)`).
+    Returns (row, result) for the rows that did not fail."""
+    try:
+        return list(zip(rows, call(rows)))
+    except Exception as e:
+        if len(rows) == 1:
+            fail(rows[0], e)
+            return []
+    single = single or (lambda row: call([row])[0])
+    out = []
+    for row in rows:
+        if before_retry is not None:
+            before_retry(row)
+        try:
+            out.append((row, single(row)))
+        except Exception as e:
+            fail(row, e)
+    return out

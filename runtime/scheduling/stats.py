@@ -1,0 +1,94 @@
+"""Typed scheduler statistics. `SchedulerStats.to_dict()` gives the nested dict that `Scheduler.stats()` returns
+(the keys metrics export, the server and the benchmarks read)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ARCounters:
+    """AR worker: batched prefills and decode steps."""
+    prefill_calls: int = 0
+    prefill_rows: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0
+    max_decode_batch: int = 0
+    batched_decode_steps: int = 0
+
+    def prefill(self, rows: int) -> None:
+        self.prefill_calls += 1
+        self.prefill_rows += rows
+
+    def decode(self, rows: int) -> None:
+        self.decode_steps += 1
+        self.decode_rows += rows
+        self.max_decode_batch = max(self.max_decode_batch, rows)
+        self.batched_decode_steps += rows > 1
+
+
+@dataclass
+class BatchCounters:
+    """A stage's batched calls: how many, how many rows in all, the largest."""
+    calls: int = 0
+    rows: int = 0
+    max_batch: int = 0
+
+    def add(self, rows: int) -> None:
+        self.calls += 1
+        self.rows += rows
+        self.max_batch = max(self.max_batch, rows)
+
+
+@dataclass
+class DitCounters(BatchCounters):
+    """DiT calls, plus frames per CFG row: of whole-history rows (the flow prefix cache counts its own)."""
+    frames_uncached: int = 0
+
+
+@dataclass
+class QueueDepths:
+    """Requests / jobs in each named queue (see scheduler.py)."""
+    frontend: int = 0     # submitted, frontend work not done
+    ar_waiting: int = 0   # admission queue
+    ar_running: int = 0   # decoding in a KV slot
+    dit: int = 0          # DiT jobs queued
+    hift: int = 0         # vocoder jobs queued
+    output: int = 0       # chunks whose device-to-host copy is in flight
+
+
+@dataclass
+class SchedulerStats:
+    in_flight: int = 0
+    closing: bool = False
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+    queues: QueueDepths = field(default_factory=QueueDepths)
+    ar_runner: dict = field(default_factory=dict)   # the runner's own numbers (slots, graph replays, ...)
+    ar: ARCounters = field(default_factory=ARCounters)
+    dit: DitCounters = field(default_factory=DitCounters)
+    hift: BatchCounters = field(default_factory=BatchCounters)
+    shapes: dict | None = None                      # engine calls: bucket hits / padding / eager fallbacks
+    compiles_since_start: int = 0                   # torch.compile graphs compiled while serving (expected 0)
+    busy_s: dict = field(default_factory=dict)      # busy seconds per stage (stage_clock)
+    flow_cache: dict = field(default_factory=dict)  # the flow prefix cache pool's numbers (stages/flow_cache.py)
+
+    def to_dict(self) -> dict:
+        out = {"in_flight": self.in_flight, "closing": self.closing, "completed": self.completed,
+               "failed": self.failed, "cancelled": self.cancelled, "rejected": self.rejected,
+               "queues": dataclasses.asdict(self.queues), "ar": {**self.ar_runner, **dataclasses.asdict(self.ar)},
+               "dit": dataclasses.asdict(self.dit), "hift": dataclasses.asdict(self.hift)}
+        # DiT frames per CFG row and Euler step: computed (whole-history rows + cached hops' new frames), reused from
+        # the flow prefix cache, hops that fell back (pool full)
+        fc = self.flow_cache
+        uncached = out["dit"].pop("frames_uncached")
+        out["dit"].update(frames_computed=uncached + fc.get("frames_computed", 0),
+                          frames_reused=fc.get("frames_reused", 0), cache_fallbacks=fc.get("fallback_hops", 0),
+                          flow_cache=fc)
+        if self.shapes is not None:
+            out["shapes"] = self.shapes
+        out["compiles_since_start"] = self.compiles_since_start
+        out["busy_s"] = self.busy_s
+        return out

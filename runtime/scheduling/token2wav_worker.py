@@ -1,0 +1,263 @@
+"""The token2wav worker: speech tokens -> DiT jobs -> (DiT thread) mel -> (HiFT thread) PCM -> the request's handle.
+
+* `tokens(r, done)` (its TokenSink side, called by the AR worker or a remote token source) turns the hops that are
+  due (`HopSchedule`) and the end of the LM into DiT jobs for the `dit` queue; a request's jobs enter it in order.
+* DiT thread: `policies.pick_dit_group` builds each call; ONE `flow.inference_batch` per group (the estimator of
+  the call's mode from `StageBackends`); the new mel goes to the `hift` queue.
+* HiFT thread: streaming jobs advance the requests' `HiFTStream`s together (`push_batch`); offline finals are
+  grouped by length and run with the offline vocoder (`StageBackends.hift_offline` or the eager HiFT).
+* Output: PCM chunks go to the request's `RequestHandle`. On CUDA the device->host copy runs on a side stream into
+  pinned memory and a chunk is handed over once its event has completed (polled), so the next HiFT batch launches
+  before the previous audio reaches the host (`async_d2h`).
+
+Every batched call is exact per row and a failing batch is retried row by row (`run_rows`), so a request that
+raises fails alone. T_DiT and T_vocoder are each request's share of the batched calls it took part in.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..models.flow import FlowInput
+from ..models.hift_stream import push_batch
+from ..stages.backends import StageBackends
+from ..stages.flow_cache import flow_rows
+from ..stages.token2wav import Token2Wav
+from .ar_worker import Stopped
+from .config import SchedulerConfig
+from .policies import hift_offline_groups, pick_dit_group, pick_hift_jobs
+from .stage_clock import StageClock
+from .state import DitJob, HiftJob, RequestState, final_job, hop_job, run_rows
+from .stats import BatchCounters, DitCounters
+
+
+class Token2WavWorker:
+    """DiT + HiFT + output for many requests. Queues: `dit` (DitJob), `hift` (HiftJob), `transfers` (D2H copies).
+
+    `more_tokens()`: can more DiT jobs arrive soon (the DiT waits for a fuller batch only then);
+    `finish(r, error)`: complete (error None, after its last chunk) or fail a request."""
+
+    def __init__(self, models, backends: StageBackends, config: SchedulerConfig, sample_rate: int, device,
+                 clock: StageClock, finish: Callable[[RequestState, BaseException | None], None],
+                 more_tokens: Callable[[], bool], flow_cache=None):
+        self.flow, self.hift = models.flow, models.hift
+        self.backends = backends
+        self.token2wav = Token2Wav(self.flow, self.hift, backends, flow_cache=flow_cache)
+        self.config = config
+        self.sample_rate = sample_rate
+        self.device = torch.device(device)
+        self.clock = clock
+        self.finish = finish
+        self.more_tokens = more_tokens
+        self.dit_cond = threading.Condition()
+        self.dit: list[DitJob] = []
+        self.dit_busy = False
+        self.hift_cond = threading.Condition()
+        self.hift_queue: list[HiftJob] = []
+        self.transfers: deque = deque()  # CUDA: (r, host, event, final, t_launch, rows), FIFO
+        self.dit_counters, self.hift_counters = DitCounters(), BatchCounters()
+        self.stopped = False
+        self._pending: list[DitJob] = []  # jobs made by `tokens` in this AR step, queued by `flush`
+        self._cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        if self._cuda:
+            from ..models.hift_stream import warm_decode_windows
+
+            warm_decode_windows(self.hift, batches=tuple(b for b in (1, 2, 4, 8, 16) if b <= config.hift_max_batch))
+
+    # ---------------------------------------------------------------- requests in
+    def start(self, r: RequestState) -> None:
+        """Before its first tokens: the request's streaming state (prompt on the device already)."""
+        if r.req.stream:
+            r.stream = self.token2wav.start(*r.prompt)
+
+    def tokens(self, r: RequestState, done: bool) -> None:
+        """TokenSink: queue the hops now due and, when the LM is `done`, the final call (from `flush`)."""
+        while r.stream is not None and r.stream.ready(len(r.tokens)):
+            self._pending.append(hop_job(r))
+        if done:
+            r.metrics.tokens = len(r.tokens)
+            r.handle.tokens = list(r.tokens)
+            if r.tokens:
+                self._pending.append(final_job(r))
+            else:  # the LM stopped at once: no frames to vocode, so empty audio (not a flow error)
+                self.finish(r, None)
+
+    def flush(self) -> None:
+        jobs, self._pending = self._pending, []
+        if jobs:
+            with self.dit_cond:
+                self.dit.extend(jobs)
+                self.dit_cond.notify_all()
+
+    def stop(self) -> None:
+        self.stopped = True
+        for c in (self.dit_cond, self.hift_cond):
+            with c:
+                c.notify_all()
+
+    def wake(self) -> None:
+        with self.dit_cond:
+            self.dit_cond.notify_all()
+
+    # ---------------------------------------------------------------- DiT thread
+    def dit_loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                group = self._next_dit_group()
+                try:
+                    self._run_dit(group)
+                finally:
+                    with self.dit_cond:
+                        self.dit_busy = False
+
+    def _next_dit_group(self) -> list[DitJob]:
+        with self.dit_cond:
+            while True:
+                if self.stopped:
+                    raise Stopped
+                self.dit = [j for j in self.dit if not j.r.dead]
+                group, wait = pick_dit_group(self.dit, self.config, time.perf_counter(), self.more_tokens())
+                if group:
+                    taken = {id(j) for j in group}
+                    self.dit = [j for j in self.dit if id(j) not in taken]
+                    self.dit_busy = True
+                    return group
+                self.dit_cond.wait(wait)
+
+    def _flow_call(self, group: list[DitJob]) -> list[torch.Tensor]:
+        """One DiT call for `group` (one kind): prefix-cached hops compute only their new frames (`flow_rows`)."""
+        streaming, finalize = group[0].kind
+        caches = [None if j.r.stream is None else j.r.stream.flow_cache for j in group]
+        if finalize:  # the final hop is a full-attention pass over everything: free the prefix
+            for c in caches:
+                if c is not None:
+                    c.close()
+        rows = [FlowInput(j.tokens.to(self.device), *j.r.prompt, finalize=finalize, cache=c)
+                for j, c in zip(group, caches)]
+        self.dit_counters.frames_uncached += sum(j.frames for j, c in zip(group, caches) if c is None or c.closed)
+        return flow_rows(self.flow, rows, streaming, self.backends.estimator(streaming), finalize=finalize)
+
+    def _run_dit(self, group: list[DitJob]) -> None:
+        t0 = time.perf_counter()
+        with self.clock.span("dit"):
+            results = run_rows(self._flow_call, group, self._fail_job)
+        self._sync()
+        if not results:
+            return
+        share = (time.perf_counter() - t0) / len(group)
+        now = time.perf_counter()
+        out = []
+        for j, mel in results:
+            j.r.metrics.t_dit += share
+            if j.r.stream is not None:
+                j.r.stream.chunks += 1
+            mel = mel[:, :, j.mel_from:]
+            speed = getattr(j.r.req, "speed", 1.0)
+            if j.finalize and j.r.stream is None and speed != 1.0 and mel.shape[-1] > 0:  # offline, as upstream
+                mel = torch.nn.functional.interpolate(mel, size=max(1, int(mel.shape[-1] / speed)), mode="linear")
+            out.append(HiftJob(j.r, mel, j.finalize, now))
+        self.dit_counters.add(len(group))
+        with self.hift_cond:
+            self.hift_queue.extend(out)
+            self.hift_cond.notify_all()
+
+    def _fail_job(self, job, e: BaseException) -> None:
+        self.finish(job.r, e)
+
+    def _sync(self) -> None:
+        if self._cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            ev.synchronize()
+
+    # ---------------------------------------------------------------- HiFT thread
+    def hift_loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                jobs = self._next_hift_jobs()
+                if jobs:
+                    with self.clock.span("hift"):
+                        self._run_hift(jobs)
+                self._drain_transfers()
+
+    def _dit_active(self) -> bool:
+        return bool(self.dit_busy or self.dit)
+
+    def _next_hift_jobs(self) -> list[HiftJob]:
+        with self.hift_cond:
+            while True:
+                self._drain_transfers()
+                if self.stopped:
+                    raise Stopped
+                self.hift_queue = [j for j in self.hift_queue if not j.r.dead]
+                jobs, wait = pick_hift_jobs(self.hift_queue, self.config, time.perf_counter(), self._dit_active())
+                if jobs:
+                    taken = {id(j) for j in jobs}
+                    self.hift_queue = [j for j in self.hift_queue if id(j) not in taken]
+                    return jobs
+                if self.transfers:  # CUDA copies in flight: poll their events
+                    wait = 0.0005 if wait is None else min(wait, 0.0005)
+                self.hift_cond.wait(wait)
+
+    def _run_hift(self, jobs: list[HiftJob]) -> None:
+        streams = [j for j in jobs if j.r.stream is not None]
+        offline = [j for j in jobs if j.r.stream is None]
+        if streams:
+            snapshots = {id(j): vars(j.r.stream.hift_stream).copy() for j in streams}
+
+            def restore(j):  # push_batch only rebinds attributes, so a shallow copy undoes a failed batch
+                vars(j.r.stream.hift_stream).update(snapshots[id(j)])
+
+            def push(group):
+                return push_batch([j.r.stream.hift_stream for j in group], [j.mel for j in group],
+                                  [j.final for j in group])
+            self._vocode(push, streams, restore)
+        if offline:
+            vocoder = self.backends.hift_offline or self.hift
+            for idx in hift_offline_groups([j.mel.shape[2] for j in offline], self.config):
+                self._vocode(lambda g: vocoder.inference_batch([j.mel for j in g], finalize=True),
+                             [offline[i] for i in idx])
+
+    def _vocode(self, call, group: list[HiftJob], restore=None) -> None:
+        t0 = time.perf_counter()
+        results = run_rows(call, group, self._fail_job, before_retry=restore)
+        self.hift_counters.add(len(group))
+        for j, wav in results:
+            self._output(j.r, wav.reshape(-1), j.final, t0, len(group))
+
+    # ---------------------------------------------------------------- output
+    def _output(self, r: RequestState, wav: torch.Tensor, final: bool, t_launch: float, rows: int) -> None:
+        if not self._cuda or not self.config.async_d2h:
+            r.metrics.t_vocoder += (time.perf_counter() - t_launch) / rows
+            self._deliver(r, wav.detach().float().cpu().numpy().reshape(-1), final)
+            return
+        wav = wav.detach().float()
+        host = torch.empty(wav.shape, dtype=torch.float32, pin_memory=True)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            host.copy_(wav, non_blocking=True)
+            wav.record_stream(self._copy_stream)
+            ev = torch.cuda.Event()
+            ev.record(self._copy_stream)
+        self.transfers.append((r, host, ev, final, t_launch, rows))
+
+    def _drain_transfers(self) -> None:
+        """Hand over the chunks whose device->host copy has completed (copies complete in FIFO order)."""
+        while self.transfers and self.transfers[0][2].query():
+            r, host, _, final, t_launch, rows = self.transfers.popleft()
+            r.metrics.t_vocoder += (time.perf_counter() - t_launch) / rows
+            self._deliver(r, host.numpy().copy(), final)
+
+    def _deliver(self, r: RequestState, pcm: np.ndarray, final: bool) -> None:
+        if r.dead:
+            return
+        r.metrics.mark_chunk(pcm.size, self.sample_rate)
+        r.handle._put(pcm)
+        if final:
+            self.finish(r, None)

@@ -1,0 +1,163 @@
+"""The AR runner: what the scheduler's AR worker calls to run the LM (nano-vllm's "model runner").
+
+`ARRunner` is the protocol: KV slots, a batched prefill and a batched decode step returning last-position logits.
+`TorchARRunner` runs the PyTorch `CosyVoice3LM`: it owns the static KV-cache slots (`KVSlots`), the CUDA-graph
+ladders of the decode step and the prefill (`ar_graphs.py`), the torch.compile'd functions and their warm-up, and the
+padding rows the compiled path needs. Another engine (TensorRT-LLM) implements the same protocol.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .kv_slots import KVSlots
+
+KV_LEN_STEP = 256  # decode attends to the cache rounded up to this many positions
+MIN_COMPILED_ROWS = 2  # compiled LM calls get >= 2 rows (padding rows -> scratch slot): dynamo specializes batch 1
+
+
+@dataclass
+class PrefillRow:
+    slot: int
+    embeds: torch.Tensor               # [T, H] LM input embeddings
+    ids: torch.Tensor | None = None    # merged-vocab ids, for engines that take ids
+
+
+@runtime_checkable
+class ARRunner(Protocol):
+    """Runs the LM for the AR worker; owns the KV slots and any graphs / compiled functions."""
+
+    max_batch: int  # KV slots
+    max_len: int    # KV positions per slot
+
+    def allocate(self) -> int | None: ...      # a free slot, or None
+
+    def release(self, slot: int) -> None: ...
+
+    def prefill(self, rows: list[PrefillRow]) -> torch.Tensor: ...   # last-position logits [B, V], float32
+
+    def decode(self, tokens: list[int], slots: list[int], positions: list[int]) -> torch.Tensor: ...  # [B, V]
+
+    def close(self) -> None: ...
+
+
+def default_max_len(models) -> int:
+    """KV positions per slot when not configured: prompt + output tokens are bounded by the flow / HiFT noise
+    buffers (2 mel frames per token); the text adds some more."""
+    hift = models.hift
+    limit = min(models.flow.max_frames, getattr(hift, "max_frames", None) or hift.noise_frames)
+    max_pos = getattr(models.config.llm.qwen, "max_position_embeddings", None) or 1 << 30
+    return min(max_pos, -(-(limit // 2 + 512) // KV_LEN_STEP) * KV_LEN_STEP)
+
+
+class TorchARRunner:
+    """`ARRunner` over a PyTorch CosyVoice3LM.
+
+    `cuda_graphs` (CUDA only): the decode step is captured per (batch bucket, KV-length rung) and the prefill per
+    (rows, padded length); calls that fit replay a graph. `compile`: the prefill and decode step are torch.compile'd
+    (before the capture) and compiled now, not under load."""
+
+    def __init__(self, lm, max_batch: int, max_len: int, device, *, cuda_graphs: bool = True, compile: bool = False,
+                 graph_batches=(1, 2, 4, 8, 16, 32, 64), prefill_graph_batches=(1, 2, 4, 8),
+                 prefill_graph_lengths=(64, 128, 256, 384, 512), max_prefill_tokens: int = 4096):
+        self.lm = lm
+        self.max_batch, self.max_len = max_batch, max_len
+        self.device = torch.device(device)
+        self.compiled = compile
+        use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.slots = KVSlots(lm, max_batch, max_len, scratch=use_graphs or compile)
+        self._decode, self._prefill = lm.decode, lm.prefill
+        if compile:
+            from .compiled import compile_fn
+
+            self._decode, self._prefill = compile_fn(lm.decode), compile_fn(lm.prefill)
+        self.decode_graphs = self.prefill_graphs = None
+        if use_graphs:
+            from .ar_graphs import DecodeGraphs, PrefillGraphs
+
+            batches = [b for b in graph_batches if b < max_batch] + [max_batch]
+            if compile:  # batch 1 runs in the batch-2 graph (one padding row): no batch-1 compile
+                batches = sorted({max(b, MIN_COMPILED_ROWS) for b in batches})
+            rungs, kv = [], KV_LEN_STEP
+            while kv < max_len:
+                rungs.append(kv)
+                kv *= 2
+            rungs.append(max_len)
+            self.decode_graphs = DecodeGraphs(self._decode, batches, rungs, self.slots.scratch_slot, self.device)
+            rows = [b for b in prefill_graph_batches if b <= max_batch]
+            if compile:
+                rows = sorted({max(b, MIN_COMPILED_ROWS) for b in rows})
+            self.prefill_graphs = PrefillGraphs(
+                self._prefill, rows, [t for t in prefill_graph_lengths if t <= max_len], max_prefill_tokens,
+                lm.config.qwen.hidden_size, lm.dtype, self.slots.scratch_slot, self.device)
+        if compile:
+            self._warm_compiled()
+
+    # ---------------------------------------------------------------- ARRunner
+    def allocate(self) -> int | None:
+        return self.slots.allocate()
+
+    def release(self, slot: int) -> None:
+        self.slots.release(slot)
+
+    def prefill(self, rows: list[PrefillRow]) -> torch.Tensor:
+        self.slots.install()
+        lengths = [r.embeds.shape[0] for r in rows]
+        lengths_t, slots = self._padded([lengths, [r.slot for r in rows]], [1, self.slots.scratch_slot])
+        width, hidden = max(lengths), rows[0].embeds.shape[1]
+        embeds = torch.zeros(lengths_t.shape[0], width, hidden, device=self.device, dtype=self.lm.dtype)
+        for i, r in enumerate(rows):
+            embeds[i, :lengths[i]] = r.embeds.to(self.lm.dtype)
+        if self.prefill_graphs is not None and self.prefill_graphs.bucket(len(lengths_t), width) is not None:
+            return self.prefill_graphs(embeds, lengths_t, slots)[:len(rows)]
+        return self._prefill(embeds, lengths_t, slots)[:len(rows)]
+
+    def decode(self, tokens: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
+        self.slots.install()
+        need = max(positions) + 1
+        if self.decode_graphs is not None and self.decode_graphs.fits(len(tokens), need):
+            return self.decode_graphs(*(torch.tensor(c, device=self.device) for c in (tokens, slots, positions)),
+                                      need)
+        kv_len = min(self.max_len, -(-need // KV_LEN_STEP) * KV_LEN_STEP)
+        t, s, p = self._padded([tokens, slots, positions], [0, self.slots.scratch_slot, 0])
+        return self._decode(t, s, p, kv_len=kv_len)[:len(tokens)]
+
+    def close(self) -> None:
+        """Drop the graphs (their memory pools) and the KV cache references."""
+        self.decode_graphs = self.prefill_graphs = None
+
+    # ---------------------------------------------------------------- extras
+    @property
+    def free(self) -> int:
+        return self.slots.free
+
+    def stats(self) -> dict:
+        return {"slots": self.slots.slots, "free_slots": self.slots.free, "max_len": self.max_len,
+                "decode_graph_replays": self.decode_graphs.replays if self.decode_graphs else 0,
+                "prefill_graph_replays": self.prefill_graphs.replays if self.prefill_graphs else 0,
+                "slot_allocations": self.slots.allocations}
+
+    def _padded(self, values: list[list[int]], pad: list[int]) -> list[torch.Tensor]:
+        """Per-row int columns as device tensors; a compiled LM gets padding rows (`pad`: their values; the slot
+        column pads with the scratch slot) up to MIN_COMPILED_ROWS."""
+        extra = max(0, MIN_COMPILED_ROWS - len(values[0])) if self.compiled else 0
+        return [torch.tensor(col + [p] * extra, device=self.device) for col, p in zip(values, pad)]
+
+    def _warm_compiled(self) -> None:
+        """Compile now, not under load: run the compiled prefill (and, without decode graphs, the decode step at
+        the smallest padded batch and one row more: the two decode specializations, see `llm.decode_attention`) into
+        the scratch slot (decode graphs compile while they are captured)."""
+        from ..models.llm import REDUCE_ATTENTION_MAX_ROWS
+
+        dev, n = self.device, MIN_COMPILED_ROWS
+        with torch.inference_mode():  # as the AR worker's tensors are (dynamo guards on inference-ness)
+            rows = torch.full((n,), self.slots.scratch_slot, device=dev)
+            embeds = torch.zeros(n, 8, self.lm.config.qwen.hidden_size, device=dev, dtype=self.lm.dtype)
+            self._prefill(embeds, torch.full((n,), 8, device=dev), rows)
+            if self.decode_graphs is None:
+                for b in (n, max(n, REDUCE_ATTENTION_MAX_ROWS) + 1):  # the reduce-form rows and the SDPA rows
+                    self._decode(torch.zeros(b, dtype=torch.long, device=dev),
+                                 torch.full((b,), self.slots.scratch_slot, device=dev),
+                                 torch.full((b,), 8, device=dev), kv_len=min(KV_LEN_STEP, self.max_len))
