@@ -293,14 +293,15 @@ def test_8_fake_runtime_health(tmp_path):
 # ------------------------------------------------------------------------------------------------ 9: zero tokens
 
 def test_9_zero_speech_tokens_is_empty_audio_not_4xx(client, tts, monkeypatch):
-    sched = tts.scheduler
-    orig = sched._prepare_policy
+    from cosytrt.runtime.scheduling import scheduler as scheduler_mod
 
-    def stop_at_once(r, inputs):
-        orig(r, inputs)
+    orig = scheduler_mod.token_policy
+
+    def stop_at_once(r, *args, **kw):
+        orig(r, *args, **kw)
         r.policy.max_len = r.policy.min_len = 0  # the LM's first step is its last: no speech token
 
-    monkeypatch.setattr(sched, "_prepare_policy", stop_at_once)
+    monkeypatch.setattr(scheduler_mod, "token_policy", stop_at_once)
     r = client.post("/v1/audio/speech", json={**BODY, "seed": 1})
     assert r.status_code == 200, r.text
     samples, sr, _ = read_wav(r.content)
