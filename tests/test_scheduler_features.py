@@ -226,3 +226,51 @@ def test_admission_policy():
     assert admit(waiting[1:], 0, 8, SchedulerConfig(ar_max_prefill_tokens=10)) == 1
     assert admit(waiting, 3, 8, replace(cfg, continuous_batching=False)) == 0
     assert admit(waiting, 0, 8, replace(cfg, continuous_batching=False)) == 2
+
+
+# ---------------------------------------------------------------- step-level DiT
+
+class _DJob(_Job):
+    """A DiT job stand-in: attention mode, kind and length for the step-level policy."""
+
+    def __init__(self, name, metrics, streaming, finalize, frames=200):
+        super().__init__(name, metrics)
+        self.streaming, self.finalize, self.frames, self.t_enqueue = streaming, finalize, frames, 0.0
+
+    @property
+    def kind(self):
+        return self.streaming, self.finalize
+
+
+def test_pick_dit_step_lets_a_first_hop_overtake_a_final_mid_solve():
+    from cosytrt.runtime.scheduling.policies import pick_dit_step
+
+    now, cfg = 100.0, SchedulerConfig()
+    final = _DJob("final", _metrics(t_submit=90.0, ttfa=0.5, audio_seconds=12.0), False, True, 2000)  # 2.5 s buffered
+    hop = _DJob("hop", _metrics(t_submit=99.9), True, False, 150)                                       # a new stream
+    never = lambda j: False  # noqa: E731
+    # mid-solve final, new first hop: the hop's step runs next, without the final's rows (other attention mode)
+    how, group, wait = pick_dit_step([hop], [final], cfg, now, True, never)
+    assert (how, [j.name for j in group], wait) == ("step", ["hop"], None)
+    # a hop served by the flow prefix cache runs its whole (short) solve at once
+    how, group, _ = pick_dit_step([hop], [final], cfg, now, True, lambda j: j is hop)
+    assert (how, [j.name for j in group]) == ("whole", ["hop"])
+    # an underrunning stream's final goes first, and queued finals of similar length join its step
+    late = _DJob("late", _metrics(t_submit=95.0, ttfa=0.5, audio_seconds=3.0), False, True, 1900)
+    other = _DJob("other", _metrics(t_submit=99.0), False, True, 1800)
+    how, group, _ = pick_dit_step([hop, other], [late], cfg, now, True, never)
+    assert how == "step" and sorted(j.name for j in group) == ["late", "other"]
+    # nothing mid-solve: the call is formed (and waited for) as without step-level scheduling
+    how, group, wait = pick_dit_step([hop], [], replace(cfg, dit_max_wait_ms=1e6), now, True, never)
+    assert how is None and group == [] and wait > 0
+
+
+def test_dit_step_level_keeps_the_audio_and_steps_rows_together(tts, speaker):
+    """Step-level DiT scheduling only changes which rows share an estimator call (each row's Euler arithmetic is
+    the solve's): every request's audio equals the whole-call schedule within the flow's batching bound."""
+    reqs = lockstep(speaker, n=3) + [make_request("Offline one.", speaker=speaker, seed=9, force_tokens=50)]
+    on, st_on = run_all(tts, SchedulerConfig(dit_max_wait_ms=20), reqs)
+    off, st_off = run_all(tts, SchedulerConfig(dit_max_wait_ms=20, dit_step_level=False), reqs)
+    assert st_on["completed"] == 4
+    assert st_on["dit"]["calls"] >= 10 * st_off["dit"]["calls"] // 2  # one call per Euler step, not per solve
+    assert_same_audio(on, off)

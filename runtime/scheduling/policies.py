@@ -13,7 +13,8 @@ from .config import SchedulerConfig
 from .request import RequestMetrics
 from .state import first_per_request
 
-POLICIES = ("continuous_batching", "dit_chunk_aligned", "dit_slack_priority", "hift_length_aware", "async_d2h")
+POLICIES = ("continuous_batching", "dit_chunk_aligned", "dit_slack_priority", "dit_step_level", "hift_length_aware",
+            "async_d2h")
 
 
 def admit(waiting, running: int, free_slots: int, cfg: SchedulerConfig) -> int:
@@ -78,6 +79,39 @@ def pick_dit_group(queue: list, cfg: SchedulerConfig, now: float, more_coming: b
     if len(same) < cfg.dit_max_requests and left > 0 and more_coming:
         return [], left
     return group, None
+
+
+def pick_dit_step(queue: list, active: list, cfg: SchedulerConfig, now: float, more_coming: bool,
+                  runs_whole) -> tuple[str | None, list, float | None]:
+    """Step-level DiT scheduling (`dit_step_level`): the next unit of DiT work, like continuous batching of decode
+    steps. `active`: jobs whose rows are mid-solve (started, stepped one Euler step per call); `runs_whole(job)`:
+    jobs that run all their steps in one call (streaming hops served by the flow prefix cache: new frames only).
+
+    Returns ("whole", jobs, None): run these queued jobs' whole solves now; ("step", jobs, None): advance these jobs
+    by one Euler step (queued ones among them start now); (None, [], wait): nothing now, wait up to `wait` s.
+    The most urgent job (`dit_order` over queued and active jobs) decides: a whole-run hop forms its call as
+    `pick_dit_group` does; otherwise rows of its attention mode, active or queued, length-grouped around it, take
+    one step together, so a first hop that becomes ready joins at the next step instead of waiting for all steps
+    of a long final. While rows are mid-solve nothing waits for a fuller batch."""
+    if not active:
+        group, wait = pick_dit_group(queue, cfg, now, more_coming)
+        if not group:
+            return None, [], wait
+        return ("whole" if runs_whole(group[0]) else "step"), group, None
+    busy = {id(j.r) for j in active}
+    ready = [j for j in first_per_request(queue) if id(j.r) not in busy]
+    started = {id(j) for j in active}
+    order = dit_order(ready + list(active), now, cfg.dit_slack_priority)
+    anchor = order[0]
+    if id(anchor) not in started and runs_whole(anchor):
+        same = [j for j in order if id(j) not in started and j.kind == anchor.kind and runs_whole(j)]
+    else:
+        same = [j for j in order if j.streaming == anchor.streaming and (id(j) in started or not runs_whole(j))]
+    if not cfg.dit_chunk_aligned:
+        same = [anchor]
+    groups = group_by_length([j.frames for j in same], cfg.dit_max_requests, cfg.max_padding_waste)
+    group = [same[i] for i in next(g for g in groups if 0 in g)]
+    return ("whole" if id(anchor) not in started and runs_whole(anchor) else "step"), group, None
 
 
 def pick_hift_jobs(queue: list, cfg: SchedulerConfig, now: float, more_coming: bool) -> tuple[list, float | None]:

@@ -30,7 +30,8 @@ from ..stages.flow_cache import flow_rows
 from ..stages.token2wav import Token2Wav
 from .ar_worker import Stopped
 from .config import SchedulerConfig
-from .policies import hift_offline_groups, pick_dit_group, pick_hift_jobs
+from ..stages.flow_steps import FlowStepper
+from .policies import hift_offline_groups, pick_dit_group, pick_dit_step, pick_hift_jobs
 from .stage_clock import StageClock
 from .state import DitJob, HiftJob, RequestState, final_job, hop_job, run_rows
 from .stats import BatchCounters, DitCounters
@@ -57,6 +58,8 @@ class Token2WavWorker:
         self.dit_cond = threading.Condition()
         self.dit: list[DitJob] = []
         self.dit_busy = False
+        self.stepper = FlowStepper(self.flow)
+        self.active: dict[int, tuple[DitJob, object]] = {}  # step-level DiT: id(job) -> (job, FlowSteps) mid-solve
         self.hift_cond = threading.Condition()
         self.hift_queue: list[HiftJob] = []
         self.transfers: deque = deque()  # CUDA: (r, host, event, final, t_launch, rows), FIFO
@@ -109,25 +112,42 @@ class Token2WavWorker:
     def dit_loop(self) -> None:
         with torch.inference_mode():
             while True:
-                group = self._next_dit_group()
+                how, group = self._next_dit_work()
                 try:
-                    self._run_dit(group)
+                    if how == "step":
+                        self._run_dit_step(group)
+                    else:
+                        self._run_dit(group)
                 finally:
                     with self.dit_cond:
-                        self.dit_busy = False
+                        self.dit_busy = bool(self.active)
 
-    def _next_dit_group(self) -> list[DitJob]:
+    def _runs_whole(self, job: DitJob) -> bool:
+        """Jobs that run all Euler steps in one call under step-level scheduling: streaming hops served by the flow
+        prefix cache (new frames only, a short call)."""
+        cache = None if job.r.stream is None else job.r.stream.flow_cache
+        return job.streaming and not job.finalize and cache is not None and not cache.closed
+
+    def _next_dit_work(self) -> tuple[str, list[DitJob]]:
         with self.dit_cond:
             while True:
                 if self.stopped:
                     raise Stopped
                 self.dit = [j for j in self.dit if not j.r.dead]
-                group, wait = pick_dit_group(self.dit, self.config, time.perf_counter(), self.more_tokens())
+                for key in [k for k, (j, _) in self.active.items() if j.r.dead]:
+                    del self.active[key]
+                now = time.perf_counter()
+                if self.config.dit_step_level:
+                    how, group, wait = pick_dit_step(self.dit, [j for j, _ in self.active.values()], self.config, now,
+                                                     self.more_tokens(), self._runs_whole)
+                else:
+                    group, wait = pick_dit_group(self.dit, self.config, now, self.more_tokens())
+                    how = "whole"
                 if group:
                     taken = {id(j) for j in group}
                     self.dit = [j for j in self.dit if id(j) not in taken]
                     self.dit_busy = True
-                    return group
+                    return how, group
                 self.dit_cond.wait(wait)
 
     def _flow_call(self, group: list[DitJob]) -> list[torch.Tensor]:
@@ -148,9 +168,57 @@ class Token2WavWorker:
         with self.clock.span("dit"):
             results = run_rows(self._flow_call, group, self._fail_job)
         self._sync()
-        if not results:
+        if results:
+            self._dit_done(results, (time.perf_counter() - t0) / len(group))
+        self.dit_counters.add(len(group))
+
+    def _run_dit_step(self, group: list[DitJob]) -> None:
+        """One Euler step for `group` (rows of one attention mode; the queued ones start now); rows that finish
+        their last step go on to HiFT."""
+        rows = []
+        for j in group:
+            if id(j) not in self.active:
+                cache = None if j.r.stream is None else j.r.stream.flow_cache
+                if j.finalize and cache is not None:  # the final hop is a full-attention pass: free the prefix
+                    cache.close()
+                self.dit_counters.frames_uncached += j.frames
+                try:
+                    st = self.stepper.start(FlowInput(j.tokens.to(self.device), *j.r.prompt, finalize=j.finalize),
+                                            j.streaming, j.finalize)
+                except Exception as e:
+                    self._fail_job(j, e)
+                    continue
+                self.active[id(j)] = (j, st)
+            rows.append(self.active[id(j)])
+        if not rows:
             return
-        share = (time.perf_counter() - t0) / len(group)
+        est = self.backends.estimator(rows[0][0].streaming)
+
+        def step(pairs):
+            self.stepper.step([st for _, st in pairs], est)
+            return [None] * len(pairs)
+
+        def fail(pair, e):
+            self.active.pop(id(pair[0]), None)
+            self._fail_job(pair[0], e)
+
+        t0 = time.perf_counter()
+        with self.clock.span("dit"):
+            ok = run_rows(step, rows, fail)
+        self._sync()
+        share = (time.perf_counter() - t0) / len(rows)
+        done = []
+        for (j, st), _ in ok:
+            j.r.metrics.t_dit += share
+            if st.done:
+                del self.active[id(j)]
+                done.append((j, st.mel()))
+        self.dit_counters.add(len(rows))
+        if done:
+            self._dit_done(done, 0.0)
+
+    def _dit_done(self, results: list[tuple[DitJob, torch.Tensor]], share: float) -> None:
+        """Finished DiT jobs: their new mel to the HiFT queue."""
         now = time.perf_counter()
         out = []
         for j, mel in results:
@@ -162,7 +230,6 @@ class Token2WavWorker:
             if j.finalize and j.r.stream is None and speed != 1.0 and mel.shape[-1] > 0:  # offline, as upstream
                 mel = torch.nn.functional.interpolate(mel, size=max(1, int(mel.shape[-1] / speed)), mode="linear")
             out.append(HiftJob(j.r, mel, j.finalize, now))
-        self.dit_counters.add(len(group))
         with self.hift_cond:
             self.hift_queue.extend(out)
             self.hift_cond.notify_all()
@@ -187,7 +254,7 @@ class Token2WavWorker:
                 self._drain_transfers()
 
     def _dit_active(self) -> bool:
-        return bool(self.dit_busy or self.dit)
+        return bool(self.dit_busy or self.dit or self.active)
 
     def _next_hift_jobs(self) -> list[HiftJob]:
         with self.hift_cond:
