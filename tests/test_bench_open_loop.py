@@ -141,6 +141,10 @@ def test_ab_settings_accept_boolean_fields_and_skip_the_rest():
     both, _ = ab_settings(base, ["async_d2h+continuous_batching"])
     assert both == [("async_d2h+continuous_batching off", {"async_d2h": False, "continuous_batching": False}),
                     ("async_d2h+continuous_batching on", {"async_d2h": True, "continuous_batching": True})]
+    # explicit settings
+    one, skipped = ab_settings(base, ["async_d2h=0+continuous_batching=1", "async_d2h=2"])
+    assert one == [("async_d2h=0+continuous_batching=1", {"async_d2h": False, "continuous_batching": True})]
+    assert len(skipped) == 1
 
 
 def test_stats_delta_reads_what_is_there():

@@ -35,11 +35,20 @@ OPEN_LOOP_MAX_IN_FLIGHT = 4096  # arrivals are never held back by admission: a b
 def ab_settings(base, flags: list[str]) -> tuple[list[tuple[str, dict]], list[str]]:
     """[(label, SchedulerConfig overrides)] for the A/B over `flags` (each off, then on; settings with the same
     overrides merged), and the messages of the flags skipped. A flag `a+b` switches several fields together (off:
-    all False, on: all True). No usable flag: one setting, "default"."""
+    all False, on: all True); a flag `a=0+b=1` is one setting with exactly those values. No usable flag: one setting,
+    "default"."""
     fields = {f.name: f for f in dataclasses.fields(base)}
     settings: list[tuple[str, dict]] = []
     skipped = []
     for flag in flags:
+        if "=" in flag:  # one setting with explicit values
+            pairs = [p.split("=", 1) for p in flag.split("+")]
+            bad = [n for n, _ in pairs if n not in fields or not isinstance(getattr(base, n), bool)]
+            if bad or any(v not in ("0", "1") for _, v in pairs):
+                skipped.append(f"--ab {flag}: needs boolean SchedulerConfig fields set to 0 or 1, skipped")
+                continue
+            settings.append((flag, {n: v == "1" for n, v in pairs}))
+            continue
         names = flag.split("+")
         bad = [n for n in names if n not in fields or not isinstance(getattr(base, n), bool)]
         if bad:
