@@ -142,9 +142,20 @@ def _graph_tokens(lm, lm_input, text_len, params, prefill_key, batch, rung_of) -
     return policy.output
 
 
-def test_tokens_same_in_every_ar_graph_bucket(lm, tiny_tts, monkeypatch):
+@pytest.fixture(scope="module")
+def bi_tts():
+    """A tiny TTS whose scheduler runs the batch-invariant LM (the switch is off by default)."""
+    from cosytrt.runtime.scheduling.config import SchedulerConfig
+    from cosytrt.runtime.tts import TTS
+
+    t = TTS.load("tiny", scheduler=SchedulerConfig(batch_invariant=True))
+    yield t
+    t.close()
+
+
+def test_tokens_same_in_every_ar_graph_bucket(lm, bi_tts, monkeypatch):
     monkeypatch.setattr(ar_graphs, "GraphCache", DirectCall)
-    p = tiny_tts.pipeline
+    p = bi_tts.pipeline
     req = make_request("Sentence number 15 for the concurrency test.", seed=115)
     inputs = prepare_inputs(p.frontend, req, p.default_speaker)
     lm_input = lm.build_lm_input(inputs.text_ids, inputs.prompt_speech_tokens).float()
@@ -186,8 +197,8 @@ def _run(tts, spec):
     return np.concatenate(list(h.chunks(timeout=300))), h
 
 
-def test_16_concurrent_requests_match_each_alone_library(tiny_tts, one_torch_thread):
-    tts = tiny_tts
+def test_16_concurrent_requests_match_each_alone_library(bi_tts, one_torch_thread):
+    tts = bi_tts
     assert tts.scheduler_config.batch_invariant
     specs = _specs()
     alone = [_run(tts, s) for s in specs]
@@ -202,13 +213,13 @@ def test_16_concurrent_requests_match_each_alone_library(tiny_tts, one_torch_thr
     print("audio max |diff| beside 15 requests:", max(float(np.abs(a[0] - b[0]).max()) for a, b in zip(alone, together)))
 
 
-def test_16_concurrent_requests_match_each_alone_server(tiny_tts, tmp_path, one_torch_thread):
+def test_16_concurrent_requests_match_each_alone_server(bi_tts, tmp_path, one_torch_thread):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
     from cosytrt.runtime.serving.app import ServerSettings, create_app
 
-    app = create_app(tiny_tts, ServerSettings(voices_dir=str(tmp_path / "voices"), max_in_flight=16, warmup=False,
+    app = create_app(bi_tts, ServerSettings(voices_dir=str(tmp_path / "voices"), max_in_flight=16, warmup=False,
                                               allowed_hosts=["testserver"]))
     specs = _specs()
 

@@ -258,16 +258,16 @@ def test_export_metrics_json(tmp_path):
 
 
 def test_flow_prefix_cache_in_scheduler(tts, speakers):
-    """Streams through a scheduler with the flow prefix cache (default on) equal Pipeline.run (whole-history hops)
+    """Streams through a scheduler with the flow prefix cache equal Pipeline.run (whole-history hops)
     for the same seed; the stats show the frames reused, a speaker prompt hit for the repeated voice, every DiT frame
     of the hop schedule either computed or reused, and the streams' caches freed (the prompt entry stays)."""
-    from cosytrt.engines.buckets import streaming_call_frames
+    from cosytrt.runtime.stages.hop_schedule import streaming_call_frames
 
     n_tokens = (130, 70)
     reqs = [make_request("Cached hops, first.", speaker=speakers[1], seed=21, stream=True, force_tokens=n_tokens[0]),
             make_request("Cached hops, second.", speaker=speakers[1], seed=22, stream=True, force_tokens=n_tokens[1])]
     refs = [reference(tts, r) for r in reqs]
-    sched = Scheduler(tts.pipeline, SchedulerConfig(dit_max_requests=1, hift_max_batch=1))
+    sched = Scheduler(tts.pipeline, SchedulerConfig(dit_max_requests=1, hift_max_batch=1, flow_prefix_cache=True))
     assert sched.config.flow_prefix_cache
     try:
         outs = [list(sched.submit(r).chunks(timeout=120)) for r in reqs]  # in turn: the second finds the prompt entry

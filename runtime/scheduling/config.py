@@ -34,13 +34,16 @@ class SchedulerConfig:
     ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)
     # Flow prefix KV cache (stages/flow_cache.py): non-final DiT hops compute only their new frames; a saved speaker's
     # prompt chunks are computed once (flow_prompt_cache). Budget in bytes (None: 25 % of the GPU, at most 24 GiB;
-    # 1 GiB on CPU); a hop that does not fit runs as today (stats()["dit"]["cache_fallbacks"]).
-    flow_prefix_cache: bool = True
+    # 1 GiB on CPU); a hop that does not fit runs as today (stats()["dit"]["cache_fallbacks"]). Off by default: on the
+    # H200 a cached hop runs the eager DiT (no CUDA graph yet) and was slower than the graph-replayed whole-history
+    # hop (BENCHMARKS.md, open-loop runs 15-17).
+    flow_prefix_cache: bool = False
     flow_prompt_cache: bool = True
     flow_cache_budget_bytes: int | None = None
     # A request's tokens do not depend on the other requests batched with it, nor on the padded bucket / KV rung
-    # (same seed, same tokens). The LM then runs batch-invariant kernels (runtime/models/batch_invariant.py).
-    batch_invariant: bool = True
+    # (same seed, same tokens). The LM then runs batch-invariant kernels (runtime/models/batch_invariant.py). Off by
+    # default: on the H200 it doubled the time to first audio under open-loop load (BENCHMARKS.md, run 16).
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.on_full not in ("wait", "reject"):
