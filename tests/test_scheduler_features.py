@@ -269,7 +269,7 @@ def test_dit_step_level_keeps_the_audio_and_steps_rows_together(tts, speaker):
     """Step-level DiT scheduling only changes which rows share an estimator call (each row's Euler arithmetic is
     the solve's): every request's audio equals the whole-call schedule within the flow's batching bound."""
     reqs = lockstep(speaker, n=3) + [make_request("Offline one.", speaker=speaker, seed=9, force_tokens=50)]
-    on, st_on = run_all(tts, SchedulerConfig(dit_max_wait_ms=20), reqs)
+    on, st_on = run_all(tts, SchedulerConfig(dit_max_wait_ms=20, dit_step_level=True), reqs)
     off, st_off = run_all(tts, SchedulerConfig(dit_max_wait_ms=20, dit_step_level=False), reqs)
     assert st_on["completed"] == 4
     assert st_on["dit"]["calls"] >= 10 * st_off["dit"]["calls"] // 2  # one call per Euler step, not per solve

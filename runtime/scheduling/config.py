@@ -26,7 +26,10 @@ class SchedulerConfig:
     continuous_batching: bool = True  # off: admit new requests only when no request is decoding (static batches)
     dit_chunk_aligned: bool = True    # off: one request per DiT call, dispatched at once (no cross-request batches)
     dit_slack_priority: bool = True   # off: each DiT call is built around the oldest queued job (see playback_slack)
-    dit_step_level: bool = True       # off: a DiT call runs all Euler steps of its rows (a new first hop waits for it)
+    # on: the DiT worker advances rows one Euler step per call, so a new first hop joins the next step instead of
+    # waiting for a long final. Off by default: on the H200 it cost ~20 % c1 streaming TTFA (ten calls per hop) and
+    # its open-loop gain did not repeat across runs (BENCHMARKS.md, runs 15-17)
+    dit_step_level: bool = False
     hift_length_aware: bool = True    # off: offline HiFT batches in arrival order, no padding-waste limit
     async_d2h: bool = True            # off (CUDA): each chunk's device-to-host copy blocks the HiFT worker
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)

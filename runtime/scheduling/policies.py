@@ -13,8 +13,7 @@ from .config import SchedulerConfig
 from .request import RequestMetrics
 from .state import first_per_request
 
-POLICIES = ("continuous_batching", "dit_chunk_aligned", "dit_slack_priority", "dit_step_level", "hift_length_aware",
-            "async_d2h")
+POLICIES = ("continuous_batching", "dit_chunk_aligned", "dit_slack_priority", "hift_length_aware", "async_d2h")
 
 
 def admit(waiting, running: int, free_slots: int, cfg: SchedulerConfig) -> int:
