@@ -136,5 +136,5 @@ def test_tts_load_takes_a_compiled_set(models, cheap_warm, tmp_path, monkeypatch
     monkeypatch.setattr(TTS, "stream", lambda self, *a, **k: iter(()))
     tts = TTS.load("tiny", engines=out)
     assert loaded == [os.path.join(out, "compile_cache.bin")]
-    assert tts.scheduler_config.compile and isinstance(tts.pipeline.token2wav.estimator, CompiledDiT)
+    assert tts.scheduler_config.compile and isinstance(tts.pipeline.backends.estimator(False), CompiledDiT)
     assert tts.pipeline.compiled_set.manifest.backend == "compiled" and tts.engines == out

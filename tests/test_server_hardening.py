@@ -271,8 +271,9 @@ def test_8_dead_scheduler_worker_makes_health_fail(tmp_path, tts):
         def boom():
             raise RuntimeError("worker bug")
 
-        th = threading.Thread(target=lambda: pytest.raises(RuntimeError, t.scheduler._guard, boom))
-        th.start()
+        from cosytrt.runtime.scheduling.scheduler import start_workers
+
+        (th,) = start_workers([("boom", boom)], t.scheduler.requests)  # a worker loop that dies of a bug
         th.join(5)
         r = c.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "failed" and "worker bug" in r.json()["error"]
