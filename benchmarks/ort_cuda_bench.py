@@ -23,7 +23,6 @@ import argparse
 import importlib
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -115,20 +114,9 @@ def step_model(args) -> None:
 
 # ------------------------------------------------------------------ timing
 def _time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    import torch
+    from cosytrt.tools.bench.micro import time_cuda
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return time_cuda(fn, reps=reps, warmup=warmup)
 
 
 def _graph(fn, args):

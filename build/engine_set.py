@@ -236,20 +236,8 @@ class EngineSetBuilder:
 
     def _build_stage(self, stage: str, mode: str, out_dir: str) -> EngineSpec:
         sp = self.profile.stage(stage)
-        buckets = sp.buckets(mode)
-        dtype = torch_dtype(sp.dtype)
-        if stage == "dit":
-            from .stage_exports import dit_export
-
-            exp = dit_export(self.models.flow.estimator, mode == "stream", dtype, self.device)
-        else:
-            from .stage_exports import hift_export
-
-            exp = hift_export(self.models.hift, mode, self.device)
+        exp, buckets, max_b, lo, hi = self._stage_export(stage, mode)
         base = f"{stage}_{mode}"
-        max_b = max(b.batch for b in buckets)
-        lo = min(b.length_range[0] for b in buckets)
-        hi = max(b.length for b in buckets)
         if self.backend in ("onnxruntime", "tensorrt"):
             if stage == "dit":  # torch.onnx.export(dynamo=True) imports onnxscript
                 from cosytrt.extras import require

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from .signatures import SAMPLES_PER_MEL_FRAME
-from .errors import BucketError, InputError
+from .errors import BucketError
 
 
 STAGES = ("ar", "dit", "hift")
