@@ -559,7 +559,7 @@ class ParityChecker:
 
     # ---------------------------------------------------------------- pipeline
     def _stream_request(self):
-        from ..runtime.scheduling.request import Request, default_voice_wav
+        from ..runtime.stages.request import Request, default_voice_wav
         from ..runtime.models.sampling import SamplingParams
 
         wav = default_voice_wav(16000, self.prompt_seconds)

@@ -20,7 +20,7 @@ import torch
 from ..engines.errors import InputError
 from .models.frontend import SavedSpeaker, save_speaker
 from .stages.pipeline import Pipeline, make_frontend
-from .scheduling.request import Request, RequestMetrics
+from .stages.request import Request, RequestMetrics
 from .models.sampling import SamplingParams
 from .scheduling.config import SchedulerConfig
 from .scheduling.handle import RequestHandle

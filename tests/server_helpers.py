@@ -12,7 +12,7 @@ import soundfile as sf
 from fastapi.testclient import TestClient
 
 from cosytrt.engines.errors import RejectedError
-from cosytrt.runtime.scheduling.request import RequestMetrics
+from cosytrt.runtime.stages.request import RequestMetrics
 from cosytrt.runtime.serving.app import ServerSettings, create_app, pcm16
 
 SR = 24000

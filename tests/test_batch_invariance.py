@@ -13,7 +13,7 @@ import torch
 from cosytrt.runtime.stages import ar_graphs
 from cosytrt.runtime.stages.ar_graphs import DecodeGraphs, PrefillGraphs
 from cosytrt.runtime.models import batch_invariant as bi
-from cosytrt.runtime.scheduling.request import prepare_inputs
+from cosytrt.runtime.stages.request import prepare_inputs
 from cosytrt.runtime.models.sampling import SamplingParams, TokenPolicy, generate
 from cosytrt.runtime.tts import make_request
 

@@ -152,7 +152,7 @@ def test_stage_engines_match_single_process(reference):
     """ARStage -> Token2WavStage (the replicas' engines), several requests at once: same chunks as the runtime."""
     from cosytrt.runtime.cluster.app import ARStage, Token2WavStage, load_frontend, load_stage_pipeline
     from cosytrt.runtime.cluster.config import StageConfig
-    from cosytrt.runtime.scheduling.request import prepare_inputs
+    from cosytrt.runtime.stages.request import prepare_inputs
     from cosytrt.runtime.scheduling.scheduler import SchedulerConfig
     from cosytrt.runtime.tts import make_request
 

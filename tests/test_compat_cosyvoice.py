@@ -13,7 +13,7 @@ import torch
 from cosytrt.runtime.compat.cosyvoice import (AutoModel, CosyVoice3, change_speed, load_spk2info,
                                               resolve_model_dir)
 from cosytrt.engines.errors import InputError, ModelDirError
-from cosytrt.runtime.scheduling.request import default_voice_wav
+from cosytrt.runtime.stages.request import default_voice_wav
 
 TEXT = "Hello from the adapter."
 KW = {"force_tokens": 30}

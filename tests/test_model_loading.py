@@ -140,7 +140,7 @@ def test_unsupported_yaml_values_name_the_field(real_dir, tmp_path, edit, field)
 
 
 def test_real_model_dir_synthesizes(real_dir):
-    from cosytrt.runtime.scheduling.request import default_voice_wav
+    from cosytrt.runtime.stages.request import default_voice_wav
     from cosytrt.runtime.tts import TTS
 
     tts = TTS.load(real_dir)

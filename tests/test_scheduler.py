@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cosytrt.engines.errors import RejectedError, RequestTooLongError
-from cosytrt.runtime.scheduling.request import default_voice_wav, prepare_inputs
+from cosytrt.runtime.stages.request import default_voice_wav, prepare_inputs
 from cosytrt.runtime.models.sampling import generate
 from cosytrt.runtime.scheduling.scheduler import RequestHandle, Scheduler, SchedulerConfig
 from cosytrt.runtime.tts import TTS, make_request

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cosytrt.engines.buckets import group_by_length
-from cosytrt.runtime.scheduling.request import default_voice_wav
+from cosytrt.runtime.stages.request import default_voice_wav
 from cosytrt.runtime.scheduling.scheduler import Scheduler, SchedulerConfig
 from cosytrt.runtime.tts import make_request
 
@@ -152,7 +152,7 @@ class _Job:
 
 
 def _metrics(t_submit, ttfa=None, audio_seconds=0.0):
-    from cosytrt.runtime.scheduling.request import RequestMetrics
+    from cosytrt.runtime.stages.request import RequestMetrics
 
     return RequestMetrics(t_submit=t_submit, ttfa=ttfa, audio_seconds=audio_seconds)
 

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from server_helpers import (SAMPLES_PER_TOKEN, SR, assert_error, direct_pcm, parse_metrics,  # noqa: E402,F401
                             read_wav, speech_count, wait_ready)
 
-from cosytrt.runtime.scheduling.request import default_voice_wav  # noqa: E402
+from cosytrt.runtime.stages.request import default_voice_wav  # noqa: E402
 from cosytrt.runtime.serving.app import ServerSettings, create_app  # noqa: E402
 from cosytrt.runtime.serving.voices import VoiceStore  # noqa: E402
 

@@ -17,7 +17,7 @@ pytest.importorskip("python_multipart")
 from fastapi.testclient import TestClient  # noqa: E402
 from server_helpers import SR, assert_error, wait_ready  # noqa: E402
 
-from cosytrt.runtime.scheduling.request import default_voice_wav  # noqa: E402
+from cosytrt.runtime.stages.request import default_voice_wav  # noqa: E402
 from cosytrt.runtime.serving.app import ServerSettings, create_app  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -226,14 +226,14 @@ class ReplayResult:
 def _speaker_for_no_reference(tts):
     if tts.pipeline.default_speaker is not None:
         return tts.pipeline.default_speaker
-    from ..runtime.scheduling.request import default_voice_wav
+    from ..runtime.stages.request import default_voice_wav
 
     return tts.make_speaker(default_voice_wav(16000, 3.0), "", 16000)
 
 
 def replay(tts, requests: list[WorkloadRequest], timeout_s: float = 600.0, progress: bool = False) -> ReplayResult:
     """Submit each group's requests together through `tts` (its scheduler) and wait for them; groups in order."""
-    from ..runtime.scheduling.request import default_voice_wav
+    from ..runtime.stages.request import default_voice_wav
 
     es = tts.pipeline.backends.engine_set
     if es is None:

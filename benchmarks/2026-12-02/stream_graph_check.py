@@ -4,7 +4,7 @@ from cosytrt.runtime.models.loading import CosyVoice3Models
 from cosytrt.runtime.stages.pipeline import Pipeline
 from cosytrt.runtime.stages.engine_set import attach_cuda_graphs
 from cosytrt.runtime.stages.profile import load_profile
-from cosytrt.runtime.scheduling.request import Request
+from cosytrt.runtime.stages.request import Request
 from cosytrt.runtime.models.sampling import SamplingParams
 from cosytrt.tools.golden import snr_db
 cfg, llm, flow, hift = full_models("cuda", torch.bfloat16)

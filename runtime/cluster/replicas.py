@@ -15,7 +15,7 @@ import torch
 from ...engines.errors import InputError, RejectedError
 from ..models.frontend import LMRequestInputs, SavedSpeaker
 from ..scheduling.handle import RequestHandle
-from ..scheduling.request import Request, RequestMetrics, prepare_inputs
+from ..stages.request import Request, RequestMetrics, prepare_inputs
 from .config import StageConfig
 from .loading import load_frontend, load_stage_pipeline
 from .stages import ARStage, Token2WavStage

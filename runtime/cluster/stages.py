@@ -22,7 +22,7 @@ from ..scheduling.config import SchedulerConfig
 from ..scheduling.handle import RequestHandle
 from ..scheduling.lifecycle import FrontendPool, Lifecycle
 from ..scheduling.prepare import flow_prompt, lm_input, token_policy
-from ..scheduling.request import Request
+from ..stages.request import Request
 from ..scheduling.scheduler import collect_stats, make_ar_runner, start_workers
 from ..scheduling.stage_clock import StageClock
 from ..scheduling.state import RequestState

@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .request import Request, RequestMetrics
+from ..stages.request import Request, RequestMetrics
 
 
 class RequestHandle:

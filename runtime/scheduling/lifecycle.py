@@ -11,7 +11,7 @@ from typing import Callable
 from ...engines.errors import InputError, RejectedError
 from .config import SchedulerConfig
 from .handle import RequestHandle
-from .request import Request, RequestMetrics
+from ..stages.request import Request, RequestMetrics
 from .state import RequestState
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ...engines.buckets import group_by_length
 from .config import SchedulerConfig
-from .request import RequestMetrics
+from ..stages.request import RequestMetrics
 from .state import first_per_request
 
 POLICIES = ("continuous_batching", "dit_chunk_aligned", "dit_slack_priority", "hift_length_aware", "async_d2h")

@@ -31,7 +31,7 @@ from .handle import RequestHandle
 from .lifecycle import FrontendPool, Lifecycle
 from .policies import POLICIES, dit_order, playback_slack  # noqa: F401 - re-exported
 from .prepare import flow_prompt, lm_input, token_policy
-from .request import Request, RequestMetrics, prepare_inputs
+from ..stages.request import Request, RequestMetrics, prepare_inputs
 from .stage_clock import StageClock
 from .state import RequestState
 from .stats import QueueDepths, SchedulerStats

@@ -14,7 +14,7 @@ from ..models.sampling import TokenPolicy
 from ..stages.hop_schedule import LOOKAHEAD, TOKEN_MEL_RATIO, HopSchedule
 from ..stages.token2wav import StreamState
 from .handle import RequestHandle
-from .request import Request
+from ..stages.request import Request
 
 
 class RequestState:

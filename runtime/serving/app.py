@@ -159,7 +159,7 @@ class ServerState:
         try:
             speaker = self.voices.builtin
             if speaker is None:
-                from ..scheduling.request import default_voice_wav
+                from ..stages.request import default_voice_wav
 
                 speaker = await asyncio.get_running_loop().run_in_executor(
                     None, lambda: self.tts.make_speaker(default_voice_wav(16000), "", 16000))

@@ -14,7 +14,7 @@ import torch
 
 from ..models.frontend import Frontend, SavedSpeaker
 from ..models.loading import CosyVoice3Models, load_models
-from ..scheduling.request import Request, RequestMetrics, default_voice_wav, prepare_inputs
+from .request import Request, RequestMetrics, default_voice_wav, prepare_inputs
 from ..models.sampling import generate
 from ..models.text import ByteTokenizer
 from .backends import StageBackends

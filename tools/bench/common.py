@@ -105,7 +105,7 @@ def pipeline_with_random_frontend(models):
     from ...runtime.models.frontend import Frontend, SavedSpeaker
     from ...runtime.models.text import ByteTokenizer
     from ...runtime.models.tiny_frontends import write_tiny_frontends
-    from ...runtime.scheduling.request import default_voice_wav
+    from ...runtime.stages.request import default_voice_wav
     from ...runtime.stages.pipeline import Pipeline
 
     d = tempfile.mkdtemp()

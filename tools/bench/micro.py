@@ -324,7 +324,7 @@ def graph_parity(cfg, llm, flow, hift, device, profile_name: str) -> list[dict]:
 
 def bench_e2e(cfg, llm, flow, hift, device, quick: bool) -> list[dict]:
     from ...runtime.models.sampling import SamplingParams
-    from ...runtime.scheduling.request import Request
+    from ...runtime.stages.request import Request
 
     models = random_models(cfg, llm, flow, hift)
     pipe = pipeline_with_random_frontend(models)

@@ -143,7 +143,7 @@ def drive(tts, arrivals: list[Arrival], duration_s: float, drain_s: float, speak
     """Submit `arrivals` from a timer thread at their times, wait until they finish or until duration_s + drain_s,
     cancel what is left; returns (RequestRecords, end of the cell in seconds after its start)."""
     from ...runtime.models.sampling import SamplingParams
-    from ...runtime.scheduling.request import Request
+    from ...runtime.stages.request import Request
 
     handles: list = [None] * len(arrivals)
     errors: list = [None] * len(arrivals)

@@ -69,7 +69,7 @@ def feature_cells() -> list[Cell]:
 
 
 def run_cell(tts, cell: Cell, prompt_wav) -> dict:
-    from ...runtime.scheduling.request import Request
+    from ...runtime.stages.request import Request
     from ...runtime.models.sampling import SamplingParams
 
     lengths = TOKENS[cell.text]
@@ -136,7 +136,7 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
     rest of the cell set `cells` (full / quick / smoke) on the primary. `features`: on the primary variant's
     pipeline, the feature off/on comparison (results under "features"), before the rest of the matrix.
     Ratio-critical cells come first, so a run cut short by --budget-s keeps them."""
-    from ...runtime.scheduling.request import default_voice_wav
+    from ...runtime.stages.request import default_voice_wav
     models = random_models(cfg, llm, flow, hift)
     prompt = default_voice_wav(16000, 3.0)
     out: dict = {"cells": []}
