@@ -249,12 +249,7 @@ class Flow(nn.Module):
             x_in[B:] = x
             t_in = t.expand(2 * B).contiguous()
             v = estimator(x_in, mask_in, mu_in, t_in, spks_in, cond_in, streaming=streaming)
-            v_cond, v_uncond = torch.split(v, [B, B], dim=0)
-            v = (1.0 + cfg_rate) * v_cond - cfg_rate * v_uncond
-            x = x + dt * v
-            t = t + dt
-            if step < len(t_span) - 1:
-                dt = t_span[step + 1] - t
+            x, t, dt = cfg_euler_step(x, v, t, dt, step, t_span, cfg_rate)
         return x.float()
 
     # --------------------------------------------------------------------------------------------- entry points
@@ -294,6 +289,21 @@ class Flow(nn.Module):
         mu, mask, spks, cond = self.collate(prepared, pad_to)
         mel = self.solve(mu, mask, spks, cond, streaming, estimator)
         return [mel[i:i + 1, :, r.prompt_frames:r.frames] for i, r in enumerate(prepared)]
+
+
+def cfg_euler_step(x: torch.Tensor, v: torch.Tensor, t: torch.Tensor, dt: torch.Tensor, step: int,
+                   t_span: torch.Tensor, cfg_rate: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Euler step `step` (1-based) of the CFG flow ODE, as upstream's solver does it: `v` holds the estimator's
+    conditional rows then its unconditional rows; v = (1 + r) v_cond - r v_uncond, x + dt v; then t and the next dt
+    from the schedule. Returns (x, t, dt). Every solver here (whole, prefix-cached) steps through this."""
+    B = x.shape[0]
+    v_cond, v_uncond = torch.split(v, [B, B], dim=0)
+    v = (1.0 + cfg_rate) * v_cond - cfg_rate * v_uncond
+    x = x + dt * v
+    t = t + dt
+    if step < len(t_span) - 1:
+        dt = t_span[step + 1] - t
+    return x, t, dt
 
 
 def _as_1d(x: torch.Tensor, name: str) -> torch.Tensor:

@@ -46,6 +46,8 @@ from typing import Optional
 
 import torch
 
+from ..models.flow import cfg_euler_step
+
 
 # ------------------------------------------------------------------------------------------------------- segments
 
@@ -551,12 +553,7 @@ def _solve_cached(flow, plans: list, fn) -> list:
                 m = at - p.start
                 new_t[a1][b][s] = torch.stack((in1[b, m:m + K1], in1[B + b, m:m + K1]))
                 new_t[a2][b][s] = torch.stack((in2[b, m:m + K1], in2[B + b, m:m + K1]))
-        v_cond, v_uncond = torch.split(v, [B, B], dim=0)
-        v = (1.0 + cfg_rate) * v_cond - cfg_rate * v_uncond
-        x = x + dt * v
-        t = t + dt
-        if step < len(t_span) - 1:
-            dt = t_span[step + 1] - t
+        x, t, dt = cfg_euler_step(x, v, t, dt, step, t_span, cfg_rate)
 
     mels = []
     for b, p in enumerate(plans):
