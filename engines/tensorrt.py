@@ -48,7 +48,7 @@ import torch
 from .buckets import Bucket
 from .errors import BackendUnavailableError, EngineSetError
 from .base import EngineRunner, EngineSpec
-from .shapes import profile_index, resolve_shape
+from .shapes import profile_index
 
 # (module to import, library it is), in order of preference
 TENSORRT_MODULES = (("tensorrt", "tensorrt"), ("tensorrt_rtx_bindings", "tensorrt_rtx"), ("tensorrt_rtx", "tensorrt_rtx"))
@@ -243,9 +243,6 @@ class TensorRTRunner(EngineRunner):
         for t in list(inputs.values()) + list(outs.values()):
             t.record_stream(stream)
         return outs
-
-    def static_shapes(self, bucket: Bucket) -> dict[str, tuple[int, ...]]:
-        return {n: resolve_shape(t, bucket.batch, bucket.length) for n, t in self.templates.items()}
 
 
 def _torch_dtype_of(trt, dt) -> torch.dtype:
