@@ -8,22 +8,11 @@ import torch
 
 from cosytrt.runtime.stages import ar_graphs
 from cosytrt.runtime.stages.ar_graphs import DecodeGraphs, PrefillGraphs
+from graph_stand_in import DirectCall
 
 ATOL = 1e-5
 
 
-class DirectCall:
-    """Stands in for GraphCache: `capture` records the key and the static input shapes, `run` calls fn."""
-
-    def __init__(self, fn, device, warmup: int = 2):
-        self.fn, self.shapes = fn, {}
-
-    def capture(self, key, example_inputs):
-        self.shapes[key] = [tuple(x.shape) for x in example_inputs]
-
-    def run(self, key, *inputs):
-        assert [tuple(x.shape) for x in inputs] == self.shapes[key]  # exactly the captured shapes
-        return self.fn(*inputs)
 
 
 @pytest.fixture

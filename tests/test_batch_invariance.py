@@ -16,6 +16,7 @@ from cosytrt.runtime.models import batch_invariant as bi
 from cosytrt.runtime.stages.request import prepare_inputs
 from cosytrt.runtime.models.sampling import SamplingParams, TokenPolicy, generate
 from cosytrt.runtime.tts import make_request
+from graph_stand_in import DirectCall
 
 ROWS = 16
 # DiT / HiFT rows batched together are not bit-identical to the row alone (their GEMMs, convolutions and attention
@@ -108,18 +109,6 @@ def test_kernels_tile_position_and_neighbours():
             assert torch.equal(one[0], full[r])
 
 
-class DirectCall:
-    """Stands in for GraphCache on the CPU (see tests/test_ar_graphs.py): calls the function at the captured shape."""
-
-    def __init__(self, fn, device, warmup: int = 2):
-        self.fn, self.shapes = fn, {}
-
-    def capture(self, key, example_inputs):
-        self.shapes[key] = [tuple(x.shape) for x in example_inputs]
-
-    def run(self, key, *inputs):
-        assert [tuple(x.shape) for x in inputs] == self.shapes[key]
-        return self.fn(*inputs)
 
 
 def _graph_tokens(lm, lm_input, text_len, params, prefill_key, batch, rung_of) -> list[int]:

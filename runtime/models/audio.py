@@ -103,22 +103,21 @@ def load_wav(path_or_array: AudioInput, target_sr: int, sr: int | None = None) -
 
 # ------------------------------------------------------------------------------------------------- mel bases
 
+# Slaney's mel scale (librosa's default, htk=False): linear below 1 kHz, logarithmic above
+_F_SP = 200.0 / 3
+_MIN_LOG_HZ = 1000.0
+_MIN_LOG_MEL = _MIN_LOG_HZ / _F_SP
+_LOGSTEP = np.log(6.4) / 27.0
+
+
 def _hz_to_mel_slaney(f: np.ndarray) -> np.ndarray:
     f = np.asarray(f, dtype=np.float64)
-    f_sp = 200.0 / 3
-    min_log_hz = 1000.0
-    min_log_mel = min_log_hz / f_sp
-    logstep = np.log(6.4) / 27.0
-    return np.where(f >= min_log_hz, min_log_mel + np.log(np.maximum(f, 1e-10) / min_log_hz) / logstep, f / f_sp)
+    return np.where(f >= _MIN_LOG_HZ, _MIN_LOG_MEL + np.log(np.maximum(f, 1e-10) / _MIN_LOG_HZ) / _LOGSTEP, f / _F_SP)
 
 
 def _mel_to_hz_slaney(m: np.ndarray) -> np.ndarray:
     m = np.asarray(m, dtype=np.float64)
-    f_sp = 200.0 / 3
-    min_log_hz = 1000.0
-    min_log_mel = min_log_hz / f_sp
-    logstep = np.log(6.4) / 27.0
-    return np.where(m >= min_log_mel, min_log_hz * np.exp(logstep * (m - min_log_mel)), f_sp * m)
+    return np.where(m >= _MIN_LOG_MEL, _MIN_LOG_HZ * np.exp(_LOGSTEP * (m - _MIN_LOG_MEL)), _F_SP * m)
 
 
 @functools.lru_cache(maxsize=None)
