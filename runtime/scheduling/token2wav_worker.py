@@ -125,8 +125,16 @@ class Token2WavWorker:
     def _runs_whole(self, job: DitJob) -> bool:
         """Jobs that run all Euler steps in one call under step-level scheduling: streaming hops served by the flow
         prefix cache (new frames only, a short call)."""
+        return job.streaming and not job.finalize and self._job_cache(job) is not None
+
+    @staticmethod
+    def _job_cache(job: DitJob):
+        """The job's open flow prefix cache, or None. A final hop is a full-attention pass over everything: its
+        request's prefix is freed here and it runs without one."""
         cache = None if job.r.stream is None else job.r.stream.flow_cache
-        return job.streaming and not job.finalize and cache is not None and not cache.closed
+        if cache is not None and job.finalize:
+            cache.close()
+        return None if cache is None or cache.closed else cache
 
     def _next_dit_work(self) -> tuple[str, list[DitJob]]:
         with self.dit_cond:
@@ -153,14 +161,10 @@ class Token2WavWorker:
     def _flow_call(self, group: list[DitJob]) -> list[torch.Tensor]:
         """One DiT call for `group` (one kind): prefix-cached hops compute only their new frames (`flow_rows`)."""
         streaming, finalize = group[0].kind
-        caches = [None if j.r.stream is None else j.r.stream.flow_cache for j in group]
-        if finalize:  # the final hop is a full-attention pass over everything: free the prefix
-            for c in caches:
-                if c is not None:
-                    c.close()
+        caches = [self._job_cache(j) for j in group]
         rows = [FlowInput(j.tokens.to(self.device), *j.r.prompt, finalize=finalize, cache=c)
                 for j, c in zip(group, caches)]
-        self.dit_counters.frames_uncached += sum(j.frames for j, c in zip(group, caches) if c is None or c.closed)
+        self.dit_counters.frames_uncached += sum(j.frames for j, c in zip(group, caches) if c is None)
         return flow_rows(self.flow, rows, streaming, self.backends.estimator(streaming), finalize=finalize)
 
     def _run_dit(self, group: list[DitJob]) -> None:
@@ -178,9 +182,7 @@ class Token2WavWorker:
         rows = []
         for j in group:
             if id(j) not in self.active:
-                cache = None if j.r.stream is None else j.r.stream.flow_cache
-                if j.finalize and cache is not None:  # the final hop is a full-attention pass: free the prefix
-                    cache.close()
+                self._job_cache(j)  # a stepped job never uses the prefix cache (a final frees it here)
                 self.dit_counters.frames_uncached += j.frames
                 try:
                     st = self.stepper.start(FlowInput(j.tokens.to(self.device), *j.r.prompt, finalize=j.finalize),
