@@ -253,3 +253,27 @@ def test_open_loop_arguments_are_checked_before_any_model_work(tmp_path, capsys)
         assert main(base + extra) == 2
         assert what in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
+
+
+def test_stack_sampler_counts_named_threads():
+    import threading
+    import time as _time
+
+    from cosytrt.tools.bench.stacks import StackSampler, timed_sampler
+
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            sum(range(1000))
+
+    t = threading.Thread(target=busy, name="cosytrt-test", daemon=True)
+    t.start()
+    with StackSampler(0.001) as s:
+        _time.sleep(0.1)
+    stop.set()
+    t.join()
+    out = s.summary()
+    assert out["cosytrt-test"]["samples"] > 0 and out["cosytrt-test"]["cosytrt"][0][0].startswith("test_bench")
+    with timed_sampler(False) as none:
+        assert none is None

@@ -10,8 +10,9 @@ from safetensors.torch import load_file
 from cosytrt.runtime.models.checkpoint import read_state_dict
 from cosytrt.runtime.models.config import config_from_golden_json
 from cosytrt.runtime.models.flow import Flow, FlowInput
-from cosytrt.runtime.stages.flow_cache import (FlowCachePool, flow_rows, bytes_per_frame, model_fingerprint,
+from cosytrt.runtime.stages.flow_cache import (FlowCachePool, bytes_per_frame, model_fingerprint,
                                                prompt_cacheable_frames, prompt_key)
+from cosytrt.runtime.stages.flow_hops import flow_rows
 from cosytrt.runtime.stages.token2wav import LOOKAHEAD, TOKEN_MAX_HOP, first_hop
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
@@ -342,7 +343,7 @@ def test_cached_hops_follow_the_pipelines_dit_variant(flow):
     from types import SimpleNamespace
 
     from cosytrt.runtime.stages.compiled import CompiledDiT
-    from cosytrt.runtime.stages.flow_cache import cached_dit_fn
+    from cosytrt.runtime.stages.flow_hops import cached_dit_fn
 
     eager = cached_dit_fn(flow, None)
     assert eager == flow.estimator.forward_cached

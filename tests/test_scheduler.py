@@ -286,3 +286,35 @@ def test_flow_prefix_cache_in_scheduler(tts, speakers):
         P = int(prepare_inputs(tts.pipeline.frontend, r, tts.pipeline.default_speaker).flow_prompt_tokens.numel())
         whole += sum(streaming_call_frames(P, n))
     assert st["frames_computed"] + st["frames_reused"] == whole
+
+
+def test_cached_hop_graphs_in_scheduler(tts, speakers):
+    """The scheduler's DiT worker runs prefix-cached hops through the backends' cached-hop buckets (CPU: static
+    buffers without the capture), two streams batched together: the audio equals Pipeline.run's; the buckets were
+    prepared at start and every cached hop found one."""
+    import dataclasses
+
+    from cosytrt.runtime.stages.flow_hop_calls import CachedGrid, CachedHopGraphs
+
+    flow = tts.pipeline.models.flow
+    graphs = CachedHopGraphs(flow.estimator, CachedGrid((1, 2), (64, 128, 256, 512), (0, 128, 256, 512, 1024)),
+                             "cpu", graphs=False)
+    backends = dataclasses.replace(tts.pipeline.backends, dit_cached=graphs, closers=[])
+    reqs = [make_request("Graphed hops, first.", speaker=speakers[0], seed=31, stream=True, force_tokens=120),
+            make_request("Graphed hops, second.", speaker=speakers[1], seed=32, stream=True, force_tokens=90)]
+    refs = [reference(tts, r) for r in reqs]
+    sched = Scheduler(tts.pipeline, SchedulerConfig(dit_max_requests=2, hift_max_batch=2, flow_prefix_cache=True),
+                      backends=backends)
+    try:
+        assert graphs.counts["captured"] == len(graphs.grid.keys())
+        handles = [sched.submit(r) for r in reqs]
+        outs = [list(h.chunks(timeout=120)) for h in handles]
+        st = sched.stats()["dit"]
+    finally:
+        sched.close()
+    for chunks, ref in zip(outs, refs):
+        assert [c.shape for c in chunks] == [c.shape for c in ref]
+        a, b = np.concatenate(chunks), np.concatenate(ref)
+        assert np.abs(a - b).max() <= BATCHED_ATOL and snr_db(b, a) >= BATCHED_SNR_DB
+    hg = st["flow_cache"]["hop_graphs"]
+    assert st["frames_reused"] > 0 and hg["hits"] > 0 and hg["misses"] == 0

@@ -128,6 +128,9 @@ class Scheduler:
             budget = cfg.flow_cache_budget_bytes
             self.flow_cache = FlowCachePool(default_budget(self.device) if budget is None else budget,
                                             prompt_cache=cfg.flow_prompt_cache)
+            hops = self.backends.dit_cached
+            if hops is not None:  # capture the cached-hop graphs now, not in the first requests' hops
+                hops.capture_all()
         self.clock = StageClock(self.device.type == "cuda")  # busy time per stage (stats()["busy_s"])
         self.requests = Lifecycle(cfg, on_finish, on_dead=self._on_dead)
         self.token2wav = Token2WavWorker(models, self.backends, cfg, self.sample_rate, self.device, self.clock,
@@ -167,6 +170,8 @@ class Scheduler:
                            self._compiles_at_start)
         if self.flow_cache is not None:
             st.flow_cache = self.flow_cache.stats()
+            if self.backends.dit_cached is not None:
+                st.flow_cache["hop_graphs"] = self.backends.dit_cached.stats()
         return st
 
     def close(self, drain_timeout_s: float = 30.0) -> None:

@@ -26,7 +26,7 @@ import torch
 from ..models.flow import FlowInput
 from ..models.hift_stream import push_batch
 from ..stages.backends import StageBackends
-from ..stages.flow_cache import flow_rows
+from ..stages.flow_hops import flow_rows
 from ..stages.token2wav import Token2Wav
 from .ar_worker import Stopped
 from .config import SchedulerConfig
@@ -165,7 +165,8 @@ class Token2WavWorker:
         rows = [FlowInput(j.tokens.to(self.device), *j.r.prompt, finalize=finalize, cache=c)
                 for j, c in zip(group, caches)]
         self.dit_counters.frames_uncached += sum(j.frames for j, c in zip(group, caches) if c is None)
-        return flow_rows(self.flow, rows, streaming, self.backends.estimator(streaming), finalize=finalize)
+        return flow_rows(self.flow, rows, streaming, self.backends.estimator(streaming), finalize=finalize,
+                         hops=self.backends.dit_cached)
 
     def _run_dit(self, group: list[DitJob]) -> None:
         t0 = time.perf_counter()

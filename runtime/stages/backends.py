@@ -19,6 +19,7 @@ log = logging.getLogger("cosytrt.backends")
 class StageBackends:
     dit_stream: Callable | None = None      # DiT estimator of streaming calls (None: the flow's eager DiT)
     dit_offline: Callable | None = None     # DiT estimator of offline / final calls
+    dit_cached: Any = None                  # prefix-cached streaming hops: flow_hop_calls.CachedHopGraphs (None: eager)
     hift_offline: Any = None                # offline HiFT: `.inference_batch(mels, finalize=True)` (None: eager)
     hift_stream_windows: Callable | None = None  # non-final streaming HiFT windows: `(mel, source, finalize)` -> wav
     shape_stats: ShapeStats | None = None   # bucket hits / padding / eager fallbacks of the engine calls

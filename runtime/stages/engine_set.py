@@ -204,6 +204,14 @@ class GraphedEagerSet:
                                                               device), progress)
             self.tables[("dit", mode)] = BucketTable(buckets, waste)
         self._hift, self._profile, self._device, self._progress = hift, profile, device, progress
+        # prefix-cached streaming hops: forward_cached per (requests, new frames, prefix) bucket, captured when a
+        # scheduler with the flow prefix cache starts (stages/flow_hop_calls.py)
+        self.cached_hops = None
+        dit_profile = profile.stage("dit")
+        if dit_profile is not None and dit_profile.cached is not None:
+            from .flow_hop_calls import CachedHopGraphs
+
+            self.cached_hops = CachedHopGraphs(dit, dit_profile.cached, device, dtype)
         self.hift_variants = {"eager": (lambda mel: hift.inference(mel, finalize=True)[0],
                                         lambda m, src: hift.decode(m, src, finalize=False))}
         if compile:
@@ -233,12 +241,15 @@ class GraphedEagerSet:
                                         {"offline": self.tables[("hift", "offline")]}, self.stats)
         b = _backends(self.models, self, self.compiled_dit, hift_offline, stream_windows,
                       name=f"cuda-graphs{'+compile' if self.compiled_dit is not None else ''} hift={name}")
+        b.dit_cached = self.cached_hops
         b.closers = []  # the set's graphs are shared by its variants: `close()` releases them
         return b
 
     def close(self) -> None:
         self.runners.clear()
         self._hift_graphs.clear()
+        if self.cached_hops is not None:
+            self.cached_hops.close()
 
     def hift_graphs(self, name: str) -> tuple:
         """(offline runner, streaming window decoder) of the HiFT variant `name`, captured on first use; either is

@@ -28,7 +28,7 @@ PROFILE_FORMAT = 1  # bump when the meaning of a profile (and so of its hashes) 
 _TOP_KEYS = ("model", "description", "dtype", "max_padding_waste", "stages")
 _COMMON_STAGE_KEYS = ("dtype", "max_padding_waste", "options")
 _STAGE_KEYS = {
-    "dit": _COMMON_STAGE_KEYS + ("stream", "offline"),
+    "dit": _COMMON_STAGE_KEYS + ("stream", "offline", "cached"),
     "hift": _COMMON_STAGE_KEYS + ("allow_reduced_precision", "stream", "offline"),
     "ar": _COMMON_STAGE_KEYS + ("max_seq_len", "decode_batch", "prefill"),
 }
@@ -46,6 +46,7 @@ class StageProfile:
     options: dict[str, Any] = field(default_factory=dict)
     allow_reduced_precision: bool = False
     max_seq_len: int | None = None  # ar only: the KV length of every decode bucket
+    cached: Any = None  # dit only: the CachedGrid of prefix-cached hop graphs (stages/flow_hop_calls.py), or None
 
     def buckets(self, mode: str) -> list[Bucket]:
         check_stage_mode(self.stage, mode)
@@ -113,6 +114,8 @@ class Profile:
                 for m in STAGE_MODES[s]:
                     if m in sp.modes:
                         sd[m] = {"buckets": [_bucket_entry(bk, lk, mk) for bk in sp.modes[m]]}
+            if sp.cached is not None:
+                sd["cached"] = sp.cached.to_dict()
             d["stages"][s] = sd
         return d
 
@@ -367,11 +370,32 @@ class _Parser:
             for m in STAGE_MODES[s]:
                 if m in d:
                     modes[m] = self.mode(s, m, d[m], f"{path}.{m}", limit, f"the {cfg.name} model's noise buffer")
+        cached = self.cached_grid(d["cached"], f"{path}.cached", cfg) if "cached" in d else None
         if not modes:
             modes_keys = ("decode_batch", "prefill") if s == "ar" else STAGE_MODES[s]
             self.fail(path, f"empty stage: no buckets (give {' and/or '.join(modes_keys)})")
         return StageProfile(stage=s, dtype=dtype, max_padding_waste=waste, modes=modes, options=options,
-                            allow_reduced_precision=allow, max_seq_len=max_seq_len)
+                            allow_reduced_precision=allow, max_seq_len=max_seq_len, cached=cached)
+
+    def cached_grid(self, v, path: str, cfg: CosyVoice3Config):
+        """dit.cached: {batch: [requests], frames: [new frames], prefix: [cached frames, 0 allowed]}."""
+        from .flow_hop_calls import CachedGrid
+
+        d = self.mapping(v, path, ("batch", "frames", "prefix"))
+        for k in ("batch", "frames", "prefix"):
+            if k not in d:
+                self.fail(f"{path}.{k}", "missing (cached hop grid: batch, frames and prefix lists)")
+        prefix = d["prefix"]
+        if not isinstance(prefix, list) or not prefix or any(not isinstance(p, int) or isinstance(p, bool) or p < 0
+                                                            for p in prefix):
+            self.fail(f"{path}.prefix", "must be a non-empty list of integers >= 0", prefix)
+        grid = CachedGrid(tuple(self.int_list(d["batch"], f"{path}.batch")),
+                          tuple(self.int_list(d["frames"], f"{path}.frames")), tuple(prefix))
+        limit = cfg.flow.max_mel_frames
+        if max(grid.frames) + max(grid.prefix) > limit:
+            self.fail(path, f"largest frames + prefix {max(grid.frames) + max(grid.prefix)} exceeds the {cfg.name} "
+                      f"model's noise buffer ({limit} frames)")
+        return grid
 
     def mode(self, s: str, m: str, v, path: str, max_len: int, max_what: str) -> tuple[Bucket, ...]:
         lk, mk = _LEN_KEY[s]

@@ -75,10 +75,10 @@ class Token2Wav:
         p_tok, p_feat, emb = st_or_prompt
         est = self.backends.estimator(streaming)
         if cache is not None:  # a prefix-cached hop: only the frames past the cached prefix are computed
-            from .flow_cache import flow_rows
+            from .flow_hops import flow_rows
 
             row = FlowInput(tokens.reshape(-1), p_tok.reshape(-1), p_feat, emb.reshape(-1), finalize, cache)
-            return self._timed("dit", flow_rows, self.flow, [row], streaming, est)[0]
+            return self._timed("dit", flow_rows, self.flow, [row], streaming, est, hops=self.backends.dit_cached)[0]
         kw = {} if est is None else {"estimator": est}
         return self._timed("dit", self.flow.inference, tokens.view(1, -1), p_tok.view(1, -1), p_feat.unsqueeze(0),
                            emb.view(1, -1), streaming=streaming, finalize=finalize, **kw)

@@ -45,6 +45,8 @@ def add_arguments(p) -> None:
                    help="audio-length mix: MEDIAN_S:SIGMA[:WEIGHT] log-normal components joined by '+'")
     g.add_argument("--min-s", type=float, default=2.0, help="shortest request, audio seconds (25 tokens = 1 s)")
     g.add_argument("--max-s", type=float, default=40.0, help="longest request, audio seconds")
+    g.add_argument("--sample-stacks", action="store_true",
+                   help="sample the scheduler threads' Python stacks during each cell (where the time goes)")
     g.add_argument("--ab", default="", help="comma list of SchedulerConfig boolean fields: each rate runs with the "
                                             "field off and on (unknown names are skipped with a message)")
 

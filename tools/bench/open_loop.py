@@ -183,8 +183,10 @@ def drive(tts, arrivals: list[Arrival], duration_s: float, drain_s: float, speak
             for a in arrivals], end
 
 
-def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, label: str = "") -> dict:
+def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, label: str = "",
+                       sample_stacks: bool = False) -> dict:
     from ...runtime.stages.compiled import compiled_graph_count
+    from .stacks import timed_sampler
 
     arrivals = generate(spec)
     compiles = compiled_graph_count()
@@ -193,7 +195,8 @@ def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, la
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = _scheduler_stats(tts)
-    records, end = drive(tts, arrivals, spec.duration_s, drain_s, speaker)
+    with timed_sampler(sample_stacks) as sampler:
+        records, end = drive(tts, arrivals, spec.duration_s, drain_s, speaker)
     if cuda:
         torch.cuda.synchronize()  # every stage span of the cell has completed
     after = _scheduler_stats(tts)
@@ -207,6 +210,8 @@ def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, la
                               round(r.chunk_t[0], 4) if r.chunk_t else None,
                               round(r.chunk_t[-1], 4) if r.chunk_t else None, len(r.chunk_t), r.status]
                              for r in records]}
+    if sampler is not None:
+        cell["stacks"] = sampler.summary()
     _settle(tts)
     errs = [r.error for r in records if r.status == FAILED and r.error]
     if errs:
@@ -233,6 +238,12 @@ def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec: Ope
     pipe = make_pipeline(random_models(cfg, llm, flow, hift), variant, bench.args.graph_profile)
     out["pipeline_setup_s"] = time.perf_counter() - t
     speaker = pipe.default_speaker  # the bench's saved speaker (random frontend)
+    if any(o.get("flow_prefix_cache") for _, o in settings) and pipe.device.type == "cuda":
+        from .hop_check import cached_hop_check
+
+        out["cached_hop_check"] = jsonable(cached_hop_check(pipe))
+        bench.save()
+        log(f"cached hop check: {out['cached_hop_check']}")
     for label, overrides in settings:
         if bench.over_budget():
             log(f"open loop: skip setting {label!r} (time budget)")
@@ -248,7 +259,8 @@ def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec: Ope
                     log(f"open loop {label}: skip rate {rate:g} (time budget)")
                     break
                 try:
-                    cell = run_open_loop_cell(tts, spec.at_rate(rate), drain_s, speaker, label)
+                    cell = run_open_loop_cell(tts, spec.at_rate(rate), drain_s, speaker, label,
+                                              getattr(bench.args, "sample_stacks", False))
                 except Exception as e:  # noqa: BLE001 - the sweep goes on with the next setting
                     import traceback
 

@@ -1,0 +1,268 @@
+"""How one cached streaming DiT hop calls the estimator: eagerly, or by replaying a CUDA graph per bucket.
+
+A cached hop (stages/flow_hops.py) runs `DiT.forward_cached` once per Euler step on its rows' new frames against
+their cached prefix K/V. Eagerly that is ~22 layers x ~30 small kernels per step, launch-bound on a GPU, while the
+whole-history hop it replaces replays one CUDA graph per step. `CachedHopGraphs` captures `forward_cached` per
+(requests, new frames, prefix frames) bucket of a profile's `dit.cached` grid, with every input in static buffers
+shared by all buckets (views of one allocation per input, sized for the largest bucket: the prefix K/V alone is
+depth x 2 rows x prefix x dim per request), so a hop copies its rows into the buffers and replays.
+
+Both kinds hand the hop a `HopCall`: the call's input tensors, laid out with request b's conditional row at batch
+index b and its unconditional row at R + b (R = the call's row count: the request count eagerly, the bucket's in a
+graph), new frames right-padded to N, prefix frames right-padded to P (`prefix_valid` masks the padding, padded rows
+have an all-zero mask). Padding never changes a valid row: rows are independent, the convolutions are causal, padded
+keys are masked out of attention (exactness: tests/test_flow_hop_graphs.py).
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+log = logging.getLogger("cosytrt.flow_hops")
+
+_INPUTS = ("x", "mask", "mu", "t", "spks", "cond", "offsets", "kp", "vp", "prefix_valid", "tail1", "tail2",
+           "k_out", "v_out")
+
+
+@dataclass(frozen=True)
+class CachedGrid:
+    """The buckets of cached-hop graphs: requests per call (CFG rows = 2x), new frames per request and cached prefix
+    frames (0 = the no-prefix graph of a first hop). A hop runs in the smallest bucket that fits each."""
+    batch: tuple
+    frames: tuple
+    prefix: tuple
+
+    def __post_init__(self):
+        for name in ("batch", "frames", "prefix"):
+            v = tuple(sorted(set(getattr(self, name))))
+            lo = 0 if name == "prefix" else 1
+            if not v or any(not isinstance(i, int) or isinstance(i, bool) or i < lo for i in v):
+                raise ValueError(f"cached grid {name} must be a non-empty list of ints >= {lo}, got "
+                                 f"{getattr(self, name)!r}")
+            object.__setattr__(self, name, v)
+
+    def select(self, b: int, n: int, p: int) -> Optional[tuple]:
+        """The smallest (requests, frames, prefix) bucket holding b requests of n new frames after p cached ones."""
+        pick = [next((v for v in vals if v >= want), None)
+                for vals, want in ((self.batch, b), (self.frames, n), (self.prefix, p))]
+        return None if None in pick else tuple(pick)
+
+    def keys(self) -> list:
+        return [(b, n, p) for b in self.batch for n in self.frames for p in self.prefix]
+
+    def to_dict(self) -> dict:
+        return {"batch": list(self.batch), "frames": list(self.frames), "prefix": list(self.prefix)}
+
+
+class HopCall:
+    """The estimator inputs of one cached hop (see the module doc for the layout) and how to run them."""
+    rows: int
+    frames: int
+    prefix: int
+
+    def reset(self) -> None:
+        """Zero everything a hop fills per row (a graph's buffers still hold the previous hop)."""
+        for name in ("x", "mask", "mu", "spks", "cond", "offsets", "tail1", "tail2"):
+            getattr(self, name).zero_()
+        if self.prefix_valid is not None:
+            self.prefix_valid.zero_()
+
+    def load_prefix(self, s: int, parts_k: Sequence, parts_v: Sequence) -> None:
+        """Euler step s's prefix K/V: parts_*[b] is request b's [steps, depth, 2 (cond, uncond), frames, D] or None."""
+        for dst, parts in ((self.kp, parts_k), (self.vp, parts_v)):
+            L, _, P, D = dst.shape
+            rows = dst.view(L, 2, self.rows, P, D)
+            for b, a in enumerate(parts):
+                if a is not None:
+                    rows[:, :, b, :a.shape[3]] = a[s]
+
+    def load_tails(self, s: int, prefixes: Sequence) -> None:
+        """Euler step s's conv input tails of each request's prefix (zeros at stream start: left zero padding)."""
+        for name in ("tail1", "tail2"):
+            dst = getattr(self, name)
+            rows = dst.view(2, self.rows, *dst.shape[1:])
+            for b, pre in enumerate(prefixes):
+                if pre is not None:
+                    rows[:, b] = getattr(pre, name)[s]
+
+    def run(self, s: int, hop_k: torch.Tensor, hop_v: torch.Tensor):  # pragma: no cover - interface
+        """One estimator call; this call's K/V land in hop_k[s] / hop_v[s] [depth, 2R, frames, D]. Returns
+        (velocity [2R, 80, N], in1, in2 [2R, K-1+N, D]) — borrowed until the next call."""
+        raise NotImplementedError
+
+
+class EagerHopCall(HopCall):
+    """Fresh tensors of exactly the hop's size; `fn` = DiT.forward_cached (or its compiled form)."""
+
+    def __init__(self, fn: Callable, shapes: dict, device, dtype, b: int, n: int, p: int):
+        self.fn, self.rows, self.frames, self.prefix = fn, b, n, p
+        for name, shape in shapes.items():
+            if name in ("k_out", "v_out"):
+                continue
+            if name in ("kp", "vp", "prefix_valid") and p == 0:
+                setattr(self, name, None)
+                continue
+            dt = torch.long if name == "offsets" else torch.bool if name == "prefix_valid" else dtype
+            setattr(self, name, torch.zeros(shape, device=device, dtype=dt))
+        if self.rows == 1 and p:  # load_prefix points kp / vp at the cached tensors
+            self.kp = self.vp = None
+
+    def load_prefix(self, s, parts_k, parts_v):
+        if self.rows == 1 and parts_k[0] is not None and parts_k[0].shape[3] == self.prefix:
+            self.kp, self.vp = parts_k[0][s], parts_v[0][s]  # [depth, 2, P, D]: the cached tensors, no copy
+        else:
+            super().load_prefix(s, parts_k, parts_v)
+
+    def run(self, s, hop_k, hop_v):
+        return self.fn(self.x, self.mask, self.mu, self.t, self.spks, self.cond, self.offsets, self.kp, self.vp,
+                       self.prefix_valid, self.tail1, self.tail2, hop_k[s], hop_v[s])
+
+
+def hop_shapes(dit, b: int, n: int, p: int) -> dict:
+    """Input shapes of a cached-hop call of b requests (2b rows), n new frames, p prefix frames."""
+    c = dit.cfg
+    D, K1 = c.heads * c.dim_head, dit.input_embed.conv_pos_embed.kernel_size - 1
+    R = 2 * b
+    return {"x": (R, c.mel_dim, n), "mask": (R, 1, n), "mu": (R, c.mu_dim, n), "t": (R,), "spks": (R, c.spk_dim),
+            "cond": (R, c.mel_dim, n), "offsets": (R,), "kp": (c.depth, R, p, D), "vp": (c.depth, R, p, D),
+            "prefix_valid": (R, p), "tail1": (R, K1, c.dim), "tail2": (R, K1, c.dim),
+            "k_out": (c.depth, R, n, D), "v_out": (c.depth, R, n, D)}
+
+
+class EagerHops:
+    """Cached hops through `fn` (DiT.forward_cached or its compiled form) with exactly-sized tensors."""
+
+    def __init__(self, dit, fn: Callable):
+        self.dit, self.fn = dit, fn
+
+    def open(self, b: int, n: int, p: int, device, dtype) -> HopCall:
+        return EagerHopCall(self.fn, hop_shapes(self.dit, b, n, p), device, dtype, b, n, p)
+
+
+class GraphHopCall(HopCall):
+    """A bucket's static buffers (views of the shared ones) and its graph."""
+
+    def __init__(self, owner: "CachedHopGraphs", key: tuple, views: dict, replay: Callable):
+        self.owner, self.key, self._replay = owner, key, replay
+        self.rows, self.frames, self.prefix = key
+        for name in _INPUTS:
+            setattr(self, name, views.get(name))
+
+    def run(self, s, hop_k, hop_v):
+        out = self._replay()
+        n = hop_k.shape[3]
+        hop_k[s].copy_(self.k_out[:, :, :n])
+        hop_v[s].copy_(self.v_out[:, :, :n])
+        return out
+
+
+class CachedHopGraphs:
+    """`DiT.forward_cached` captured as one CUDA graph per bucket of a `CachedGrid` (eager `dit`, or `fn` for its
+    compiled form). Buckets are captured on first use or all at once by `capture_all` (the scheduler does it at
+    start when the prefix cache is on). Without CUDA (tests) a bucket "replays" by calling the function on its
+    static views, which checks everything but the capture itself. `open` returns None when no bucket fits (the
+    hop then runs eagerly); `counts` has hits, misses and captures."""
+
+    def __init__(self, dit, grid: CachedGrid, device, dtype=None, fn: Optional[Callable] = None,
+                 graphs: Optional[bool] = None):
+        self.dit, self.grid = dit, grid
+        self.fn = fn or dit.forward_cached
+        self.device = torch.device(device)
+        self.dtype = dtype or next(dit.parameters()).dtype
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.pool = None
+        self.entries: dict = {}
+        self.counts = dict(hits=0, misses=0, captured=0)
+        self._lock = threading.Lock()
+        big = hop_shapes(dit, max(grid.batch), max(grid.frames), max(grid.prefix))
+        self._flat = {}
+        with torch.inference_mode():
+            for name, shape in big.items():
+                dt = torch.long if name == "offsets" else torch.bool if name == "prefix_valid" else self.dtype
+                numel = 1
+                for d in shape:
+                    numel *= d
+                self._flat[name] = torch.zeros(numel, device=self.device, dtype=dt)
+
+    @property
+    def static_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._flat.values())
+
+    def _views(self, key: tuple) -> dict:
+        b, n, p = key
+        out = {}
+        for name, shape in hop_shapes(self.dit, b, n, p).items():
+            if name in ("kp", "vp", "prefix_valid") and p == 0:
+                continue
+            numel = 1
+            for d in shape:
+                numel *= d
+            out[name] = self._flat[name][:numel].view(shape)
+        return out
+
+    def _capture(self, key: tuple):
+        views = self._views(key)
+        args = [views.get(n) for n in _INPUTS]
+
+        def call():
+            return self.fn(*args)
+
+        if not self.graphs:
+            return views, call
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):
+                call()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        gc.collect()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            out = call()
+        if self.pool is None:
+            self.pool = graph.pool()
+
+        def replay():
+            graph.replay()
+            return out
+
+        return views, replay
+
+    def entry(self, key: tuple):
+        with self._lock:
+            if key not in self.entries:
+                self.entries[key] = self._capture(key)
+                self.counts["captured"] += 1
+            return self.entries[key]
+
+    def capture_all(self, progress: bool = False) -> None:
+        """Capture every bucket, largest first (smaller graphs reuse the pool)."""
+        keys = sorted(self.grid.keys(), key=lambda k: -(k[0] * k[1] * (k[1] + k[2])))
+        if progress:
+            from tqdm import tqdm
+
+            keys = tqdm(keys, desc="capturing cached-hop DiT graphs", unit="graph")
+        for k in keys:
+            self.entry(k)
+
+    def open(self, b: int, n: int, p: int, device=None, dtype=None) -> Optional[HopCall]:
+        key = self.grid.select(b, n, p)
+        if key is None or (dtype is not None and dtype != self.dtype):
+            self.counts["misses"] += 1
+            return None
+        self.counts["hits"] += 1
+        views, replay = self.entry(key)
+        return GraphHopCall(self, key, views, replay)
+
+    def stats(self) -> dict:
+        return {**self.counts, "grid": self.grid.to_dict(), "graphs": self.graphs, "static_bytes": self.static_bytes}
+
+    def close(self) -> None:
+        self.entries.clear()
+        self._flat.clear()
+        self.pool = None

@@ -1,0 +1,85 @@
+"""Cached-hop graphs (runtime/stages/flow_hop_calls.py): a prefix-cached stream whose hops run in padded buckets with
+static buffers shared by every bucket (rows, new frames and prefix padded; stale values of earlier hops left in the
+buffers) equals the eager cached stream and the whole-history stream; a call no bucket holds runs eagerly (counted);
+the grid validates its lists. On CPU a bucket "replays" by calling forward_cached on its static views, which checks
+all but the CUDA capture itself (the GPU run checks that: benchmarks/, BENCHMARKS.md)."""
+import pytest
+import torch
+
+from cosytrt.runtime.models.flow import FlowInput
+from cosytrt.runtime.stages.flow_cache import FlowCachePool
+from cosytrt.runtime.stages.flow_hop_calls import CachedGrid, CachedHopGraphs
+from cosytrt.runtime.stages.flow_hops import flow_rows
+from cosytrt.runtime.stages.token2wav import LOOKAHEAD
+
+from test_flow_cache import BATCH_TOL, BIG, CACHE_TOL, flow, hop_ends, make_prompt, make_tokens, max_err  # noqa: F401
+
+
+def graphs_for(flow, batch=(1, 4), frames=(64, 128, 256, 512), prefix=(0, 96, 200, 400, 800)):
+    return CachedHopGraphs(flow.estimator, CachedGrid(batch, frames, prefix), "cpu", graphs=False)
+
+
+def test_grid_select_and_validation():
+    g = CachedGrid((4, 1, 2), (100, 50), (0, 200))
+    assert g.batch == (1, 2, 4) and g.frames == (50, 100)
+    assert g.select(3, 50, 0) == (4, 50, 0)
+    assert g.select(1, 51, 1) == (1, 100, 200)
+    assert g.select(5, 50, 0) is None and g.select(1, 101, 0) is None and g.select(1, 50, 201) is None
+    assert len(g.keys()) == 3 * 2 * 2
+    for bad in ((), (0,), (1.5,), (True,)):
+        with pytest.raises(ValueError):
+            CachedGrid(bad, (50,), (0,))
+    with pytest.raises(ValueError):
+        CachedGrid((1,), (50,), (-1,))
+
+
+def test_graph_buckets_equal_eager_and_whole_history(flow):
+    """Three streams in lock-step, batched (3 requests in the 4-request bucket), every hop padded in rows, frames and
+    prefix, buffers reused across hops and buckets; then one stream alone (the 1-request bucket after the 4-request
+    one left its values in the shared buffers)."""
+    specs = [(20, 8, 300), (33, 9, 300), (60, 10, 300)]
+    prompts = [make_prompt(flow, P, s) for P, s, _ in specs]
+    tokens = [make_tokens(flow, n, s + 100) for _, s, n in specs]
+    ends = [hop_ends(P, n) for P, _, n in specs]
+    graphs = graphs_for(flow)
+    pool_g, pool_e = FlowCachePool(BIG), FlowCachePool(BIG)
+    sg = [pool_g.new_state() for _ in specs]
+    se = [pool_e.new_state() for _ in specs]
+    rounds = min(len(e) for e in ends)
+    assert rounds >= 3
+    for rnd in range(rounds):
+        rows_g = [FlowInput(tokens[i][:ends[i][rnd] + LOOKAHEAD], *prompts[i], False, sg[i]) for i in range(3)]
+        rows_e = [FlowInput(tokens[i][:ends[i][rnd] + LOOKAHEAD], *prompts[i], False, se[i]) for i in range(3)]
+        got = flow_rows(flow, rows_g, True, hops=graphs)
+        eager = flow_rows(flow, rows_e, True)
+        for i in range(3):
+            whole = flow_rows(flow, [FlowInput(tokens[i][:ends[i][rnd] + LOOKAHEAD], *prompts[i], False)], True)[0]
+            assert max_err(got[i], eager[i]) <= BATCH_TOL, (rnd, i)
+            assert max_err(got[i], whole) <= BATCH_TOL, (rnd, i)
+            assert sg[i].frames == se[i].frames
+    assert graphs.counts["hits"] == rounds and graphs.counts["misses"] == 0
+    assert {k[0] for k in graphs.entries} == {4}
+    # one more stream alone through the 1-request buckets
+    P, seed = 25, 40
+    prompt, toks = make_prompt(flow, P, seed), make_tokens(flow, 280, seed)
+    st = FlowCachePool(BIG).new_state()
+    for upto in hop_ends(P, 280):
+        got = flow_rows(flow, [FlowInput(toks[:upto + LOOKAHEAD], *prompt, False, st)], True, hops=graphs)[0]
+        whole = flow_rows(flow, [FlowInput(toks[:upto + LOOKAHEAD], *prompt, False)], True)[0]
+        assert max_err(got, whole) <= BATCH_TOL, upto
+    assert any(k[0] == 1 and k[2] > 0 for k in graphs.entries)
+
+
+def test_no_bucket_runs_eagerly_and_is_counted(flow):
+    P = 20
+    prompt, toks = make_prompt(flow, P, 5), make_tokens(flow, 300, 6)
+    graphs = graphs_for(flow, batch=(1,), frames=(64,), prefix=(0, 96))  # first hop has 90 new frames: no bucket
+    st_g, st_e = FlowCachePool(BIG).new_state(), FlowCachePool(BIG).new_state()
+    for upto in hop_ends(P, 300)[:3]:
+        got = flow_rows(flow, [FlowInput(toks[:upto + LOOKAHEAD], *prompt, False, st_g)], True, hops=graphs)[0]
+        ref = flow_rows(flow, [FlowInput(toks[:upto + LOOKAHEAD], *prompt, False, st_e)], True)[0]
+        assert max_err(got, ref) <= CACHE_TOL
+    assert graphs.counts["misses"] >= 1
+    s = graphs.stats()
+    assert s["grid"] == {"batch": [1], "frames": [64], "prefix": [0, 96]} and s["graphs"] is False
+    assert s["static_bytes"] > 0

@@ -1,0 +1,56 @@
+"""One long stream's hops three ways on the bench pipeline: whole-history (the streaming DiT's CUDA graphs, eager
+past the largest bucket), prefix-cached through the cached-hop graphs and prefix-cached eagerly: per hop the DiT
+time of each and the mel difference to the whole-history hop (the GPU side of tests/test_flow_hop_graphs.py)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def _timed(device, fn):
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize(device)
+    return out, time.perf_counter() - t
+
+
+def cached_hop_check(pipe, n_tokens: int = 400, prompt_tokens: int = 75, seed: int = 0) -> dict:
+    from ...runtime.models.flow import FlowInput
+    from ...runtime.stages.flow_cache import FlowCachePool
+    from ...runtime.stages.flow_hops import flow_rows
+    from ...runtime.stages.hop_schedule import LOOKAHEAD, HopSchedule
+
+    flow, backends, device = pipe.models.flow, pipe.backends, pipe.device
+    graphs = backends.dit_cached
+    if graphs is None:
+        return {"skipped": "the pipeline's backends have no cached-hop graphs (profile without dit.cached)"}
+    _, capture_s = _timed(device, graphs.capture_all)
+    g = torch.Generator().manual_seed(seed)
+    vocab = flow.cfg.vocab_size
+    pt = torch.randint(0, vocab, (prompt_tokens,), generator=g).to(device)
+    pf = torch.randn(2 * prompt_tokens, 80, generator=g).to(device)
+    emb = torch.randn(192, generator=g).to(device)
+    tokens = torch.randint(0, vocab, (n_tokens,), generator=g).to(device)
+    est = backends.estimator(True)
+    st_g, st_e = FlowCachePool(1 << 36).new_state(), FlowCachePool(1 << 36).new_state()
+    sched, hops = HopSchedule(prompt_tokens), []
+    while sched.ready(n_tokens):
+        _, upto = sched.advance()
+        toks = tokens[:upto + LOOKAHEAD]
+        prefix = st_g.frames
+        with torch.inference_mode():
+            whole, t_whole = _timed(device, lambda: flow_rows(flow, [FlowInput(toks, pt, pf, emb, False)], True, est))
+            graph, t_graph = _timed(device, lambda: flow_rows(flow, [FlowInput(toks, pt, pf, emb, False, st_g)], True,
+                                                              est, hops=graphs))
+            eager, t_eager = _timed(device, lambda: flow_rows(flow, [FlowInput(toks, pt, pf, emb, False, st_e)], True,
+                                                              est))
+        hops.append({"tokens": upto, "frames": 2 * (prompt_tokens + upto), "prefix": prefix,
+                     "whole_ms": round(1e3 * t_whole, 2), "cached_graph_ms": round(1e3 * t_graph, 2),
+                     "cached_eager_ms": round(1e3 * t_eager, 2),
+                     "graph_vs_whole_max_abs": float((graph[0].float() - whole[0].float()).abs().max()),
+                     "graph_vs_eager_cached_max_abs": float((graph[0].float() - eager[0].float()).abs().max())})
+    st_g.close()
+    st_e.close()
+    return {"capture_s": round(capture_s, 2), "graph_stats": graphs.stats(), "hops": hops}
