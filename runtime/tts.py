@@ -228,10 +228,11 @@ class TTS:
             sched = self._scheduler
         to_json(history, path, sched.stats() if sched is not None else None)
 
-    def close(self, drain_timeout_s: float = 30.0) -> None:
-        """Finish in-flight requests (up to `drain_timeout_s`), stop the scheduler, close the AR runner and the stage
-        backends' runners. Later calls start a new scheduler and AR runner; engine runners stay closed (load a new
-        TTS to serve with engines again)."""
+    def close(self, drain_timeout_s: float = 30.0, close_backends: bool = True) -> None:
+        """Finish in-flight requests (up to `drain_timeout_s`), stop the scheduler, close the AR runner and (unless
+        `close_backends` is False: a pipeline shared with another TTS, as the bench does) the stage backends'
+        runners. Later calls start a new scheduler and AR runner; engine runners stay closed (load a new TTS to serve
+        with engines again)."""
         with self._lock:
             sched, self._scheduler = self._scheduler, None
             runner, self._ar_runner = self._ar_runner, None
@@ -239,7 +240,8 @@ class TTS:
             sched.close(drain_timeout_s)
         if runner is not None:
             runner.close()
-        self.pipeline.backends.close()
+        if close_backends:
+            self.pipeline.backends.close()
 
     def __enter__(self) -> "TTS":
         return self

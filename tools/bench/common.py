@@ -87,7 +87,8 @@ class Bench:
             import traceback
 
             traceback.print_exc()
-            self.results[name] = {"error": repr(e)}
+            partial = self.results.get(name)  # what the section saved before it failed stays
+            self.results[name] = {**partial, "error": repr(e)} if isinstance(partial, dict) else {"error": repr(e)}
         log(f"done {name} in {time.perf_counter() - t:.1f}s")
         self.save()
         if self.args.compile_cache:  # after every section: a run cut short still leaves its compiles behind

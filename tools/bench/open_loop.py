@@ -284,7 +284,7 @@ def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec: Ope
                     break
         finally:
             out["settings"][-1]["stats"] = jsonable(_scheduler_stats(tts))
-            tts.close()
+            tts.close(close_backends=False)  # the pipeline (and its graphs) serves the next setting
             del tts
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
