@@ -64,8 +64,8 @@ def cached_hop_check(pipe, n_tokens: int = 400, prompt_tokens: int = 75, seed: i
                      "graph_plan_ms": round(1e3 * t_plan, 2), "graph_solve_ms": round(1e3 * t_solve, 2),
                      "graph_vs_whole_max_abs": float((graph[0].float() - whole[0].float()).abs().max()),
                      "graph_vs_eager_cached_max_abs": float((graph[0].float() - eager[0].float()).abs().max())})
-            if prof is not None:
-                hops[-1]["profile"] = prof
+        if prof is not None:
+            hops[-1]["profile"] = prof
     st_g.close()
     st_e.close()
     return {"capture_s": round(capture_s, 2), "graph_stats": graphs.stats(), "hops": hops}
