@@ -11,6 +11,7 @@
 #              --duration-s 20 --ab flow_prefix_cache --budget-s 400
 set -uo pipefail
 export COSYTRT_COMMIT=${COSYTRT_COMMIT:-$(cat benchmarks/COMMIT 2>/dev/null || echo unknown)}
+rm -rf /tmp/site  # a warm machine keeps the last call's install: pip --target would not replace it
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl dist/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
