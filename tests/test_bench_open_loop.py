@@ -277,3 +277,25 @@ def test_stack_sampler_counts_named_threads():
     assert out["cosytrt-test"]["samples"] > 0 and out["cosytrt-test"]["cosytrt"][0][0].startswith("test_bench")
     with timed_sampler(False) as none:
         assert none is None
+
+
+def test_ab_switches_auto_fields():
+    from cosytrt.runtime.scheduling.config import SchedulerConfig
+    from cosytrt.tools.bench.open_loop import ab_settings
+
+    base = SchedulerConfig()
+    assert base.flow_prefix_cache is None  # auto
+    settings, skipped = ab_settings(base, ["flow_prefix_cache", "max_in_flight"])
+    assert [o for _, o in settings] == [{"flow_prefix_cache": False}, {"flow_prefix_cache": True}]
+    assert len(skipped) == 1 and "max_in_flight" in skipped[0]
+
+
+def test_flow_prefix_cache_setting_is_auto_or_bool():
+    from cosytrt.engines.errors import InputError
+    from cosytrt.runtime.scheduling.config import SchedulerConfig
+
+    for ok in (None, True, False):
+        assert SchedulerConfig(flow_prefix_cache=ok).flow_prefix_cache is ok
+    for bad in ("on", 1, 0):
+        with pytest.raises(InputError, match="flow_prefix_cache"):
+            SchedulerConfig(flow_prefix_cache=bad)

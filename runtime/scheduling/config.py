@@ -35,12 +35,14 @@ class SchedulerConfig:
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
     ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)
-    # Flow prefix KV cache (stages/flow_cache.py): non-final DiT hops compute only their new frames; a saved speaker's
-    # prompt chunks are computed once (flow_prompt_cache). Budget in bytes (None: 25 % of the GPU, at most 24 GiB;
-    # 1 GiB on CPU); a hop that does not fit runs as today (stats()["dit"]["cache_fallbacks"]). Off by default: on the
-    # H200 a cached hop runs the eager DiT (no CUDA graph yet) and was slower than the graph-replayed whole-history
-    # hop (BENCHMARKS.md, open-loop runs 15-17).
-    flow_prefix_cache: bool = False
+    # Flow prefix KV cache (stages/flow_cache.py, flow_hops.py): non-final DiT hops compute only their new frames; a
+    # saved speaker's prompt chunks are computed once (flow_prompt_cache). Budget in bytes (None: 25 % of the GPU, at
+    # most 24 GiB; 1 GiB on CPU); a hop that does not fit runs as today (stats()["dit"]["cache_fallbacks"]).
+    # None (auto): on where the backends capture cached hops in CUDA graphs (`StageBackends.dit_cached`, from a
+    # profile's dit.cached grid), off elsewhere: on the H200 graphed cached hops served 1.26x the audio of
+    # whole-history hops with 5x fewer stall seconds, while eager cached hops (launch-bound) were 1.6x slower
+    # (BENCHMARKS.md, runs 16 and 18).
+    flow_prefix_cache: bool | None = None
     flow_prompt_cache: bool = True
     flow_cache_budget_bytes: int | None = None
     # A request's tokens do not depend on the other requests batched with it, nor on the padded bucket / KV rung
@@ -61,6 +63,9 @@ class SchedulerConfig:
         for name in ("submit_timeout_s", "dit_max_wait_ms", "hift_max_wait_ms"):
             if getattr(self, name) < 0:
                 raise InputError(f"SchedulerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        if not any(self.flow_prefix_cache is v for v in (None, True, False)):
+            raise InputError(f"SchedulerConfig.flow_prefix_cache must be None (auto), True or False, got "
+                             f"{self.flow_prefix_cache!r}")
         b = self.flow_cache_budget_bytes
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
             raise InputError(f"SchedulerConfig.flow_cache_budget_bytes must be None or an int >= 0, got {b!r}")

@@ -122,7 +122,11 @@ class Scheduler:
         self._compiles_at_start = compile_count() if cfg.compile else None
 
         self.flow_cache = None  # FlowCachePool shared by the streams' prefix states
-        if cfg.flow_prefix_cache:
+        use_cache = cfg.flow_prefix_cache
+        if use_cache is None:  # auto: where cached hops have CUDA graphs
+            use_cache = self.backends.dit_cached is not None
+        self.flow_prefix_cache = use_cache
+        if use_cache:
             from ..stages.flow_cache import FlowCachePool, default_budget
 
             budget = cfg.flow_cache_budget_bytes

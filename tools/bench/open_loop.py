@@ -32,6 +32,13 @@ TEXT = "a" * 40
 OPEN_LOOP_MAX_IN_FLIGHT = 4096  # arrivals are never held back by admission: a backlog shows as latency
 
 
+def _switch(base, name: str) -> bool:
+    """A field the A/B can switch: a bool, or an auto-or-bool one (None by default, e.g. flow_prefix_cache)."""
+    v = getattr(base, name)
+    field_type = str({f.name: f.type for f in dataclasses.fields(base)}[name])
+    return isinstance(v, bool) or (v is None and "bool" in field_type)
+
+
 def ab_settings(base, flags: list[str]) -> tuple[list[tuple[str, dict]], list[str]]:
     """[(label, SchedulerConfig overrides)] for the A/B over `flags` (each off, then on; settings with the same
     overrides merged), and the messages of the flags skipped. A flag `a+b` switches several fields together (off:
@@ -43,14 +50,14 @@ def ab_settings(base, flags: list[str]) -> tuple[list[tuple[str, dict]], list[st
     for flag in flags:
         if "=" in flag:  # one setting with explicit values
             pairs = [p.split("=", 1) for p in flag.split("+")]
-            bad = [n for n, _ in pairs if n not in fields or not isinstance(getattr(base, n), bool)]
+            bad = [n for n, _ in pairs if n not in fields or not _switch(base, n)]
             if bad or any(v not in ("0", "1") for _, v in pairs):
                 skipped.append(f"--ab {flag}: needs boolean SchedulerConfig fields set to 0 or 1, skipped")
                 continue
             settings.append((flag, {n: v == "1" for n, v in pairs}))
             continue
         names = flag.split("+")
-        bad = [n for n in names if n not in fields or not isinstance(getattr(base, n), bool)]
+        bad = [n for n in names if n not in fields or not _switch(base, n)]
         if bad:
             skipped.append(f"--ab {flag}: {', '.join(bad)} not a boolean field of SchedulerConfig in this build, "
                            f"skipped")
