@@ -10,7 +10,8 @@
     request.py        the speech body: bounded JSON, fields, vendor extras
     http.py           HTTP-only limits: capped / timed body reads, Content-Type, Host names
     jobs.py           SpeechJob: one runtime request per sentence, consumed in order
-    settings.py, errors.py, encoding.py, metrics.py, voices.py, segments.py, admission.py"""
+    settings.py, errors.py, encoding.py, metrics.py, voices.py, segments.py
+Admission is the runtime's (TTS.admission, runtime/scheduling/admission.py); the server configures and asks it."""
 from .app import create_app, serve
 from .settings import ServerSettings, missing_serve_packages
 

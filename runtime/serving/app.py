@@ -18,7 +18,6 @@ import math
 import time
 
 from ...engines.errors import CosytrtError
-from .admission import Admission
 from .encoding import pcm16, wav_header  # noqa: F401 (re-exported: tests, clients)
 from .errors import APIError, from_runtime_error
 from .http import host_name, route_label
@@ -50,7 +49,7 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
 
     @asynccontextmanager
     async def lifespan(app):
-        state.admission = Admission(settings.max_in_flight, settings.max_queue, settings.queue_timeout_s)
+        state.configure_admission()
         warm = asyncio.create_task(state.warm_up())
         try:
             yield
@@ -141,8 +140,10 @@ def serve(settings: ServerSettings, tts=None) -> int:
         from ..tts import TTS
 
         t0 = time.perf_counter()
+        sched = SchedulerConfig(max_in_flight=settings.max_in_flight, max_waiting=settings.max_queue,
+                                submit_timeout_s=settings.queue_timeout_s)
         tts = TTS.load(model=settings.model, engines=settings.engines, device=settings.device,
-                       scheduler=SchedulerConfig(max_in_flight=settings.max_in_flight), compile=settings.compile,
+                       scheduler=sched, compile=settings.compile,
                        compile_cache=settings.compile_cache)
         log.info("loaded model %r in %.1f s", settings.model, time.perf_counter() - t0)
     if settings.host not in LOOPBACK_HOSTS and not settings.resolve_api_key():

@@ -37,8 +37,9 @@ async def resolve_speaker(state, params):
         raise from_runtime_error(e, param="voice") from None
 
 
-def finisher(state, job: SpeechJob, admission_wait: float):
-    """finish(outcome): ends the job once (cancels it unless "ok"), frees its admission slot, records metrics."""
+def finisher(state, job: SpeechJob, ticket):
+    """finish(outcome): ends the job once (cancels it unless "ok"), gives its admission ticket back, records
+    metrics."""
     done = False
 
     def finish(outcome: str) -> None:
@@ -49,8 +50,8 @@ def finisher(state, job: SpeechJob, admission_wait: float):
         if outcome != "ok":
             job.cancel()
         state.jobs.discard(job)
-        state.admission.release()
-        state.metrics.finish(outcome, job.metrics, admission_wait)
+        state.release(ticket)
+        state.metrics.finish(outcome, job.metrics, ticket.waited)
 
     return finish
 
@@ -75,18 +76,18 @@ def add_speech_routes(app, state) -> None:
         else:
             body = load_json(raw, settings)
         params = parse_speech_request(body, settings)
-        admission_wait = await state.admission.acquire()
+        ticket = await state.admit("speech request")  # the runtime's admission control decides (429 / 503)
         try:
             speaker = await resolve_speaker(state, params)
         except BaseException:
-            state.admission.release()
+            state.release(ticket)
             raise
-        options = {"speaker": speaker, **params.options}
+        options = {"speaker": speaker, **params.options, **state.lease(ticket)}
         if params.speed != 1.0:
             options["speed"] = params.speed
         job = SpeechJob(tts, segment_text(params.input, settings, params.options, tts, speaker), options,
                         params.stream)
-        finish = finisher(state, job, admission_wait)
+        finish = finisher(state, job, ticket)
         sr = state.sample_rate
         extra = {"X-Ignored-Fields": ",".join(params.ignored)} if params.ignored else {}
         if params.response_format == "pcm":

@@ -77,7 +77,7 @@ def add_voice_routes(app, state) -> None:
         loop = asyncio.get_running_loop()
         samples, sr = await loop.run_in_executor(state.decoder, state.decode, raw, "audio")
         try:
-            async with state.admission.slot():  # the speaker extraction runs the frontend models
+            async with state.admitted("voice upload"):  # the speaker extraction runs the frontend models
                 speaker = await loop.run_in_executor(None, lambda: tts.make_speaker(samples, text or "", sr))
             info = await loop.run_in_executor(None, state.voices.add, voice_id, speaker)
         except CosytrtError as e:

@@ -1,15 +1,16 @@
 """`ServerState`: what one server process holds over its shared `TTS` — settings, API key, voices, metrics, the
-thread pools that keep blocking work off the event loop, readiness (warm-up, drain, runtime health) and the checks
-every route runs first (API key, serving)."""
+thread pools that keep blocking work off the event loop, readiness (warm-up, drain, runtime health), the checks
+every route runs first (API key, serving), and the way to the runtime's admission control (`admit`)."""
 import asyncio
 import hmac
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 
-from .admission import Admission
+from ..scheduling.admission import AdmissionControl, Ticket
 from .encoding import decode_upload
-from .errors import APIError
+from .errors import APIError, from_runtime_error
 from .jobs import SpeechJob
 from .metrics import ServerMetrics
 from .settings import ServerSettings
@@ -31,13 +32,21 @@ class ServerState:
         self.executor = ThreadPoolExecutor(max_workers=settings.max_in_flight + 1, thread_name_prefix="cosytrt-submit")
         # decoding uploads: its own small pool, so a flood of uploads cannot take the submit threads
         self.decoder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cosytrt-decode")
-        self.admission: Admission | None = None
+        # admission is the runtime's (TTS.admission: the same control its scheduler admits through); the server
+        # configures it with its flags at start-up (restored at shutdown) and asks it for every speech request and
+        # voice upload. A TTS stand-in without one (tests) gets one here.
+        own = getattr(tts, "admission", None)
+        self.tts_admits = isinstance(own, AdmissionControl)
+        self.admission = own if self.tts_admits else AdmissionControl(settings.max_in_flight, settings.max_queue,
+                                                                      settings.queue_timeout_s)
+        self._limits_before: dict | None = None
+        self.tickets: set[Ticket] = set()  # held by this server's requests (drain waits for them)
         self.warmed = False
         self.status = "loading"
         self.error: str | None = None
         self.draining = False
         self.jobs: set[SpeechJob] = set()
-        # HTTP-level memory bound: large bodies (uploads, inline references) read at once
+        # HTTP-level memory bound (not admission): large bodies (uploads, inline references) read at once
         self.big_bodies = asyncio.Semaphore(max(2, settings.max_in_flight))
 
     # ------------------------------------------------------------------ readiness
@@ -83,6 +92,39 @@ class ServerState:
             raise APIError(503, f"the model is not ready ({self.status})", code="not_ready",
                            headers={"Retry-After": "1"})
 
+    # ------------------------------------------------------------------ admission (the runtime's)
+    def configure_admission(self) -> None:
+        s = self.settings
+        self._limits_before = self.admission.configure(max_in_flight=s.max_in_flight, max_waiting=s.max_queue,
+                                                       timeout_s=s.queue_timeout_s, on_full="wait")
+
+    async def admit(self, what: str) -> Ticket:
+        """A ticket from the runtime's admission control; its refusals as OpenAI-shaped errors (429 busy, 503 no
+        slot in time)."""
+        try:
+            ticket = await self.admission.admit_async(what)
+        except Exception as e:  # noqa: BLE001 - RejectedError subclasses
+            raise from_runtime_error(e) from None
+        self.tickets.add(ticket)
+        return ticket
+
+    def release(self, ticket: Ticket) -> None:
+        self.tickets.discard(ticket)
+        ticket.release()
+
+    def lease(self, ticket: Ticket) -> dict:
+        """The submit option running a runtime request under `ticket` (none for a stand-in without admission)."""
+        return {"lease": ticket} if self.tts_admits else {}
+
+    @asynccontextmanager
+    async def admitted(self, what: str):
+        """`async with state.admitted("voice upload"):` runtime work that is not a speech job."""
+        ticket = await self.admit(what)
+        try:
+            yield ticket
+        finally:
+            self.release(ticket)
+
     # ------------------------------------------------------------------ runtime views
     @property
     def sample_rate(self) -> int:
@@ -127,11 +169,14 @@ class ServerState:
     async def drain(self) -> None:
         self.draining, self.status = True, "draining"
         deadline = time.monotonic() + self.settings.drain_timeout_s
-        while self.admission is not None and self.admission.in_flight > 0 and time.monotonic() < deadline:
+        while self.tickets and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for job in list(self.jobs):
             job.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.decoder.shutdown(wait=False, cancel_futures=True)
+        if self._limits_before:  # a TTS shared with other users gets its own limits back
+            self.admission.configure(**self._limits_before)
+            self._limits_before = None
         if self.owns_tts:
             await asyncio.get_running_loop().run_in_executor(None, self.tts.close)
