@@ -169,3 +169,20 @@ def test_model_dir_without_builtin_voice_says_so(tiny_tts, tmp_path):
                            "voice_required")
         assert "no built-in voice" in err["message"]
         assert_error(c.post("/v1/audio/speech", json={"model": "x", "input": "Hi.", "voice": "alloy"}), 404, "voice")
+
+
+def test_sglang_seedtts_stream_reads_as_its_client_does(env):
+    """sglang-omni's seedtts benchmark with --stream (its current _handle_raw_pcm_streaming_response, read from its
+    code): 200, Content-Type audio/pcm, X-Sample-Rate / X-Channels / X-Bit-Depth, raw PCM chunks, whole frames."""
+    client, subs, _ = env
+    case = next(c for t, c in CASES if t == "sglang_omni_seedtts" and c["name"] == "voice_clone_stream")
+    with client.stream("POST", "/v1/audio/speech", json=fill(case["body"], subs)) as s:
+        assert s.status_code == 200
+        assert s.headers["content-type"].lower().split(";", 1)[0] == "audio/pcm"
+        rate, channels, bits = (int(s.headers.get(k, d)) for k, d in
+                                (("x-sample-rate", 24000), ("x-channels", 1), ("x-bit-depth", 16)))
+        chunks = [c for c in s.iter_bytes() if c]
+    assert rate == SR and channels == 1 and bits % 8 == 0
+    pcm = b"".join(chunks)
+    block_align = channels * bits // 8
+    assert chunks and len(pcm) > 0 and len(pcm) % block_align == 0
