@@ -146,8 +146,8 @@ _DATA_URI = re.compile(r"data:([\w.+/-]*)(;[\w=.+-]+)*;base64,", re.ASCII)
 
 def ref_audio_bytes(value: str, *, ref_dir: str | None, cap: int, param: str = "ref_audio") -> bytes:
     """`ref_audio` -> the audio file's bytes. Accepted: a `data:<mime>;base64,...` URI, bare base64, or (only when
-    `ref_dir` is configured) `file://` URIs / absolute paths of files inside `ref_dir`. URLs are refused (the server
-    fetches nothing from the network)."""
+    `ref_dir` is configured) `file://` URIs / absolute paths of files inside `ref_dir`. http(s) URLs are fetch.py's
+    (ServerState.ref_audio_bytes sends them there); here they are refused."""
     if not isinstance(value, str) or not value:
         raise invalid(f"'{param}' must be a non-empty string", param, "invalid_type")
     if value.startswith(("http://", "https://")):

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from ...engines.errors import CosytrtError
-from .encoding import MEDIA_TYPES, encode_audio, pcm_headers, ref_audio_bytes
+from .encoding import MEDIA_TYPES, encode_audio, pcm_headers
 from .errors import APIError, from_runtime_error, invalid
 from .http import BIG_BODY, check_content_type, read_body_capped, until_done_or_gone
 from .jobs import SpeechJob, _ClientGone, segment_text
@@ -18,10 +18,9 @@ async def resolve_speaker(state, params):
     """The speaker of a request: inline `ref_audio` (decoded off the loop, bounded), a stored voice, or the model's
     default voice."""
     loop = asyncio.get_running_loop()
-    settings, tts = state.settings, state.tts
+    tts = state.tts
     if params.ref_audio is not None:
-        raw = await loop.run_in_executor(state.decoder, lambda: ref_audio_bytes(
-            params.ref_audio, ref_dir=settings.ref_audio_dir, cap=settings.upload_cap))
+        raw = await loop.run_in_executor(state.decoder, state.ref_audio_bytes, params.ref_audio)
         samples, sr = await loop.run_in_executor(state.decoder, state.decode, raw, "ref_audio")
         try:
             return await loop.run_in_executor(None, lambda: tts.make_speaker(samples, params.ref_text, sr))

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from ..scheduling.admission import AdmissionControl, Ticket
-from .encoding import decode_upload
+from .encoding import decode_upload, ref_audio_bytes
 from .errors import APIError, from_runtime_error
 from .jobs import SpeechJob
 from .metrics import ServerMetrics
@@ -137,6 +137,17 @@ class ServerState:
         except Exception:  # noqa: BLE001 - metrics must never break /metrics
             log.exception("tts.metrics() failed")
             return None
+
+    def ref_audio_bytes(self, value: str, param: str = "ref_audio") -> bytes:
+        """An inline reference's bytes: data: URI / base64, a file under --ref-audio-dir, or an http(s) URL on
+        --ref-audio-hosts (fetch.py's rules). Blocking: run it on `self.decoder`."""
+        s = self.settings
+        if isinstance(value, str) and value[:8].lower().startswith(("http://", "https://")):
+            from .fetch import fetch_ref_audio
+
+            return fetch_ref_audio(value, allowed_hosts=s.ref_audio_hosts, cap=s.upload_cap,
+                                   timeout=s.ref_audio_timeout_s, private_ok=s.ref_audio_private_ok, param=param)
+        return ref_audio_bytes(value, ref_dir=s.ref_audio_dir, cap=s.upload_cap, param=param)
 
     def decode(self, data: bytes, param: str):
         """Reference audio bytes -> (samples, rate), bounded by the settings (run it on `self.decoder`)."""
