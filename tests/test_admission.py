@@ -149,6 +149,8 @@ def test_server_asks_the_runtime_admission(tiny_tts, tmp_path):
         try:
             err = assert_error(c.post("/v1/audio/speech", json=body), 429, code="too_many_requests")
             assert err["type"] == "rate_limit_error" and "max_in_flight=1" in err["message"]
+            batch = {"model": "x", "voice": "default", "items": [{"input": "Hi.", "force_tokens": 2}]}
+            assert_error(c.post("/v1/audio/speech/batch", json=batch), 429, code="too_many_requests")
             m = parse_metrics(c.get("/metrics").text)
             assert m["cosytrt_requests_in_flight"] == 1
             tts.admission.configure(max_waiting=1)
@@ -158,6 +160,9 @@ def test_server_asks_the_runtime_admission(tiny_tts, tmp_path):
             held.release()
         r = c.post("/v1/audio/speech", json=body)
         assert r.status_code == 200 and len(r.content) > 0
+        r = c.post("/v1/audio/speech/batch", json={"model": "x", "voice": "default", "items": [
+            {"input": "Hi.", "force_tokens": 2}, {"input": "Yo.", "force_tokens": 2, "response_format": "pcm"}]})
+        assert r.status_code == 200 and r.json()["succeeded"] == 2  # two items under the one slot (max_in_flight=1)
         assert tts.admission.in_flight == 0
     assert tts.admission.limits == limits  # a shared TTS gets its own limits back at shutdown
 

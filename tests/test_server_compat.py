@@ -23,6 +23,7 @@ from cosytrt.runtime.serving.app import ServerSettings, create_app  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 FILES = sorted(glob.glob(os.path.join(HERE, "data", "peer_requests", "*.json")))
 CASES = [(os.path.basename(f)[:-5], entry) for f in FILES for entry in json.load(open(f, encoding="utf-8"))["requests"]]
+BATCH_TEXTS = ("Today is a good day.", "The quick brown fox jumps.", "Please read this sentence.")  # (shortened)
 TOKEN_CAP = 6  # the tiny model's LM is random: a few tokens per request keeps the replay fast
 LONG_TEXT = ("A regional support lead records a detailed incident narrative. The report includes ticket identifiers "
              "and handoff notes. One caller read a long policy number twice. The final section asks for a calm pace.")
@@ -56,7 +57,11 @@ def env(tiny_tts, tmp_path_factory):
     ref_path.write_bytes(wav)
     subs = {"$MODEL": "cosyvoice3", "$REF_DATA_URI": "data:audio/wav;base64," + base64.b64encode(wav).decode(),
             "$REF_B64": base64.b64encode(wav).decode(), "$REF_PATH": str(ref_path),
-            "$REF_FILE_URI": ref_path.as_uri(), "$LONG_TEXT": LONG_TEXT, "$OVER_LIMIT_TEXT": "Too long. " * 512}
+            "$REF_FILE_URI": ref_path.as_uri(), "$LONG_TEXT": LONG_TEXT, "$OVER_LIMIT_TEXT": "Too long. " * 512,
+            "$REF_URL": "https://huggingface.co/datasets/x/resolve/main/en/prompt-wavs/a.wav",
+            "$ITEMS_31_PLUS_BOGUS": [{"input": BATCH_TEXTS[i % len(BATCH_TEXTS)], "response_format": "pcm" if i % 2
+                                      else "wav"} for i in range(31)] + [{"input": "", "response_format": "bogus"}],
+            "$ITEMS_33": [{"input": BATCH_TEXTS[i % len(BATCH_TEXTS)]} for i in range(33)]}
     files = {"$REF_WAV_BYTES": wav, "$GARBAGE_BYTES": b"RIFF....WAVEgarbage" * 50}
     app = create_app(CappedTTS(tiny_tts), ServerSettings(voices_dir=str(tmp_path_factory.mktemp("voices")),
                                                          allowed_hosts=["testserver"], ref_audio_dir=str(ref_dir)))
@@ -121,6 +126,28 @@ def test_peer_request_shapes(env, tool, case):
     if fmt:
         n = check_audio(r.content, fmt, r.headers)
         assert n > 0, "no audio"
+    if "batch" in expect:
+        check_batch(r.json(), fill(case["body"], subs), expect["batch"])
+
+
+def check_batch(payload: dict, body: dict, expect: dict) -> None:
+    """What sglang-omni's batch_client.py checks of a batch answer (read from its code), then each item's audio."""
+    items = body["items"]
+    assert isinstance(payload["id"], str) and payload["id"]
+    assert payload["total"] == len(payload["results"]) == len(items)
+    assert payload["succeeded"] + payload["failed"] == payload["total"]
+    assert (payload["succeeded"], payload["failed"]) == (expect["succeeded"], expect["failed"])
+    failed = set(expect.get("failed_items", []))
+    for i, item in enumerate(payload["results"]):
+        assert item["index"] == i
+        if i in failed:
+            assert item["status"] == "error" and item["error"] and item["error"]["message"], item
+            continue
+        assert item["status"] == "ok", item
+        fmt = items[i].get("response_format") or body.get("response_format") or "wav"
+        assert item["media_type"].split(";")[0] == {"wav": "audio/wav", "pcm": "audio/pcm"}[fmt]
+        data = base64.b64decode(item["audio_data"], validate=True)
+        assert data and check_audio(data, fmt, {"x-sample-rate": str(SR), "x-channels": "1", "x-bit-depth": "16"})
 
 
 def test_peer_files_are_well_formed():

@@ -3,11 +3,11 @@
     app = create_app(tts, ServerSettings(voices_dir="voices"))   # FastAPI app (tests, embedding)
     serve(ServerSettings(model="tiny", port=8000))                # load, warm up, run uvicorn
 
-Endpoints: `POST /v1/audio/speech` (OpenAI request shape, see request.py; wav | pcm | flac | mp3 | opus; `stream`
-or `stream_format: "audio"` for chunked wav / pcm, `stream_format: "sse"` for OpenAI's audio-delta events; long
-input is split into sentences synthesised in order as one response), `POST/GET /v1/voices` (alias
-`/v1/audio/voices`), `DELETE /v1/voices/{id}`, `GET /v1/models`, `GET /health` (200 once loaded and warmed, 503 when
-the runtime died) and `GET /metrics` (Prometheus).
+Endpoints: `POST /v1/audio/speech` (OpenAI request shape, see request.py; wav | pcm | flac | mp3 | opus | aac;
+`stream` or `stream_format: "audio"` for chunked wav / pcm, `stream_format: "sse"` for OpenAI's audio-delta events;
+long input is split into sentences synthesised in order as one response), `POST /v1/audio/speech/batch`
+(sglang-omni's batch shape), `POST/GET /v1/voices` (alias `/v1/audio/voices`), `DELETE /v1/voices/{id}`,
+`GET /v1/models`, `GET /health` (200 once loaded and warmed, 503 when the runtime died) and `GET /metrics`.
 
 FastAPI / uvicorn / python-multipart (the `serve` extra) are imported only inside `create_app` / `serve`, so the rest
 of cosytrt imports without them. Errors have OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
@@ -22,6 +22,7 @@ from .encoding import pcm16, wav_header  # noqa: F401 (re-exported: tests, clien
 from .errors import APIError, from_runtime_error
 from .http import host_name, route_label
 from .jobs import _ClientGone, segment_text  # noqa: F401 (segment_text: tests)
+from .routes_batch import add_batch_routes
 from .routes_ops import add_ops_routes
 from .routes_speech import add_speech_routes
 from .routes_voices import add_voice_routes
@@ -124,6 +125,7 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
     add_ops_routes(app, state)
     add_voice_routes(app, state)
     add_speech_routes(app, state)
+    add_batch_routes(app, state)
     return app
 
 

@@ -9,7 +9,7 @@ from .jobs import _ClientGone
 
 BIG_BODY = 1 << 20  # bodies above 1 MiB (uploads, inline reference audio) are read a few at a time
 
-ROUTES = ("/v1/audio/speech", "/v1/voices", "/v1/audio/voices", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/audio/speech", "/v1/audio/speech/batch", "/v1/voices", "/v1/audio/voices", "/v1/models", "/health", "/metrics")
 
 
 async def read_body_capped(request, cap: int, what: str, timeout: float, big: asyncio.Semaphore | None = None) \

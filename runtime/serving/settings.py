@@ -49,11 +49,12 @@ class ServerSettings:
     body_timeout_s: float = 30.0   # the whole request body must arrive within this (408 then)
     max_json_depth: int = 32       # nesting depth of the JSON body
     normalize_text: bool = True    # numbers / dates / symbols -> words with wetext (when installed)
+    max_batch_items: int = 32      # items of one POST /v1/audio/speech/batch
     max_segment_units: int = 80    # long input is split into sentences merged up to this many tokens (upstream 80)
 
     def __post_init__(self):
         for name in ("max_input_chars", "max_in_flight", "port", "max_voices", "max_transcript_chars",
-                     "max_sample_rate", "max_channels", "max_json_depth", "max_segment_units"):
+                     "max_sample_rate", "max_channels", "max_json_depth", "max_segment_units", "max_batch_items"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "port" else 1):
                 raise InputError(f"server setting {name} must be a positive integer, got {v!r}")
