@@ -100,6 +100,14 @@ def test_peer_request_shapes(env, tool, case):
     client, subs, files = env
     method, path = case.get("method", "POST"), case.get("path", "/v1/audio/speech")
     expect = case["expect"]
+    if method == "WS":
+        with client.websocket_connect(path) as ws:
+            run_ws_script(ws, fill(case["script"], subs))
+        with client.websocket_connect(path) as ws:  # the server still serves a new session afterwards
+            run_ws_script(ws, fill(json.load(open(os.path.join(HERE, "data", "peer_requests",
+                                                                 "sglang_omni_tts_ws.json")))["requests"][0]["script"],
+                                   subs))
+        return
     if "multipart" in case:
         mp = case["multipart"]
         r = client.post(path, data=mp["fields"], files={mp["file_field"]: (mp["filename"], files[mp["file"]],
@@ -213,3 +221,62 @@ def test_sglang_seedtts_stream_reads_as_its_client_does(env):
     pcm = b"".join(chunks)
     block_align = channels * bits // 8
     assert chunks and len(pcm) > 0 and len(pcm) % block_align == 0
+
+
+class _WsReader:
+    """Reads a WebSocket session the way sglang-omni's ws_client.py checks it (read from its code)."""
+
+    def __init__(self, ws):
+        self.ws, self.open_sentence, self.sentence_bytes, self.signal, self.completed = ws, None, 0, False, 0
+        self.rate = None
+
+    def next(self):
+        msg = self.ws.receive()
+        assert msg["type"] == "websocket.send", msg  # the server did not close early
+        if msg.get("bytes") is not None:
+            data = msg["bytes"]
+            assert self.open_sentence is not None and data and len(data) % 2 == 0, "binary audio outside a sentence"
+            self.sentence_bytes += len(data)
+            self.signal = self.signal or any(data)
+            return "binary"
+        event = json.loads(msg["text"])
+        kind = event["type"]
+        assert kind != "error" and not kind.endswith(".error"), event
+        if kind == "session.configured":
+            assert event["session_id"] and event["response_format"] == "pcm"
+            assert isinstance(event["stream_audio"], bool) and event["split_granularity"] in ("sentence", "clause")
+        elif kind == "audio.start":
+            assert self.open_sentence is None and event["sentence_index"] >= 0 and event["sentence_text"]
+            assert event["format"] == "pcm" and event["sample_rate"] == SR
+            self.open_sentence, self.sentence_bytes, self.signal = event["sentence_index"], 0, False
+        elif kind == "audio.done":
+            assert event["error"] is False and event["sentence_index"] == self.open_sentence
+            assert event["total_bytes"] == self.sentence_bytes > 0 and self.signal
+            self.open_sentence = None
+            self.completed += 1
+        elif kind == "session.done":
+            assert self.open_sentence is None and event["total_sentences"] == self.completed
+        return kind
+
+
+def run_ws_script(ws, script):
+    reader = _WsReader(ws)
+    for action in script:
+        kind = action["action"]
+        if kind == "send_json":
+            ws.send_json(action["payload"])
+        elif kind == "close":
+            ws.close()
+            return
+        elif kind == "expect":
+            while (got := reader.next()) == "session.configured":
+                pass
+            assert got == action["event"], (got, action)
+        else:  # expect_audio_until_done / expect_audio_until_session_done
+            end = "audio.done" if kind == "expect_audio_until_done" else "session.done"
+            frames = 0
+            allowed = ("binary", "session.configured") + (("audio.start", "audio.done") if end == "session.done" else ())
+            while (got := reader.next()) != end:
+                assert got in allowed, got
+                frames += got == "binary"
+            assert frames >= action.get("min_binary_frames", 1)

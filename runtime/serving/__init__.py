@@ -5,6 +5,7 @@
     state.py          ServerState: settings, voices, pools, readiness, the auth / serving checks
     routes_speech.py  POST /v1/audio/speech -> speaker -> SpeechJob -> response
     routes_batch.py   POST /v1/audio/speech/batch (items with shared defaults, each failing alone)
+    routes_ws.py      WS /v1/audio/speech/stream (text in pieces, audio per sentence)
     streaming.py      streamed bodies (chunked wav / pcm, SSE events)
     routes_voices.py  /v1/voices (alias /v1/audio/voices)
     routes_ops.py     /health, /metrics, /v1/models

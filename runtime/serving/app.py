@@ -6,7 +6,8 @@
 Endpoints: `POST /v1/audio/speech` (OpenAI request shape, see request.py; wav | pcm | flac | mp3 | opus | aac;
 `stream` or `stream_format: "audio"` for chunked wav / pcm, `stream_format: "sse"` for OpenAI's audio-delta events;
 long input is split into sentences synthesised in order as one response), `POST /v1/audio/speech/batch`
-(sglang-omni's batch shape), `POST/GET /v1/voices` (alias `/v1/audio/voices`), `DELETE /v1/voices/{id}`,
+(sglang-omni's batch shape), `WS /v1/audio/speech/stream` (text in pieces, audio per sentence),
+`POST/GET /v1/voices` (alias `/v1/audio/voices`), `DELETE /v1/voices/{id}`,
 `GET /v1/models`, `GET /health` (200 once loaded and warmed, 503 when the runtime died) and `GET /metrics`.
 
 FastAPI / uvicorn / python-multipart (the `serve` extra) are imported only inside `create_app` / `serve`, so the rest
@@ -26,6 +27,7 @@ from .routes_batch import add_batch_routes
 from .routes_ops import add_ops_routes
 from .routes_speech import add_speech_routes
 from .routes_voices import add_voice_routes
+from .routes_ws import add_ws_routes
 from .settings import LOOPBACK_HOSTS, ServerSettings, missing_serve_packages
 from .state import ServerState
 
@@ -89,6 +91,21 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
         return error_response(APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else
                                        None, headers=getattr(e, "headers", None)))
 
+    def ws_allowed(scope) -> bool:
+        """A WebSocket handshake's Host and Origin (any page may open a WebSocket to localhost: its Origin must be
+        a served host name too) against the served names; anything goes when those are not restricted."""
+        if host_names is None:
+            return True
+        headers = {k: v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if host_name(headers.get(b"host", "")) not in host_names:
+            return False
+        origin = headers.get(b"origin")
+        if origin is None:
+            return True  # not a browser
+        from urllib.parse import urlsplit
+
+        return host_name(urlsplit(origin).netloc) in host_names
+
     class _Guard:
         """Checks the Host header (DNS rebinding) and counts every HTTP response by route and status (at response
         start, so a disconnect still counts)."""
@@ -97,6 +114,11 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
             self.inner = inner
 
         async def __call__(self, scope, receive, send):
+            if scope["type"] == "websocket":
+                if not ws_allowed(scope):  # refuse the handshake (HTTP 403)
+                    await receive()  # websocket.connect
+                    return await send({"type": "websocket.close", "code": 1008})
+                return await self.inner(scope, receive, send)
             if scope["type"] != "http":
                 return await self.inner(scope, receive, send)
             started = False
@@ -126,6 +148,7 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
     add_voice_routes(app, state)
     add_speech_routes(app, state)
     add_batch_routes(app, state)
+    add_ws_routes(app, state)
     return app
 
 
