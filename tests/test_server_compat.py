@@ -280,3 +280,43 @@ def run_ws_script(ws, script):
                 assert got in allowed, got
                 frames += got == "binary"
             assert frames >= action.get("min_binary_frames", 1)
+
+
+def test_old_sglang_seedtts_stream_reads_sse_wav(tiny_tts, tmp_path):
+    """The older sglang-omni seedtts --stream client (benchmarks/benchmarker/utils.py process_sse_line, read from its
+    code) sends stream=true + wav and reads `data:` lines whose event has audio.data = one base64 WAV per chunk (the
+    duration from each WAV's header) and a usage event; with --stream-wav-sse the server answers that."""
+    import wave
+
+    ref = tmp_path / "refs" / "ref.wav"
+    ref.parent.mkdir()
+    sf.write(str(ref), default_voice_wav(16000, seconds=2.0) * 0.9, 16000, format="WAV", subtype="PCM_16")
+    app = create_app(CappedTTS(tiny_tts), ServerSettings(voices_dir=str(tmp_path / "v"), allowed_hosts=["testserver"],
+                                                         ref_audio_dir=str(ref.parent), stream_wav_sse=True,
+                                                         warmup=False))
+    case = next(c for t, c in CASES if t == "sglang_omni_seedtts" and c["name"] == "voice_clone_stream_old_client")
+    with TestClient(app) as c:
+        wait_ready(c)
+        with c.stream("POST", "/v1/audio/speech", json=fill(case["body"], {"$MODEL": "m", "$REF_PATH": str(ref)})) as s:
+            assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+            body = s.read().decode()
+        seconds, usage, chunks = 0.0, None, 0
+        for line in body.split("\n"):
+            line = line.strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            audio = event.get("audio")
+            if audio is not None and audio.get("data"):
+                data = base64.b64decode(audio["data"])
+                with wave.open(io.BytesIO(data)) as w:  # a complete WAV per chunk
+                    assert w.getframerate() == SR and w.getnchannels() == 1 and w.getsampwidth() == 2
+                    assert w.getnframes() == (len(data) - 44) // 2
+                    seconds += w.getnframes() / SR
+                chunks += 1
+            if event.get("usage") is not None:
+                usage = event["usage"]
+        assert chunks >= 1 and seconds > 0 and usage["completion_tokens"] > 0
+        # OpenAI-style clients (explicit stream_format) still get raw chunked audio with the flag on
+        r = c.post("/v1/audio/speech", json={"model": "m", "input": "Hi.", "stream_format": "audio", "voice": "default"})
+        assert r.status_code == 200 and r.content[:4] == b"RIFF"

@@ -49,6 +49,7 @@ class ServerSettings:
     body_timeout_s: float = 30.0   # the whole request body must arrive within this (408 then)
     max_json_depth: int = 32       # nesting depth of the JSON body
     normalize_text: bool = True    # numbers / dates / symbols -> words with wetext (when installed)
+    stream_wav_sse: bool = False   # stream=true + wav (no stream_format): SSE events of WAV chunks (old sglang-omni)
     max_batch_items: int = 32      # items of one POST /v1/audio/speech/batch
     max_segment_units: int = 80    # long input is split into sentences merged up to this many tokens (upstream 80)
 

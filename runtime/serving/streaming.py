@@ -17,6 +17,14 @@ def sse_delta(data: bytes) -> bytes:
     return sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
 
 
+def sse_wav_chunk(pcm: bytes, sr: int) -> bytes:
+    """One chunk as a complete little WAV in `audio.data` (what older sglang-omni seedtts --stream clients read: the
+    duration from each WAV's header, the samples after it)."""
+    wav = wav_header(sr, len(pcm) // 2) + pcm
+    return sse_event({"type": "speech.audio.delta",
+                      "audio": {"data": base64.b64encode(wav).decode("ascii"), "format": "wav", "sample_rate": sr}})
+
+
 def audio_stream_response(body, finish, **kw):
     """A StreamingResponse over `body` that always calls `finish("cancelled")` at the end (a no-op when the body
     already finished the job)."""
@@ -37,16 +45,18 @@ def audio_stream_response(body, finish, **kw):
 
 async def stream_body(job, params, sr: int, finish, first, rest):
     """The bytes of a streamed response: a wav header (wav), then each chunk as 16-bit PCM, each wrapped in an SSE
-    delta event when `params.sse` (then a final `speech.audio.done` event with usage); `finish(outcome)` at the
-    end."""
+    delta event when `params.sse` (then a final `speech.audio.done` event with usage), or each as its own WAV in an
+    SSE event when `params.sse_wav` (then usage and `[DONE]`); `finish(outcome)` at the end."""
     outcome = "cancelled"
     samples = 0
 
     def encode(data: bytes) -> bytes:
+        if params.sse_wav:
+            return sse_wav_chunk(data, sr) if data else b""
         return sse_delta(data) if params.sse else data
 
     try:
-        if params.response_format == "wav":
+        if params.response_format == "wav" and not params.sse_wav:
             yield encode(wav_header(sr, None))
         if first is not None:
             data = pcm16(first)
@@ -57,7 +67,14 @@ async def stream_body(job, params, sr: int, finish, first, rest):
                 samples += len(data) // 2
                 yield encode(data)
         outcome = "ok"
-        if params.sse:
+        if params.sse_wav:
+            m = job.metrics
+            tokens = int(getattr(m, "tokens", 0) or 0)
+            yield sse_event({"type": "speech.audio.done", "audio_seconds": samples / sr,
+                             "usage": {"prompt_tokens": 0, "completion_tokens": tokens,
+                                       "engine_time_s": float(getattr(m, "total", 0.0) or 0.0)}})
+            yield b"data: [DONE]\n\n"
+        elif params.sse:
             tokens = int(getattr(job.metrics, "tokens", 0) or 0)
             yield sse_event({"type": "speech.audio.done",
                              "usage": {"input_tokens": 0, "output_tokens": tokens, "total_tokens": tokens},
