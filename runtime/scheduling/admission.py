@@ -64,6 +64,7 @@ class AdmissionControl:
         self.in_flight = 0
         self._waiters: deque[_Waiter] = deque()
         self.counts = dict(admitted=0, queue_full=0, timed_out=0)
+        self.max_in_flight, self.max_waiting, self.timeout_s, self.on_full = 1, None, 30.0, "wait"
         self.configure(max_in_flight=max_in_flight, max_waiting=max_waiting, timeout_s=timeout_s, on_full=on_full)
 
     @classmethod
@@ -79,7 +80,10 @@ class AdmissionControl:
     def configure(self, **limits) -> dict:
         """Change limits (max_in_flight, max_waiting, timeout_s, on_full); returns the previous ones. A larger
         `max_in_flight` admits waiting callers at once."""
-        old = dict(self.limits) if hasattr(self, "max_in_flight") else {}
+        unknown = set(limits) - {"max_in_flight", "max_waiting", "timeout_s", "on_full"}
+        if unknown:
+            raise InputError(f"unknown admission limit(s): {sorted(unknown)}")
+        old = self.limits
         new = {**old, **limits}
         n, w, t, full = new["max_in_flight"], new["max_waiting"], new["timeout_s"], new["on_full"]
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
