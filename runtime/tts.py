@@ -22,6 +22,7 @@ from .models.frontend import SavedSpeaker, save_speaker
 from .stages.pipeline import Pipeline, make_frontend
 from .stages.request import Request, RequestMetrics
 from .models.sampling import SamplingParams
+from .scheduling.admission import AdmissionControl, Ticket
 from .scheduling.config import SchedulerConfig
 from .scheduling.handle import RequestHandle
 from .scheduling.scheduler import Scheduler
@@ -54,6 +55,8 @@ class TTS:
         llm = getattr(getattr(pipeline, "models", None), "llm", None)
         if llm is not None and hasattr(llm, "batch_invariant"):
             llm.batch_invariant = self.scheduler_config.batch_invariant
+        # the one admission control of this TTS: its scheduler admits through it, and so does a server over it
+        self.admission = AdmissionControl.from_config(self.scheduler_config)
         self._scheduler: Scheduler | None = None
         self._ar_runner = None
         self._lock = threading.Lock()
@@ -131,7 +134,8 @@ class TTS:
         """The request scheduler (started on first use)."""
         with self._lock:
             if self._scheduler is None:
-                self._scheduler = self.make_scheduler(self.scheduler_config, on_finish=self._record)
+                self._scheduler = Scheduler(self.pipeline, self.scheduler_config, self._record, runner=self.ar_runner,
+                                            admission=self.admission)
             return self._scheduler
 
     @property
@@ -175,13 +179,16 @@ class TTS:
         return spk
 
     # ------------------------------------------------------------------ synthesis
-    def submit(self, text: str | Request, **kw) -> RequestHandle:
-        """Queue one request (text + options, or a ready `Request`); returns its RequestHandle at once."""
+    def submit(self, text: str | Request, *, lease: Ticket | None = None, **kw) -> RequestHandle:
+        """Queue one request (text + options, or a ready `Request`); returns its RequestHandle once admitted
+        (`self.admission`: waits or raises RejectedError when full). `lease`: a ticket of `self.admission` the caller
+        holds (`tts.admission.admit()`), under which this request takes no slot of its own (the server runs one HTTP
+        request as several runtime requests under one ticket)."""
         if isinstance(text, Request):
             if kw:
                 raise InputError(f"submit(Request) takes no further options, got {sorted(kw)}")
-            return self.scheduler.submit(text)
-        return self.scheduler.submit(make_request(text, **kw))
+            return self.scheduler.submit(text, lease=lease)
+        return self.scheduler.submit(make_request(text, **kw), lease=lease)
 
     def synthesize_request(self, req: Request) -> tuple[np.ndarray, RequestMetrics]:
         h = self.submit(req)

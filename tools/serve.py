@@ -34,6 +34,16 @@ def add_arguments(p) -> None:
                    help="Host header names served (default: the loopback names when bound to loopback; '*': any)")
     p.add_argument("--ref-audio-dir", default=None, metavar="DIR",
                    help="let 'ref_audio' name files (file:// or absolute paths) inside DIR (default: none)")
+    p.add_argument("--ref-audio-hosts", default=None, metavar="H1,H2",
+                   help="let 'ref_audio' be an http(s) URL on these hosts ('*.example.com': its subdomains); public "
+                        "addresses only, no redirects, --max-upload-mb and --ref-audio-timeout apply (default: none)")
+    p.add_argument("--ref-audio-timeout", dest="ref_audio_timeout_s", type=float, default=10.0, metavar="S",
+                   help="longest fetch of a reference audio URL")
+    p.add_argument("--ref-audio-private-ok", action="store_true",
+                   help="let reference URLs resolve to loopback / private addresses (a trusted network only)")
+    p.add_argument("--stream-wav-sse", action="store_true",
+                   help="answer stream=true + wav requests (no stream_format) with SSE events each carrying one WAV "
+                        "chunk, as older sglang-omni seedtts --stream clients read (default: a chunked WAV)")
     p.add_argument("--max-voices", type=int, default=1000, help="stored voices at most")
     p.add_argument("--max-transcript-chars", type=int, default=1000, help="longest voice transcript")
     p.add_argument("--body-timeout-s", type=float, default=30.0, help="the request body must arrive within this")
@@ -84,6 +94,8 @@ def run(args) -> int:
                               log_level=args.log_level, compile=args.compile, compile_cache=args.compile_cache,
                               api_key_file=args.api_key_file, strict=args.strict,
                               allowed_hosts=args.allowed_hosts, ref_audio_dir=args.ref_audio_dir,
+                              ref_audio_hosts=args.ref_audio_hosts, ref_audio_timeout_s=args.ref_audio_timeout_s,
+                              ref_audio_private_ok=args.ref_audio_private_ok, stream_wav_sse=args.stream_wav_sse,
                               max_voices=args.max_voices, max_transcript_chars=args.max_transcript_chars,
                               body_timeout_s=args.body_timeout_s, normalize_text=not args.no_normalize, **kw)
     if args.cluster is None:

@@ -14,6 +14,7 @@ import torch
 
 from ...engines.errors import InputError, RejectedError
 from ..models.frontend import LMRequestInputs, SavedSpeaker
+from ..scheduling.admission import AdmissionControl, Ticket
 from ..scheduling.handle import RequestHandle
 from ..stages.request import Request, RequestMetrics, prepare_inputs
 from .config import StageConfig
@@ -191,9 +192,13 @@ class ClusterTTS:
         self._tasks: dict[int, object] = {}
         self._history: deque[RequestMetrics] = deque(maxlen=history)
         self._closed = False
+        # admission of the cluster's requests (the ingress server configures it with its flags and asks it); each
+        # stage replica's scheduler keeps its own max_in_flight as that replica's capacity
+        self.admission = AdmissionControl(64)
 
     # ---------------------------------------------------------------- TTS surface
-    def submit(self, text, **kw) -> RequestHandle:
+    def submit(self, text, *, lease: Ticket | None = None, **kw) -> RequestHandle:
+        """Like `TTS.submit`: admitted by `self.admission` unless the caller holds a ticket of it (`lease`)."""
         from ..tts import make_request
 
         if isinstance(text, Request):
@@ -204,12 +209,20 @@ class ClusterTTS:
             req = make_request(text, **kw)
         if self._closed:
             raise RejectedError(f"request {req.request_id}: the server is shutting down")
+        if lease is not None and (not isinstance(lease, Ticket) or lease.control is not self.admission):
+            raise InputError("lease must be a ticket of this ClusterTTS's admission control")
+        ticket = self.admission.admit(f"request {req.request_id}") if lease is None else None
         handle = RequestHandle(req, RequestMetrics(request_id=req.request_id, stream=req.stream), self._cancel)
         key = id(handle)
         with self._lock:
             fut = asyncio.run_coroutine_threadsafe(self._drive(req, handle), self.loop)
             self._tasks[key] = fut
-        fut.add_done_callback(lambda _: self._forget(key))
+
+        def done(_):
+            self._forget(key)
+            if ticket is not None:
+                ticket.release()
+        fut.add_done_callback(done)
         return handle
 
     def make_speaker(self, prompt_wav, prompt_text: str = "", prompt_sr: int | None = None) -> SavedSpeaker:

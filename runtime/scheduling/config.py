@@ -7,9 +7,11 @@ from ...engines.errors import InputError
 
 @dataclass
 class SchedulerConfig:
+    # admission (scheduling/admission.py; the server configures the same control with its own flags)
     max_in_flight: int = 64           # requests admitted and not finished
     on_full: str = "wait"             # "wait" (up to submit_timeout_s) or "reject" when max_in_flight is reached
     submit_timeout_s: float = 30.0
+    max_waiting: int | None = None    # callers waiting for a slot at most (None: any number); beyond: QueueFullError
     ar_max_batch: int = 32            # KV-cache slots = most requests decoding together
     ar_max_prefill_tokens: int = 4096  # padded tokens (rows x longest) of one batched prefill
     ar_max_len: int | None = None     # KV positions per slot; None: from the noise buffers (see Scheduler)
@@ -58,6 +60,9 @@ class SchedulerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InputError(f"SchedulerConfig.{name} must be a positive int, got {v!r}")
+        w = self.max_waiting
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
+            raise InputError(f"SchedulerConfig.max_waiting must be None or an int >= 0, got {w!r}")
         if self.ar_max_len is not None and (not isinstance(self.ar_max_len, int) or self.ar_max_len < 1):
             raise InputError(f"SchedulerConfig.ar_max_len must be a positive int or None, got {self.ar_max_len!r}")
         for name in ("submit_timeout_s", "dit_max_wait_ms", "hift_max_wait_ms"):

@@ -1,6 +1,6 @@
-"""Request lifecycle shared by every wiring of the workers (the scheduler, the cluster's stages): backpressure on
-submit (`max_in_flight`, `on_full`), the live requests, finishing / failing / cancelling them exactly once, drain on
-close, and the frontend thread pool that prepares a request before its first stage."""
+"""Request lifecycle shared by every wiring of the workers (the scheduler, the cluster's stages): admission on submit
+(asks the `AdmissionControl` of admission.py, unless the caller holds a ticket), the live requests, finishing /
+failing / cancelling them exactly once, drain on close, and the frontend thread pool that prepares a request before its first stage."""
 from __future__ import annotations
 
 import threading
@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from ...engines.errors import InputError, RejectedError
+from .admission import AdmissionControl, Ticket
 from .config import SchedulerConfig
 from .handle import RequestHandle
 from ..stages.request import Request, RequestMetrics
@@ -17,45 +18,57 @@ from .state import RequestState
 
 class Lifecycle:
     """The live requests of one scheduler. `on_finish(metrics)` is called once per request when it completes, fails
-    or is cancelled; `on_dead(r)` right after a request finished (workers drop its jobs, free its KV slot)."""
+    or is cancelled; `on_dead(r)` right after a request finished (workers drop its jobs, free its KV slot).
+    `admission`: the control deciding admission (default: one from `config`; a TTS passes its own, which the server
+    also asks)."""
 
     def __init__(self, config: SchedulerConfig, on_finish: Callable[[RequestMetrics], None] | None = None,
-                 on_dead: Callable[[RequestState], None] | None = None):
+                 on_dead: Callable[[RequestState], None] | None = None, admission: AdmissionControl | None = None):
         self.config = config
         self.on_finish = on_finish
         self.on_dead = on_dead
+        self.admission = admission if admission is not None else AdmissionControl.from_config(config)
         self.lock = threading.Lock()
-        self.space = threading.Condition(self.lock)  # backpressure: in_flight < max_in_flight
+        self.space = threading.Condition(self.lock)  # notified when a request finishes (drain waits on it)
         self.live: dict[int, RequestState] = {}
+        self.tickets: dict[int, Ticket] = {}  # the admission ticket each request took (none under a lease)
         self.in_flight = 0
         self.closing = False
         self.dead: str | None = None  # why a worker thread died (the scheduler is then unhealthy)
         self.counts = dict(completed=0, failed=0, cancelled=0, rejected=0)
 
-    def admit(self, req: Request, inputs=None) -> RequestState:
-        """A new request's state (and handle) once there is room; RejectedError when closed or full."""
+    def admit(self, req: Request, inputs=None, lease: Ticket | None = None) -> RequestState:
+        """A new request's state (and handle) once admission grants a slot; RejectedError when closed, full
+        (QueueFullError) or no slot freed in time (AdmissionTimeoutError). Under `lease` (a ticket of the same
+        admission control, held by the caller) the request takes no slot of its own."""
         if not isinstance(req, Request):
             raise InputError(f"Scheduler.submit takes a Request, got {type(req).__name__}")
+        what = f"request {req.request_id}"
+        if lease is not None and (not isinstance(lease, Ticket) or lease.control is not self.admission
+                                  or lease.released):
+            raise InputError(f"{what}: lease must be an unreleased ticket of this scheduler's admission control")
+        if self.closing:
+            raise RejectedError(f"{what}: the scheduler is closed")
+        ticket = None
+        if lease is None:
+            try:
+                ticket = self.admission.admit(what)
+            except RejectedError:
+                with self.lock:
+                    self.counts["rejected"] += 1
+                raise
         m = RequestMetrics(request_id=req.request_id, stream=req.stream)
-        cfg = self.config
         with self.space:
             if self.closing:
-                raise RejectedError(f"request {req.request_id}: the scheduler is closed")
-            if self.in_flight >= cfg.max_in_flight:
-                if cfg.on_full == "reject":
-                    self.counts["rejected"] += 1
-                    raise RejectedError(f"request {req.request_id}: {self.in_flight} requests in flight "
-                                        f"(max_in_flight={cfg.max_in_flight})")
-                ok = self.space.wait_for(lambda: self.in_flight < cfg.max_in_flight or self.closing,
-                                         cfg.submit_timeout_s)
-                if self.closing or not ok:
-                    self.counts["rejected"] += 1
-                    why = "the scheduler is closed" if self.closing else \
-                        f"still {self.in_flight} requests in flight after waiting {cfg.submit_timeout_s} s"
-                    raise RejectedError(f"request {req.request_id}: {why} (max_in_flight={cfg.max_in_flight})")
+                self.counts["rejected"] += 1
+                if ticket is not None:
+                    ticket.release()
+                raise RejectedError(f"{what}: the scheduler is closed")
             self.in_flight += 1
             r = RequestState(req, RequestHandle(req, m, self.cancel), inputs)
             self.live[id(r.handle)] = r
+            if ticket is not None:
+                self.tickets[id(r.handle)] = ticket
         return r
 
     def get(self, handle: RequestHandle) -> RequestState | None:
@@ -78,9 +91,12 @@ class Lifecycle:
             return
         with self.space:
             self.live.pop(id(r.handle), None)
+            ticket = self.tickets.pop(id(r.handle), None)
             self.in_flight -= 1
             self.counts["cancelled" if cancelled else "failed" if error is not None else "completed"] += 1
             self.space.notify_all()
+        if ticket is not None:
+            ticket.release()
         if self.on_dead is not None:
             self.on_dead(r)
         if self.on_finish is not None:

@@ -2,7 +2,7 @@
 
 A request after `Scheduler.submit`:
 
-    submit ─> Lifecycle.admit (backpressure) ─> FrontendPool (prepare: tokenizer, LM input, flow prompt, policy)
+    submit ─> Lifecycle.admit (AdmissionControl) ─> FrontendPool (prepare: tokenizer, LM input, flow prompt, policy)
       ─> ARWorker.waiting   (admission queue)  ─> ARWorker: prefill / decode via the ARRunner, sample_batch
       ─> Token2WavWorker.tokens (hop / final DiT jobs) ─> .dit queue ─> DiT thread (flow.inference_batch)
       ─> .hift queue ─> HiFT thread (push_batch / offline vocoder) ─> .transfers (CUDA D2H) ─> RequestHandle
@@ -25,6 +25,7 @@ import torch
 
 from ..stages.ar_runner import ARRunner, TorchARRunner, default_max_len
 from ..stages.backends import StageBackends
+from .admission import AdmissionControl, Ticket
 from .ar_worker import ARWorker, Stopped
 from .config import SchedulerConfig
 from .handle import RequestHandle
@@ -81,6 +82,7 @@ def collect_stats(lifecycle: Lifecycle, frontend: FrontendPool, clock: StageCloc
     lc = lifecycle
     with lc.lock:
         st = SchedulerStats(in_flight=lc.in_flight, closing=lc.closing, **lc.counts)
+    st.admission = lc.admission.snapshot()
     st.queues = QueueDepths(frontend=frontend.pending)
     if ar is not None:
         st.queues.ar_waiting, st.queues.ar_running = len(ar.waiting), len(ar.running)
@@ -103,12 +105,13 @@ class Scheduler:
     """Runs many requests through one `Pipeline`'s models with batching across requests (see module docstring).
 
     `runner`: the AR runner (default: a TorchARRunner built from `config`, closed with the scheduler);
-    `backends`: what runs DiT / HiFT (default: the pipeline's). `on_finish(metrics)` (optional) is called once per
+    `backends`: what runs DiT / HiFT (default: the pipeline's); `admission`: the control that admits requests (default:
+    one from `config`; a TTS passes its own, which its server asks too). `on_finish(metrics)` (optional) is called once per
     request when it completes, fails or is cancelled."""
 
     def __init__(self, pipeline, config: SchedulerConfig | None = None,
                  on_finish: Callable[[RequestMetrics], None] | None = None, *, runner: ARRunner | None = None,
-                 backends: StageBackends | None = None):
+                 backends: StageBackends | None = None, admission: AdmissionControl | None = None):
         self.pipeline = pipeline
         self.config = cfg = config or SchedulerConfig()
         models = pipeline.models
@@ -136,7 +139,8 @@ class Scheduler:
             if hops is not None:  # capture the cached-hop graphs now, not in the first requests' hops
                 hops.capture_all()
         self.clock = StageClock(self.device.type == "cuda")  # busy time per stage (stats()["busy_s"])
-        self.requests = Lifecycle(cfg, on_finish, on_dead=self._on_dead)
+        self.requests = Lifecycle(cfg, on_finish, on_dead=self._on_dead, admission=admission)
+        self.admission = self.requests.admission
         self.token2wav = Token2WavWorker(models, self.backends, cfg, self.sample_rate, self.device, self.clock,
                                          self.requests.finish, more_tokens=self._more_tokens,
                                          flow_cache=self.flow_cache)
@@ -146,12 +150,14 @@ class Scheduler:
                                        ("hift", self.token2wav.hift_loop)], self.requests)
 
     # ================================================================== public API
-    def submit(self, req: Request) -> RequestHandle:
-        """Queue a request; returns at once (or after waiting for space, see `SchedulerConfig.on_full`).
+    def submit(self, req: Request, lease: Ticket | None = None) -> RequestHandle:
+        """Queue a request; returns at once (or after waiting for admission, see `SchedulerConfig.on_full`).
+        `lease`: a ticket of `self.admission` the caller holds; the request then takes no slot of its own.
 
-        Raises RejectedError when the scheduler is closed or full. Input errors (bad prompt, too long for the noise
+        Raises RejectedError when the scheduler is closed or full (admission.py's QueueFullError /
+        AdmissionTimeoutError). Input errors (bad prompt, too long for the noise
         buffers: RequestTooLongError) are raised by the handle, before any model work."""
-        r = self.requests.admit(req)
+        r = self.requests.admit(req, lease=lease)
         self.frontend.submit(r)
         return r.handle
 

@@ -65,6 +65,7 @@ class SchedulerStats:
     failed: int = 0
     cancelled: int = 0
     rejected: int = 0
+    admission: dict = field(default_factory=dict)   # the admission control's slots, waiters, limits, counts
     queues: QueueDepths = field(default_factory=QueueDepths)
     ar_runner: dict = field(default_factory=dict)   # the runner's own numbers (slots, graph replays, ...)
     ar: ARCounters = field(default_factory=ARCounters)
@@ -78,6 +79,7 @@ class SchedulerStats:
     def to_dict(self) -> dict:
         out = {"in_flight": self.in_flight, "closing": self.closing, "completed": self.completed,
                "failed": self.failed, "cancelled": self.cancelled, "rejected": self.rejected,
+               "admission": self.admission,
                "queues": dataclasses.asdict(self.queues), "ar": {**self.ar_runner, **dataclasses.asdict(self.ar)},
                "dit": dataclasses.asdict(self.dit), "hift": dataclasses.asdict(self.hift)}
         # DiT frames per CFG row and Euler step: computed (whole-history rows + cached hops' new frames), reused from

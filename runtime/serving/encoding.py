@@ -1,7 +1,8 @@
 """Audio in and out of the server: response encodings and bounded decoding of uploaded reference audio.
 
-Out: wav / pcm (16-bit mono, built here), flac / mp3 / opus (libsndfile through soundfile). aac has no maintained
-encoder in our dependencies (libsndfile has none; PyAV / ffmpeg would be a heavy native dependency): a clear 400.
+Out: wav / pcm (16-bit mono, built here), flac / mp3 / opus (libsndfile through soundfile), aac (ADTS, FFmpeg's
+native AAC encoder through PyAV, the optional `aac` extra: `pip install cosytrt[aac]`; without it a clear 400 naming
+the extra; libsndfile has no AAC encoder).
 In: the header is read first (`soundfile.info`, no samples decoded) and the duration, channel count and sample rate
 are checked against the limits before anything is decoded; decoding then reads at most the allowed frames."""
 from __future__ import annotations
@@ -45,10 +46,34 @@ def wav_header(sample_rate: int, num_samples: int | None) -> bytes:
             struct.pack("<I", data_size))
 
 
+def aac_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("av") is not None
+
+
 def check_response_format(fmt: str) -> None:
-    if fmt == "aac":
-        raise invalid("response_format 'aac' is not available: this server has no AAC encoder (use mp3, opus, "
-                      "flac, wav or pcm)", "response_format", "unsupported_value")
+    if fmt == "aac" and not aac_available():
+        raise invalid("response_format 'aac' is not available: this server has no AAC encoder (install the 'aac' "
+                      "extra, PyAV: pip install 'cosytrt[aac]'; or use mp3, opus, flac, wav or pcm)",
+                      "response_format", "unsupported_value")
+
+
+def encode_aac(samples: np.ndarray, sample_rate: int) -> bytes:
+    """16-bit mono samples -> AAC-LC in an ADTS stream (what `audio/aac` means), with PyAV."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="adts") as out:
+        stream = out.add_stream("aac", rate=sample_rate)
+        stream.layout = "mono"
+        frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = sample_rate
+        for packet in stream.encode(frame):  # PyAV converts to the encoder's float planar frames
+            out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return buf.getvalue()
 
 
 def encode_audio(wav: np.ndarray, sample_rate: int, fmt: str) -> bytes:
@@ -58,12 +83,14 @@ def encode_audio(wav: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     if fmt == "wav":
         return wav_header(sample_rate, len(pcm) // 2) + pcm
     check_response_format(fmt)
+    samples = np.frombuffer(pcm, dtype="<i2")
+    if samples.size == 0:  # lossy encoders reject empty input: write one silent sample
+        samples = np.zeros(1, "<i2")
+    if fmt == "aac":
+        return encode_aac(samples, sample_rate)
     import soundfile as sf
 
     container, subtype = SOUNDFILE_FORMATS[fmt]
-    samples = np.frombuffer(pcm, dtype="<i2")
-    if samples.size == 0:  # libsndfile's lossy encoders reject empty input: write one silent sample
-        samples = np.zeros(1, "<i2")
     buf = io.BytesIO()
     sf.write(buf, samples, sample_rate, format=container, subtype=subtype)
     return buf.getvalue()
@@ -119,8 +146,8 @@ _DATA_URI = re.compile(r"data:([\w.+/-]*)(;[\w=.+-]+)*;base64,", re.ASCII)
 
 def ref_audio_bytes(value: str, *, ref_dir: str | None, cap: int, param: str = "ref_audio") -> bytes:
     """`ref_audio` -> the audio file's bytes. Accepted: a `data:<mime>;base64,...` URI, bare base64, or (only when
-    `ref_dir` is configured) `file://` URIs / absolute paths of files inside `ref_dir`. URLs are refused (the server
-    fetches nothing from the network)."""
+    `ref_dir` is configured) `file://` URIs / absolute paths of files inside `ref_dir`. http(s) URLs are fetch.py's
+    (ServerState.ref_audio_bytes sends them there); here they are refused."""
     if not isinstance(value, str) or not value:
         raise invalid(f"'{param}' must be a non-empty string", param, "invalid_type")
     if value.startswith(("http://", "https://")):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from ...engines.errors import CosytrtError, RejectedError, RequestTooLongError
+from ..scheduling.admission import AdmissionTimeoutError, QueueFullError
 from .voices import VoiceExistsError, VoiceLimitError, VoiceNotFoundError
 
 log = logging.getLogger("cosytrt.server")
@@ -44,6 +45,11 @@ def from_runtime_error(e: BaseException, param: str | None = None) -> APIError:
         return APIError(409, str(e), param=param or "name", code="voice_exists")
     if isinstance(e, RequestTooLongError):
         return APIError(413, str(e), param="input", code="request_too_long")
+    # the runtime's admission control (scheduling/admission.py) refused: busy (429) or no slot in time (503)
+    if isinstance(e, QueueFullError):
+        return APIError(429, str(e), code="too_many_requests", headers={"Retry-After": "1"})
+    if isinstance(e, AdmissionTimeoutError):
+        return APIError(503, str(e), code="queue_timeout", headers={"Retry-After": "1"})
     if isinstance(e, RejectedError):
         return APIError(429, f"the runtime is at capacity: {e}", code="overloaded", headers={"Retry-After": "1"})
     if isinstance(e, CosytrtError):

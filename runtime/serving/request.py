@@ -79,6 +79,7 @@ class SpeechParams:
     response_format: str = "wav"
     stream: bool = False
     sse: bool = False
+    sse_wav: bool = False      # SSE events each carrying one small WAV (ServerSettings.stream_wav_sse)
     speed: float = 1.0
     ref_audio: str | None = None
     ref_text: str = ""
@@ -191,6 +192,9 @@ def parse_speech_request(body, settings: ServerSettings) -> SpeechParams:
                       "unsupported_value")
     sse = b.stream_format == "sse"
     stream = b.stream or b.stream_format is not None
+    # older sglang-omni seedtts --stream clients send stream=true + wav and read SSE events of WAV chunks: opt-in,
+    # since OpenAI-style clients send the same body and read a chunked WAV
+    sse_wav = settings.stream_wav_sse and stream and b.stream_format is None and fmt == "wav"
     if stream and fmt not in STREAM_FORMATS:
         raise invalid(f"streaming supports response_format 'wav' and 'pcm', not {fmt!r}", "response_format",
                       "unsupported_value")
@@ -232,5 +236,6 @@ def parse_speech_request(body, settings: ServerSettings) -> SpeechParams:
         raise invalid(f"'ref_text' is {len(ref_text)} characters; at most {settings.max_transcript_chars}",
                       "ref_text", "transcript_too_long")
     ignored = sorted(k for k in body if k in IGNORED_EXTRAS)
-    return SpeechParams(input=text, voice=voice, response_format=fmt, stream=stream, sse=sse, speed=speed,
+    return SpeechParams(input=text, voice=voice, response_format=fmt, stream=stream, sse=sse, sse_wav=sse_wav,
+                        speed=speed,
                         ref_audio=ref_audio, ref_text=ref_text, options=options, ignored=ignored)

@@ -38,6 +38,9 @@ class ServerSettings:
     strict: bool = False           # reject unknown body fields (422-era behaviour) instead of the vendor allow-list
     allowed_hosts: list[str] | None = None  # Host header names accepted; None: the bound loopback names ("*": any)
     ref_audio_dir: str | None = None  # `ref_audio` may name files (file:// or absolute paths) under this folder
+    ref_audio_hosts: list[str] | None = None  # `ref_audio` may be an http(s) URL on these hosts (None: no URLs)
+    ref_audio_timeout_s: float = 10.0  # the whole fetch of a reference URL
+    ref_audio_private_ok: bool = False  # let reference URLs resolve to loopback / private addresses (trusted LANs)
     max_voices: int = 1000         # stored voices at most (409 beyond)
     max_transcript_chars: int = 1000  # longest voice transcript (`text` / `ref_text`)
     max_prompt_seconds: float = 30.0  # longest reference audio, checked from the header before decoding
@@ -46,17 +49,20 @@ class ServerSettings:
     body_timeout_s: float = 30.0   # the whole request body must arrive within this (408 then)
     max_json_depth: int = 32       # nesting depth of the JSON body
     normalize_text: bool = True    # numbers / dates / symbols -> words with wetext (when installed)
+    stream_wav_sse: bool = False   # stream=true + wav (no stream_format): SSE events of WAV chunks (old sglang-omni)
+    max_batch_items: int = 32      # items of one POST /v1/audio/speech/batch
     max_segment_units: int = 80    # long input is split into sentences merged up to this many tokens (upstream 80)
 
     def __post_init__(self):
         for name in ("max_input_chars", "max_in_flight", "port", "max_voices", "max_transcript_chars",
-                     "max_sample_rate", "max_channels", "max_json_depth", "max_segment_units"):
+                     "max_sample_rate", "max_channels", "max_json_depth", "max_segment_units", "max_batch_items"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "port" else 1):
                 raise InputError(f"server setting {name} must be a positive integer, got {v!r}")
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise InputError(f"server setting max_queue must be a non-negative integer, got {self.max_queue!r}")
-        for name in ("max_upload_mb", "queue_timeout_s", "drain_timeout_s", "max_prompt_seconds", "body_timeout_s"):
+        for name in ("max_upload_mb", "queue_timeout_s", "drain_timeout_s", "max_prompt_seconds", "body_timeout_s",
+                     "ref_audio_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise InputError(f"server setting {name} must be a positive number, got {v!r}")
@@ -64,6 +70,10 @@ class ServerSettings:
             if isinstance(self.allowed_hosts, str):
                 self.allowed_hosts = [h.strip() for h in self.allowed_hosts.split(",") if h.strip()]
             self.allowed_hosts = [str(h).lower() for h in self.allowed_hosts]
+        if self.ref_audio_hosts is not None:
+            if isinstance(self.ref_audio_hosts, str):
+                self.ref_audio_hosts = [h.strip() for h in self.ref_audio_hosts.split(",") if h.strip()]
+            self.ref_audio_hosts = [str(h).lower() for h in self.ref_audio_hosts]
 
     @property
     def upload_cap(self) -> int:
