@@ -1,7 +1,7 @@
 """`trtbuild coverage --engines DIR`: replay a workload through the runtime and report how its calls fit the buckets.
 
-Workload: `--workload FILE` (JSONL, fields in cosytrt.tools.coverage_run), `--matrix default` (text short / medium /
-long x stream / offline x reference audio yes / no x concurrency 1 / 8 / 32; `--quick` or `--scale F` keep CPU runs
+Workload: `--workload FILE` (JSONL, fields in cosytrt.tools.coverage_workload), `--matrix default` (text short /
+medium / long x stream / offline x reference audio yes / no x concurrency 1 / 8 / 32; `--quick` or `--scale F` keep CPU runs
 small) or `--open-loop rate=8,duration=30,seed=0` (real traffic: Poisson arrivals submitted at their times, log-normal
 mixed lengths around 8 s, 2-40 s; optional keys stream, lengths, min, max as in `trtbuild bench --suite open_loop`).
 Prints per stage: bucket hit rate, and per bucket: calls, share of calls and work, padding waste (mean, p95, max),
@@ -119,13 +119,14 @@ def format_report(r: dict) -> str:
 
 
 def run(args) -> int:
-    from .coverage_run import default_matrix, load_workload, run_coverage
+    from .coverage_run import run_coverage
+    from .coverage_workload import default_matrix, load_workload
 
     if args.workload:
         reqs, source = load_workload(args.workload), args.workload
     elif args.open_loop:
         from .bench.workload import parse_open_loop
-        from .coverage_run import open_loop_workload
+        from .coverage_workload import open_loop_workload
 
         spec = parse_open_loop(args.open_loop)
         reqs, source = open_loop_workload(spec), f"open loop {args.open_loop}"
