@@ -1,8 +1,8 @@
 """`trtbuild coverage --engines DIR`: replay a workload through the runtime and report how its calls fit the buckets.
 
 Workload: `--workload FILE` (JSONL, fields in cosytrt.tools.coverage_workload), `--matrix default` (text short /
-medium / long x stream / offline x reference audio yes / no x concurrency 1 / 8 / 32; `--quick` or `--scale F` keep CPU runs
-small) or `--open-loop rate=8,duration=30,seed=0` (real traffic: Poisson arrivals submitted at their times, log-normal
+medium / long x stream / offline x reference audio yes / no x concurrency 1 / 8 / 32; `--quick` or `--scale F` keep
+CPU runs small) or `--open-loop rate=8,duration=30,seed=0` (real traffic: Poisson arrivals submitted at their times, log-normal
 mixed lengths around 8 s, 2-40 s; optional keys stream, lengths, min, max as in `trtbuild bench --suite open_loop`).
 Prints per stage: bucket hit rate, and per bucket: calls, share of calls and work, padding waste (mean, p95, max),
 eager fallbacks with their share of time, and the extra buckets that would remove the fallbacks or cut the waste.
