@@ -20,6 +20,8 @@ def plot_provenance(report: dict) -> str:
                                 timeout=5).stdout.strip() or commit
     except (OSError, subprocess.SubprocessError):
         pass
+    if report.get("simulated"):
+        return f"{report.get('engines', '?')}, shape-only simulation (no GPU), cosytrt {commit}"
     device = str(report.get("device", "cpu"))
     if device.startswith("cuda"):
         try:
@@ -90,6 +92,39 @@ def write_heatmap(report: dict, tables: dict[tuple[str, str], BucketTable], path
         ax.set_title(f"{sm}: {st.get('calls', 0)} calls, {st.get('fallbacks', 0)} eager fallbacks")
         fig.colorbar(im, ax=ax, label="calls")
     fig.suptitle(plot_provenance(report), fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_hit_rate_plot(comparison: dict[str, dict], path: str, title: str) -> str:
+    """Grouped bars: bucket hit rate per stage/mode (categories, evenly spaced) for each profile of `comparison`
+    ({label: hit_rates dict}); the legend sits outside the axes."""
+    from cosytrt.extras import require
+
+    matplotlib = require("matplotlib", "plot", "the hit-rate plot")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(comparison)
+    cats = sorted({k for hr in comparison.values() for k in hr})
+    cats = [c for c in cats if c != "total"] + ["total"]
+    width = 0.8 / max(1, len(labels))
+    fig, ax = plt.subplots(figsize=(2.0 + 1.6 * len(cats), 4.2))
+    for i, lab in enumerate(labels):
+        hr = comparison[lab]
+        xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(cats))]
+        ys = [100 * hr[c]["hit_rate"] if c in hr and hr[c]["calls"] else 0.0 for c in cats]
+        bars = ax.bar(xs, ys, width, label=lab)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=1)
+    ax.set_xticks(range(len(cats)))
+    ax.set_xticklabels([f"{c}\n({comparison[labels[0]].get(c, {}).get('calls', 0)} calls)" for c in cats], fontsize=8)
+    ax.set_ylim(0, 110)
+    ax.set_ylabel("bucket hit rate (%)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0.0)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
