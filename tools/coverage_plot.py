@@ -76,9 +76,8 @@ def write_heatmap(report: dict, tables: dict[tuple[str, str], BucketTable], path
         im = ax.imshow(masked, aspect="auto", origin="lower", cmap="viridis", norm=LogNorm(vmin=1, vmax=vmax),
                        extent=(0, nb * width, -0.5, len(batches) - 0.5), interpolation="nearest")
         ys, xs = np.nonzero(fallback)
-        if len(xs):  # legend outside the axes, so it never covers a cell
+        if len(xs):
             ax.scatter((xs + 0.5) * width, ys, marker="x", color="red", s=50, label="eager fallback")
-            ax.legend(loc="upper left", bbox_to_anchor=(1.12, 1.0), fontsize=8, borderaxespad=0.0)
         for bk in (table or []):  # what each bucket covers: batch <= B, length <= L (min_length.. if dynamic)
             top_row = max(i for i, b in enumerate(batches) if b <= bk.batch)
             lo = bk.min_length if bk.dynamic else 0
@@ -92,9 +91,13 @@ def write_heatmap(report: dict, tables: dict[tuple[str, str], BucketTable], path
         ax.set_title(f"{sm}: {st.get('calls', 0)} calls, {st.get('fallbacks', 0)} eager fallbacks")
         fig.colorbar(im, ax=ax, label="calls")
     fig.suptitle(plot_provenance(report), fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    handles = [h for ax in axes[:, 0] for h in ax.get_legend_handles_labels()[0]][:1]
+    if handles:  # one legend for the figure, under the panels: it covers no cell and no colour bar
+        fig.legend(handles, ["eager fallback"], loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=8,
+                   frameon=False)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
 
