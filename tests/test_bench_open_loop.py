@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -299,3 +300,34 @@ def test_flow_prefix_cache_setting_is_auto_or_bool():
     for bad in ("on", 1, 0):
         with pytest.raises(InputError, match="flow_prefix_cache"):
             SchedulerConfig(flow_prefix_cache=bad)
+
+
+def test_report_plots_name_engines_commit_gpu_and_keep_legends_off_the_data(tmp_path, monkeypatch):
+    """#21 plots: every bench figure is titled with the engines (variants, graph profile), commit and GPU; legends
+    sit under the panels, not on an axes; concurrency is a categorical axis (evenly spaced, labelled)."""
+    pytest.importorskip("matplotlib")
+    cells = [{"variant": v, "text": "short", "stream": True, "reference_audio": False, "concurrency": c,
+              "rtf": {"p50": 0.1 * c}, "throughput_audio_s_per_s": 3.0 * c, "ttfa_samples": [0.1, 0.2]}
+             for v in ("compiled", "graphs") for c in (1, 8, 32)]
+    res = {"meta": {"commit": "abc1234", "gpu": "NVIDIA H200", "model": "full", "graph_profile": "h200-graphs"},
+           "serving": {"cells": cells}}
+    assert report.provenance(res) == ("engines: compiled, graphs (graph profile h200-graphs); cosytrt abc1234; "
+                                      "NVIDIA H200; full model")
+    seen = {}
+    save = report._save
+
+    def spy(fig, out_dir, name, res=None, axes=()):
+        out = save(fig, out_dir, name, res, axes)
+        seen[name] = (fig._suptitle.get_text() if fig._suptitle else "", [ax.get_legend() for ax in fig.axes],
+                      [[t.get_text() for t in ax.get_xticklabels()] for ax in fig.axes],
+                      [list(ax.get_xticks()) for ax in fig.axes], len(fig.legends))
+        return out
+
+    monkeypatch.setattr(report, "_save", spy)
+    written = report.plots(res, str(tmp_path))
+    assert {os.path.basename(p) for p in written} == {"bench_serving.png", "bench_ttfa.png"}
+    for name, (title, legends, labels, ticks, fig_legends) in seen.items():
+        assert "cosytrt abc1234" in title and "NVIDIA H200" in title and "compiled, graphs" in title, name
+        assert all(lg is None for lg in legends) and fig_legends == 1, name
+    _, _, labels, ticks, _ = seen["bench_serving.png"]
+    assert labels[0] == ["1", "8", "32"] and ticks[0] == [0, 1, 2]

@@ -13,7 +13,7 @@ from cosytrt.tools.coverage_run import (CallRecorder, WorkloadRequest, build_rep
                                       open_loop_workload, suggest_buckets, text_of_tokens)
 from cosytrt.engines.errors import InputError
 from cosytrt.runtime.models.loading import load_models
-from cosytrt.runtime.stages.profile import profile_from_dict
+from cosytrt.runtime.stages.profile import load_profile, profile_from_dict
 from cosytrt.runtime.models.text import ByteTokenizer
 from cosytrt.tools.trtbuild import main
 
@@ -217,3 +217,22 @@ def test_coverage_of_workload(coverage_run, ort_set, capsys):
     assert "eager fallbacks" in text and "no_cover" in text and "waste" in text
     assert r["stages"]["dit/offline"]["fallback_shapes"][0]["suggested_bucket"] in text
     assert "suggested buckets:" in text and "heatmap: heatmap.png" in text
+
+
+def test_coverage_derives_a_profile_from_recorded_calls(ort_set, tmp_path, capsys):
+    """`--derive-profile` on a real replay (tiny set, open-loop traffic): a profile covering every recorded shape,
+    hit rates of the set's profile and the derived one on the same calls."""
+    spec = "rate=3,duration=1.5,seed=4,stream=0.5,lengths=1.2:0.2,min=0.8,max=1.6"
+    derived = tmp_path / "derived.yaml"
+    rc = main(["coverage", "--engines", ort_set, "--open-loop", spec, "--derive-profile", str(derived),
+               "--out", str(tmp_path), "--quiet"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "bucket hit rate, same calls" in text
+    r = json.loads((tmp_path / "report.json").read_text())
+    comp = r["profile_comparison"]["comparison"]
+    assert set(comp) == {"engine set ort", "derived.yaml"}
+    assert comp["derived.yaml"]["total"]["hit_rate"] == 1.0
+    assert comp["derived.yaml"]["total"]["calls"] == r["totals"]["calls"]
+    assert comp["engine set ort"]["total"]["hits"] == r["totals"]["hits"]  # re-rating reproduces the replay
+    assert load_profile(str(derived)).model == profile_from_dict(ORT_PROFILE).model == "tiny"
+    assert main(["coverage", "--open-loop", spec]) != 0  # neither --engines nor --simulate

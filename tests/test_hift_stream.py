@@ -171,3 +171,43 @@ def test_bucketed_stream_decoder_is_exact(hift, mel):
     s = stats.summary()["stages"]["hift/stream"]
     assert s["hits"] >= 2 and s["fallbacks"] == 1  # the final window runs eagerly
     assert all(t in (32, 48, 64, 96, 128) for _, t in calls)
+
+
+def test_bucketed_final_windows_are_exact(hift, mel):
+    """With a tail runner, final windows run in the non-final buckets (right-padded by >= 4 zero frames) plus a final
+    decode of the last decode_left_context() + 1 frames: the same samples as the eager stream, counted as hits at
+    n + 4 frames; several streams' finals batch together (fp32: conv sums over another length differ by ~1e-6)."""
+    from cosytrt.engines.buckets import Bucket, BucketTable, ShapeStats
+    from cosytrt.runtime.stages.bucketed import BucketedStreamDecoder
+
+    lengths = (32, 48, 64, 96, 128, 192)
+    table = BucketTable([Bucket("hift", "stream", b, t) for b in (1, 2) for t in lengths], 1.5)
+    stats = ShapeStats()
+    tails = []
+
+    def tail(m, s):
+        tails.append(tuple(m.shape))
+        return hift.decode(m, s, finalize=True)
+
+    dec = BucketedStreamDecoder(hift, lambda bucket, m, s: hift.decode(m, s, finalize=False), table, stats, tail)
+    for sched in ([(0, 30, False), (30, 70, False), (70, 120, False), (120, TOTAL, True)],
+                  [(0, 60, False), (60, 181, True)]):
+        ref_s, out_s = HiFTStream(hift), HiFTStream(hift, decoder=dec)
+        for a, b, fin in sched:
+            r, o = ref_s.push(mel[:, :, a:b], finalize=fin), out_s.push(mel[:, :, a:b], finalize=fin)
+            assert r.shape == o.shape and float((r - o).abs().max()) <= 1e-5
+    # two streams finishing together: one batched final window
+    refs = [HiFTStream(hift), HiFTStream(hift)]
+    outs = [HiFTStream(hift, decoder=dec), HiFTStream(hift, decoder=dec)]
+    for streams in (refs, outs):
+        push_batch(streams, [mel[:, :, :50], mel[:, :, 10:60]], [False, False])
+    r = push_batch(refs, [mel[:, :, 50:150], mel[:, :, 60:160]], [True, True])
+    o = push_batch(outs, [mel[:, :, 50:150], mel[:, :, 60:160]], [True, True])
+    assert all(float((a - b).abs().max()) <= 1e-5 for a, b in zip(r, o))
+    assert tails[-1] == (2, 80, dec.tail_frames)
+    s = stats.summary()["stages"]["hift/stream"]
+    assert s["fallbacks"] == 0 and s["hits"] >= 7
+    # no tail runner: final windows run eagerly, as before
+    plain = BucketedStreamDecoder(hift, lambda bucket, m, s: hift.decode(m, s, finalize=False), table, ShapeStats())
+    w = plain(mel[:, :, :64], hift.sine_source(hift.predict_f0(mel[:, :, :64]))[:, :, :64 * 480], True)
+    assert w.shape[1] == 64 * 480 and plain.stats.summary()["stages"]["hift/stream"]["fallbacks"] == 1

@@ -1,12 +1,19 @@
-"""`trtbuild coverage --engines DIR`: replay a workload through the runtime and report how its calls fit the buckets.
+"""`trtbuild coverage`: how a workload's stage calls fit the buckets, from a replay or a shape-only simulation.
 
-Workload: `--workload FILE` (JSONL, fields in cosytrt.tools.coverage_run), `--matrix default` (text short / medium /
-long x stream / offline x reference audio yes / no x concurrency 1 / 8 / 32; `--quick` or `--scale F` keep CPU runs
-small) or `--open-loop rate=8,duration=30,seed=0` (real traffic: Poisson arrivals submitted at their times, log-normal
-mixed lengths around 8 s, 2-40 s; optional keys stream, lengths, min, max as in `trtbuild bench --suite open_loop`).
+`--engines DIR`: replay the workload through the runtime with that engine set and record every bucketed call.
+`--simulate`: no model and no engines: simulate the calls (tools/coverage_sim.py: the hop schedule, the scheduler's
+batching policies, a clock model of the full-size model) and rate them against `--profile` (default h200-graphs).
+
+Workload: `--workload FILE` (JSONL, fields in cosytrt.tools.coverage_workload), `--matrix default` (text short /
+medium / long x stream / offline x reference audio yes / no x concurrency 1 / 8 / 32; `--quick` or `--scale F` keep
+CPU runs small) or `--open-loop rate=8,duration=30,seed=0` (real traffic: Poisson arrivals submitted at their times,
+log-normal mixed lengths around 8 s, 2-40 s; optional keys stream, lengths, min, max as in `trtbuild bench --suite
+open_loop`; with --simulate, `--rates 4,8,16` adds the same traffic at other rates).
 Prints per stage: bucket hit rate, and per bucket: calls, share of calls and work, padding waste (mean, p95, max),
 eager fallbacks with their share of time, and the extra buckets that would remove the fallbacks or cut the waste.
-`--out DIR` writes report.json and heatmap.png there.
+`--derive-profile OUT.yaml` writes a profile derived from the call shapes (tools/coverage_profile.py; at most
+`--max-buckets` per stage/mode) and prints the hit rates of the old and the derived profile on the same calls.
+`--out DIR` writes report.json and heatmap.png there (with --derive-profile also hit_rates.png, heatmap_derived.png).
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ from .table import format_table
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--engines", required=True, help="engine-set folder (with manifest.json)")
+    p.add_argument("--engines", default=None, help="engine-set folder (with manifest.json); not with --simulate")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", default=None, help="workload JSONL (one request per line)")
     src.add_argument("--matrix", default=None, choices=["default"], help="the built-in request matrix (default)")
@@ -34,6 +41,16 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one request")
     p.add_argument("--json", action="store_true", help="print the report JSON instead of the tables")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--simulate", action="store_true",
+                   help="shape-only: simulate the calls (hop schedule, batching policies, a clock model; no model, no "
+                        "engines) and rate them against --profile")
+    p.add_argument("--profile", default=None,
+                   help="the profile to rate simulated calls against and to derive from (default h200-graphs)")
+    p.add_argument("--rates", default=None, help="with --simulate --open-loop: simulate these rates too, e.g. 4,8,16")
+    p.add_argument("--prompt-tokens", type=int, default=75, help="with --simulate: the voice's prompt speech tokens")
+    p.add_argument("--derive-profile", default=None, metavar="OUT.yaml",
+                   help="write a profile derived from the call shapes; compare hit rates old vs derived")
+    p.add_argument("--max-buckets", type=int, default=32, help="with --derive-profile: buckets per stage/mode")
 
 
 def _f(v, fmt=".3f"):
@@ -118,26 +135,119 @@ def format_report(r: dict) -> str:
     return "\n".join(out)
 
 
-def run(args) -> int:
-    from .coverage_run import default_matrix, load_workload, run_coverage
+def _workload(args):
+    from dataclasses import replace
+
+    from .coverage_workload import default_matrix, load_workload, open_loop_workload
 
     if args.workload:
-        reqs, source = load_workload(args.workload), args.workload
-    elif args.open_loop:
+        return load_workload(args.workload), args.workload
+    if args.open_loop:
         from .bench.workload import parse_open_loop
-        from .coverage_run import open_loop_workload
 
         spec = parse_open_loop(args.open_loop)
-        reqs, source = open_loop_workload(spec), f"open loop {args.open_loop}"
+        if args.rates and args.simulate:
+            rates = [float(x) for x in args.rates.split(",") if x.strip()]
+            reqs = [replace(r, group=f"open-loop {rate:g}") for rate in rates
+                    for r in open_loop_workload(spec.at_rate(rate))]
+            return reqs, f"open loop {args.open_loop} at rates {args.rates} (one after another)"
+        return open_loop_workload(spec), f"open loop {args.open_loop}"
+    reqs = default_matrix(args.scale, quick=args.quick)
+    return reqs, ("matrix default" + (" (quick)" if args.quick else "") + (f" x{args.scale:g}" if args.scale != 1
+                                                                           else ""))
+
+
+def _simulate(args, reqs, source: str) -> tuple[dict, list, object, str]:
+    """(report, unrated calls, old profile, its label) of a shape-only run."""
+    import os
+
+    from ..runtime.stages.profile import load_profile
+    from .coverage_derive import tables_of
+    from .coverage_plot import write_heatmap
+    from .coverage_report import build_report
+    from .coverage_sim import rate_calls, simulate
+
+    label = args.profile or "h200-graphs"
+    base = load_profile(label)
+    runs: dict = {}  # one simulated run per group: an open-loop rate, or a matrix cell submitted at t = 0
+    for r in reqs:
+        runs.setdefault(r.group, []).append(r)
+    calls = [c for group in runs.values() for c in simulate(group, args.prompt_tokens)]
+    tables = tables_of(base)
+    meta = {"engines": f"profile {label}", "backend": "shape-only simulation", "device": "none", "simulated": True,
+            "model": base.model, "max_padding_waste": base.max_padding_waste,
+            "workload": {"source": source, "requests": len(reqs), "groups": 1, "wall_seconds": 0.0, "failed": []}}
+    report = build_report(rate_calls(calls, tables), tables, meta)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        report["heatmap"] = os.path.basename(write_heatmap(report, tables, os.path.join(args.out, "heatmap.png")))
+    return report, calls, base, label
+
+
+def run(args) -> int:
+    from ..engines.errors import InputError
+
+    if args.simulate == bool(args.engines):
+        raise InputError("coverage: give --engines DIR (replay through the runtime) or --simulate (shape-only)")
+    reqs, source = _workload(args)
+    if args.simulate:
+        report, calls, base, label = _simulate(args, reqs, source)
     else:
-        reqs = default_matrix(args.scale, quick=args.quick)
-        source = ("matrix default" + (" (quick)" if args.quick else "")
-                  + (f" x{args.scale:g}" if args.scale != 1 else ""))
-    report = run_coverage(args.engines, reqs, model=args.model, device=args.device, out_dir=args.out, source=source,
-                          timeout_s=args.timeout, progress=not args.quiet and not args.json,
-                          waste_target=args.waste_target or None)
+        from .coverage_run import run_coverage
+
+        report = run_coverage(args.engines, reqs, model=args.model, device=args.device, out_dir=args.out,
+                              source=source, timeout_s=args.timeout, progress=not args.quiet and not args.json,
+                              waste_target=args.waste_target or None)
+    extra = ""
+    if args.derive_profile:
+        extra = _derive(args, report, calls if args.simulate else None, base if args.simulate else None,
+                        label if args.simulate else None, source)
+    if args.out:
+        import os
+
+        with open(os.path.join(args.out, "report.json"), "w") as f:
+            json.dump(report, f, indent=1)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        print(format_report(report))
+        print(format_report(report) + extra)
     return 0
+
+
+def _derive(args, report: dict, calls, base, label, source: str) -> str:
+    import os
+
+    from .coverage_derive import calls_from_shapes, derive_and_compare, format_comparison, tables_of
+
+    if base is None:
+        from ..engines.manifest import Manifest
+        from ..runtime.stages.profile import profile_from_dict
+
+        base = profile_from_dict(Manifest.load(args.engines).profile, f"{args.engines} (manifest profile)")
+        label = f"engine set {os.path.basename(os.path.normpath(args.engines))}"
+        calls = calls_from_shapes(report["shapes"])
+        how = f"the calls recorded by replaying {source} through {args.engines}"
+    else:
+        how = (f"a shape-only simulation (tools/coverage_sim.py: hop schedule, the scheduler's batching policies with "
+               f"the default SchedulerConfig, SimCosts clock) of {source}, prompt {args.prompt_tokens} speech tokens "
+               "(dit/stream: whole-history hops, flow_prefix_cache off as by default)")
+        workload = (f"--open-loop {args.open_loop}" + (f" --rates {args.rates}" if args.rates else "")
+                    if args.open_loop else f"--workload {args.workload}" if args.workload else "--matrix default")
+        how += (f".\nCommand: trtbuild coverage --simulate {workload} --profile {label} --prompt-tokens "
+                f"{args.prompt_tokens} --derive-profile {args.derive_profile} --max-buckets {args.max_buckets}")
+    res = derive_and_compare(calls, base, label, args.derive_profile, args.max_buckets, how, args.simulate)
+    report["profile_comparison"] = res
+    text = format_comparison(res["comparison"]) + f"\nderived profile: {res['profile']}"
+    if args.out:
+        from .coverage_plot import plot_provenance, write_heatmap, write_hit_rate_plot
+        from .coverage_report import build_report
+        from .coverage_sim import rate_calls
+        from ..runtime.stages.profile import load_profile
+
+        title = f"bucket hit rates, same calls: {source}\n{plot_provenance(report)}"
+        write_hit_rate_plot(res["comparison"], os.path.join(args.out, "hit_rates.png"), title)
+        dt = tables_of(load_profile(args.derive_profile))
+        dr = build_report(rate_calls(calls, dt), dt, {**report, "engines": f"profile {args.derive_profile}"})
+        write_heatmap(dr, dt, os.path.join(args.out, "heatmap_derived.png"))
+        text += f"\nplots: {os.path.join(args.out, 'hit_rates.png')}, {os.path.join(args.out, 'heatmap_derived.png')}"
+    return text

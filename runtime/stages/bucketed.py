@@ -152,32 +152,55 @@ class BucketedStreamDecoder:
 
     Non-final windows are right-padded to the bucket (zeros; unused batch rows zero) and cropped: padding is exact
     there because a non-final decode's output stops 5 frames before the window end (4 conv_pre look-ahead frames and the
-    480-sample cut), so no kept sample sees a padded frame. Final windows end at their own iSTFT edge and run eagerly."""
+    480-sample cut), so no kept sample sees a padded frame.
 
-    def __init__(self, hift, run, table: BucketTable, stats: ShapeStats | None = None):
+    Final windows (`finalize=True`) end at their own iSTFT edge. With a `tail` runner they run in the same non-final
+    buckets, exactly: the window of n frames is right-padded with zeros to a bucket of >= n + 4 frames, so the 4
+    conv_pre look-ahead frames after it are zeros (what finalize pads with) and every sample before the last frame
+    equals the final decode (zero padding changes only what the last frame sees: the source STFT's reflect padding and
+    the iSTFT edge, the rule of `HiFT.inference_batch`); the last frame's 480 samples come from `tail`, a final decode
+    of the window's last `decode_left_context() + 1` frames (one static shape per batch, exact from its last frame).
+    Without `tail` (or for a window no longer than the tail window) a final window runs eagerly. Final windows are
+    selected and recorded at n + 4 frames (what their bucket must hold)."""
+
+    def __init__(self, hift, run, table: BucketTable, stats: ShapeStats | None = None, tail=None):
         self.hift = hift
         self.run = run  # run(bucket, mel [B, 80, L], source [B, 1, L * 480]) -> wav [B, (L - 5) * 480]
         self.table = table
         self.stats = stats or ShapeStats()
+        self.tail = tail  # tail(mel [b, 80, W], source [b, 1, W * 480]) -> final decode [b, W * 480]; W = tail_frames
+        self.tail_frames = hift.decode_left_context() + 1
 
     def __call__(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool) -> torch.Tensor:
         b, _, n = mel.shape
         t0 = time.perf_counter()
-        bucket = None if finalize else self.table.select(b, n)
+        need = n + self.hift.conv_pre_look_right if finalize else n
+        if finalize and self.tail is None:
+            bucket, reason = None, "final window (own iSTFT edge)"
+        elif finalize and n <= self.tail_frames:
+            bucket, reason = None, "final window no longer than the tail window"
+        else:
+            bucket = self.table.select(b, need)
+            reason = None if bucket is not None else self.table.miss_reason(b, need)
         if bucket is None:
             out = self.hift.decode(mel, source, finalize)
-            self.stats.record("hift", "stream", b, n, None, time.perf_counter() - t0,
-                              reason="final window (own iSTFT edge)" if finalize else self.table.miss_reason(b, n))
+            self.stats.record("hift", "stream", b, need, None, time.perf_counter() - t0, reason=reason)
             if not finalize:
                 log_fallback_once("hift/stream", "a window shape no bucket covers within the padding-waste limit")
             return out
         spf = self.hift.samples_per_frame
-        L = bucket.run_length(n)
+        L = bucket.run_length(need)
         mel_p = mel.new_zeros(bucket.batch, mel.shape[1], L)
         mel_p[:b, :, :n] = mel
         src_p = source.new_zeros(bucket.batch, 1, L * spf)
         src_p[:b, :, :n * spf] = source
-        keep = self.hift.decode_output_samples(n, finalize=False)
-        out = self.run(bucket, mel_p, src_p)[:b, :keep]
-        self.stats.record("hift", "stream", b, n, bucket, time.perf_counter() - t0)
+        if not finalize:
+            keep = self.hift.decode_output_samples(n, finalize=False)
+            out = self.run(bucket, mel_p, src_p)[:b, :keep]
+        else:
+            head = self.run(bucket, mel_p, src_p)[:b, :(n - 1) * spf]
+            w = self.tail_frames
+            tail = self.tail(mel[:, :, n - w:], source[:, :, (n - w) * spf:])[:, -spf:]
+            out = torch.cat([head, tail.to(head.dtype)], dim=1)
+        self.stats.record("hift", "stream", b, need, bucket, time.perf_counter() - t0)
         return out

@@ -278,7 +278,8 @@ class GraphedEagerSet:
                                example_from_templates(tpl, ["mel", "sine_noise"], {}, device), progress)
 
     def _hift_stream_decoder(self, hift, profile, fn, device: str):
-        """Non-final streaming HiFT windows (`fn(mel, source) -> wav`) captured per static stream bucket, or None."""
+        """Streaming HiFT windows (`fn(mel, source) -> wav`, non-final) captured per static stream bucket, plus the
+        final windows' tail (a final decode of `decode_left_context() + 1` frames) per batch; or None."""
         from ...engines.cuda_graphs import GraphCache
         from .bucketed import BucketedStreamDecoder
 
@@ -290,8 +291,10 @@ class GraphedEagerSet:
         for b in sorted(buckets, key=lambda b: -b.cost):
             cache.capture(b.key, (torch.full((b.batch, hift.cfg.in_channels, b.length), -4.0, device=device),
                                   torch.zeros(b.batch, 1, b.length * spf, device=device)))
-        return BucketedStreamDecoder(hift, lambda bucket, m, src: cache.run(bucket.key, m, src).clone(),
-                                     BucketTable(buckets, profile.max_padding_waste), self.stats)
+        decoder = BucketedStreamDecoder(hift, lambda bucket, m, src: cache.run(bucket.key, m, src).clone(),
+                                        BucketTable(buckets, profile.max_padding_waste), self.stats)
+        decoder.tail = _tail_graphs(hift, sorted({b.batch for b in buckets}), decoder.tail_frames, device)
+        return decoder
 
     stage = LoadedEngineSet.stage
 
@@ -312,3 +315,27 @@ def attach_cuda_graphs(pipeline, profile, progress: bool = False, compile: bool 
     backends = cuda_graph_backends(pipeline.models, pipeline.device, profile, progress, compile)
     pipeline.set_backends(backends)
     return backends
+
+
+def _tail_graphs(hift, batches: list[int], frames: int, device: str):
+    """The final streaming windows' tail, `tail(mel [b, 80, frames], source) -> wav`: a final decode captured as one
+    CUDA graph per batch rung (rows padded with zeros: rows are independent); more rows than the largest rung run
+    eagerly."""
+    from ...engines.cuda_graphs import GraphCache
+
+    spf = hift.samples_per_frame
+    cache = GraphCache(lambda m, src: hift.decode(m, src, finalize=True), device)
+    for b in batches:
+        cache.capture(b, (torch.full((b, hift.cfg.in_channels, frames), -4.0, device=device),
+                          torch.zeros(b, 1, frames * spf, device=device)))
+
+    def tail(mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        b = mel.shape[0]
+        B = next((x for x in batches if x >= b), None)
+        if B is None:
+            return hift.decode(mel, source, finalize=True)
+        if B > b:
+            mel = torch.cat([mel, mel.new_zeros(B - b, *mel.shape[1:])])
+            source = torch.cat([source, source.new_zeros(B - b, *source.shape[1:])])
+        return cache.run(B, mel, source)[:b].clone()
+    return tail

@@ -55,7 +55,7 @@ class Bench:
 
     def _meta(self, args) -> dict:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__, "model": args.model,
-                "dtype": args.dtype}
+                "dtype": args.dtype, "graph_profile": getattr(args, "graph_profile", None)}
         if torch.cuda.is_available():
             meta["gpu"] = torch.cuda.get_device_name(0)
         meta["commit"] = os.environ.get("COSYTRT_COMMIT", "")  # set by the caller where the tree has no .git

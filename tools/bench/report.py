@@ -151,12 +151,43 @@ def ratios(res: dict) -> str:
     return "\n\n".join(parts)
 
 
-def _save(fig, out_dir: str, name: str) -> str:
+def provenance(res: dict) -> str:
+    """What a plot was measured on: engines (variants, graph profile), cosytrt commit, GPU, model."""
+    meta = res.get("meta") or {}
+    variants = sorted({c.get("variant") for sec in ("serving", "features", "open_loop")
+                       for c in ((res.get(sec) or {}).get("cells") or []) if isinstance(c, dict) and c.get("variant")}
+                      | ({(res.get("open_loop") or {}).get("variant")} - {None}))
+    engines = ", ".join(v for v in variants if v) or "micro-benchmarks"
+    if meta.get("graph_profile"):
+        engines += f" (graph profile {meta['graph_profile']})"
+    return (f"engines: {engines}; cosytrt {meta.get('commit') or '?'}; {meta.get('gpu') or 'no GPU (CPU)'}; "
+            f"{meta.get('model', '?')} model")
+
+
+def _legend_below(fig, axes) -> None:
+    """One legend for the figure, under the panels, so it covers no data."""
+    handles, labels = [], []
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    if handles:
+        fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(4, len(labels)),
+                   fontsize=7, frameon=False)
+
+
+def _save(fig, out_dir: str, name: str, res: dict | None = None, axes=()) -> str:
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    if res is not None:
+        fig.suptitle(provenance(res), fontsize=9)
+        fig.tight_layout(rect=(0, 0, 1, 0.95))
+    else:
+        fig.tight_layout()
+    _legend_below(fig, axes)
     path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -172,6 +203,7 @@ def plots(res: dict, out_dir: str) -> list[str]:
     cells = [c for c in (srv or {}).get("cells", []) if "error" not in c]
     if cells:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        concs = sorted({c["concurrency"] for c in cells})  # categories: evenly spaced, labelled
         for (variant, text, stream), style in zip(sorted({(c["variant"], c["text"], c["stream"]) for c in cells}),
                                                   ["o-", "s-", "^-", "v-", "d-", "x-", "*-", "+-"]):
             pts = sorted((c["concurrency"], c) for c in cells if (c["variant"], c["text"], c["stream"]) ==
@@ -179,12 +211,15 @@ def plots(res: dict, out_dir: str) -> list[str]:
             if not pts:
                 continue
             label = f"{variant} {text} {'stream' if stream else 'offline'}"
-            axes[0].plot([p[0] for p in pts], [p[1]["rtf"]["p50"] for p in pts], style, label=label)
-            axes[1].plot([p[0] for p in pts], [p[1]["throughput_audio_s_per_s"] for p in pts], style, label=label)
-        axes[0].set(xscale="log", xlabel="concurrency", ylabel="RTF p50", title="RTF vs concurrency")
-        axes[1].set(xscale="log", xlabel="concurrency", ylabel="audio seconds per second", title="throughput")
-        axes[1].legend(fontsize=7)
-        written.append(_save(fig, out_dir, "bench_serving.png"))
+            xs = [concs.index(p[0]) for p in pts]
+            axes[0].plot(xs, [p[1]["rtf"]["p50"] for p in pts], style, label=label)
+            axes[1].plot(xs, [p[1]["throughput_audio_s_per_s"] for p in pts], style, label=label)
+        for ax in axes:
+            ax.set_xticks(range(len(concs)), [str(c) for c in concs])
+            ax.set_xlim(-0.5, len(concs) - 0.5)
+        axes[0].set(xlabel="concurrency", ylabel="RTF p50", title="RTF vs concurrency")
+        axes[1].set(xlabel="concurrency", ylabel="audio seconds per second", title="throughput")
+        written.append(_save(fig, out_dir, "bench_serving.png", res, axes))
     micro = [(name, [r for r in res.get(name) or [] if r.get("stage") == stage])
              for name, stage in (("ar", "ar_decode"), ("dit", "dit"))]
     micro = [(name, rows) for name, rows in micro if rows]
@@ -206,10 +241,10 @@ def plots(res: dict, out_dir: str) -> list[str]:
             ax.plot(range(len(rows)), [r["bound_ms"] for r in rows], "k_", markersize=20, label="roofline")
             ax.set_xticks(list(range(len(rows))), labels)
             ax.set_yscale("log")
+            ax.set_xlim(-0.5, len(rows) - 0.5)
             ax.set(ylabel="ms per call (log)", title="AR decode step, bf16" if name == "ar" else
                    "DiT forward (offline mask), bf16")
-            ax.legend(fontsize=7)
-        written.append(_save(fig, out_dir, "bench_micro.png"))
+        written.append(_save(fig, out_dir, "bench_micro.png", res, axes[0]))
     samples = [c for c in cells if c.get("ttfa_samples") and c["concurrency"] >= 8]
     if samples:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -218,8 +253,7 @@ def plots(res: dict, out_dir: str) -> list[str]:
             ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], drawstyle="steps-post",
                     label=f"{c['variant']} {c['text']} c{c['concurrency']} {'stream' if c['stream'] else 'offline'}")
         ax.set(xlabel="time to first audio, s", ylabel="fraction of requests", title="TTFA distribution")
-        ax.legend(fontsize=7)
-        written.append(_save(fig, out_dir, "bench_ttfa.png"))
+        written.append(_save(fig, out_dir, "bench_ttfa.png", res, [ax]))
     return written
 
 
@@ -315,10 +349,7 @@ def open_loop_plot(res: dict, out_dir: str) -> str | None:
     axes[1].set(xlabel="offered load, audio s/s", ylabel="fraction of streams", title="playback underruns",
                 ylim=(-0.02, 1.02))
     axes[2].set(xlabel="offered load, audio s/s", ylabel="audio s/s", title="achieved vs offered")
-    meta = res.get("meta") or {}
-    ol = res.get("open_loop") or {}
-    fig.suptitle(f"Open loop, {ol.get('variant', '?')} variant - commit {meta.get('commit') or '?'}, "
-                 f"{meta.get('gpu') or 'no GPU (CPU)'}, {meta.get('model', '?')} model")
+    fig.suptitle(f"Open loop - {provenance(res)}")
     handles, labels = [], []
     for ax in axes:
         h, lab = ax.get_legend_handles_labels()
