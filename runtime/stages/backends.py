@@ -19,13 +19,13 @@ log = logging.getLogger("cosytrt.backends")
 class StageBackends:
     dit_stream: Callable | None = None      # DiT estimator of streaming calls (None: the flow's eager DiT)
     dit_offline: Callable | None = None     # DiT estimator of offline / final calls
-    dit_cached: Any = None                  # prefix-cached streaming hops: flow_hop_calls.CachedHopGraphs (None: eager)
     hift_offline: Any = None                # offline HiFT: `.inference_batch(mels, finalize=True)` (None: eager)
     hift_stream_windows: Callable | None = None  # non-final streaming HiFT windows: `(mel, source, finalize)` -> wav
     shape_stats: ShapeStats | None = None   # bucket hits / padding / eager fallbacks of the engine calls
     engine_set: Any = None                  # the opened engine set (manifest, runners, tables), for tools
     name: str = "eager"                     # what these are, for logs and benchmark labels
     closers: list = field(default_factory=list)  # called by close()
+    dit_cached: Any = None                  # prefix-cached streaming hops: flow_hop_calls.CachedHopGraphs (None: eager)
 
     def estimator(self, streaming: bool) -> Callable | None:
         """The DiT estimator of one attention mode, or None (the flow's own)."""
