@@ -47,7 +47,7 @@ def log(msg: str) -> None:
 def graph_ms(fn, args, reps: int = 20):
     """(ms per replay of fn(*args) in a CUDA graph, its output)."""
     from cosytrt.engines.cuda_graphs import GraphCache
-    from cosytrt.tools.bench.micro import time_cuda
+    from cosytrt.tools.bench.timing import time_cuda
 
     g = GraphCache(fn, torch.device("cuda"))
     g.capture(0, args)
@@ -57,7 +57,7 @@ def graph_ms(fn, args, reps: int = 20):
 
 def part_step(llm, res):
     from cosytrt.runtime.stages.compiled import compile_fn
-    from cosytrt.tools.bench.micro import time_cuda
+    from cosytrt.tools.bench.timing import time_cuda
 
     dev = "cuda"
     kv_len, filled = 1024, 300
