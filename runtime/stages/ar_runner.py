@@ -149,15 +149,13 @@ class TorchARRunner:
         """Compile now, not under load: run the compiled prefill (and, without decode graphs, the decode step at
         the smallest padded batch and one row more: the two decode specializations, see `llm.decode_attention`) into
         the scratch slot (decode graphs compile while they are captured)."""
-        from ..models.llm import REDUCE_ATTENTION_MAX_ROWS
-
         dev, n = self.device, MIN_COMPILED_ROWS
         with torch.inference_mode():  # as the AR worker's tensors are (dynamo guards on inference-ness)
             rows = torch.full((n,), self.slots.scratch_slot, device=dev)
             embeds = torch.zeros(n, 8, self.lm.config.qwen.hidden_size, device=dev, dtype=self.lm.dtype)
             self._prefill(embeds, torch.full((n,), 8, device=dev), rows)
             if self.decode_graphs is None:
-                for b in (n, max(n, REDUCE_ATTENTION_MAX_ROWS) + 1):  # the reduce-form rows and the SDPA rows
+                for b in (n, max(n, self.lm.reduce_attention_max_rows) + 1):  # the reduce-form rows and the SDPA rows
                     self._decode(torch.zeros(b, dtype=torch.long, device=dev),
                                  torch.full((b,), self.slots.scratch_slot, device=dev),
                                  torch.full((b,), 8, device=dev), kv_len=min(KV_LEN_STEP, self.max_len))
