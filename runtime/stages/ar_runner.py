@@ -22,7 +22,7 @@ MIN_COMPILED_ROWS = 2  # compiled LM calls get >= 2 rows (padding rows -> scratc
 class PrefillRow:
     slot: int
     embeds: torch.Tensor               # [T, H] LM input embeddings
-    ids: torch.Tensor | None = None    # merged-vocab ids, for engines that take ids
+    ids: torch.Tensor | None = None    # [T] the runner's own input ids (its `prompt_ids`), for engines that take ids
 
 
 @runtime_checkable
@@ -33,6 +33,11 @@ class ARRunner(Protocol):
     max_len: int    # KV positions per slot
 
     def allocate(self) -> int | None: ...      # a free slot, or None
+
+    # The prompt as this runner's input ids, one per LM input position (the scheduler passes them in
+    # PrefillRow.ids), or None: the runner takes the embeddings only. Decode tokens and the returned logits' columns
+    # are speech ids whatever the runner's own vocab is (the runner maps them).
+    def prompt_ids(self, text_ids: torch.Tensor, prompt_speech_ids: torch.Tensor) -> torch.Tensor | None: ...
 
     def release(self, slot: int) -> None: ...
 
@@ -101,6 +106,10 @@ class TorchARRunner:
 
     def release(self, slot: int) -> None:
         self.slots.release(slot)
+
+    def prompt_ids(self, text_ids, prompt_speech_ids) -> None:
+        """None: the PyTorch LM takes the prompt as embeddings (PrefillRow.embeds)."""
+        return None
 
     def prefill(self, rows: list[PrefillRow]) -> torch.Tensor:
         self.slots.install()
