@@ -205,7 +205,8 @@ def part_tokens(models, res, on: bool):
         tts.close()
     same = [a[0] == b[0] for a, b in zip(alone, together)]
     audio = [float(np.abs(a[1] - b[1]).max()) for a, b, s in zip(alone, together, same) if s and a[1].shape == b[1].shape]
-    row = {"batch_invariant": on, "same_tokens": sum(same), "of": 16, "tokens_alone": [len(a[0]) for a in alone],
+    row = {"batch_invariant": on, "path": "compiled + CUDA graphs" if cuda else "eager (CPU smoke)",
+           "same_tokens": sum(same), "of": 16, "tokens_alone": [len(a[0]) for a in alone],
            "tokens_together": [len(b[0]) for b in together], "max_decode_batch": st["ar"]["max_decode_batch"],
            "audio_max_abs_diff_same_tokens": max(audio) if audio else None}
     log(f"tokens ({'on' if on else 'off'}): {row['same_tokens']}/16 the same; max decode batch "
@@ -229,7 +230,7 @@ def table(res) -> str:
         lines += ["", "| logits, one row vs | max abs diff |", "|---|---|"]
         lines += [f"| {k} | {v:.3e} |" for k, v in res["logits_max_abs_diff"].items()]
     for r in res.get("tokens", []):
-        lines.append(f"\n16 concurrent requests, compiled + CUDA graphs, batch_invariant={r['batch_invariant']}: "
+        lines.append(f"\n16 concurrent requests, {r.get('path')}, batch_invariant={r['batch_invariant']}: "
                      f"{r['same_tokens']}/16 give the tokens they give alone (max decode batch {r['max_decode_batch']});"
                      f" audio max |diff| of those {r['audio_max_abs_diff_same_tokens']}")
     for k, v in res.get("errors", {}).items():
