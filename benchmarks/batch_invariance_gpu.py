@@ -10,12 +10,18 @@ architecture, seeded random weights, bf16).
 3. `tokens`: 16 requests of different texts and seeds through TTS.submit with the compiled + CUDA-graph scheduler
    (SchedulerConfig(compile=True, cuda_graphs=True)), each alone and then all 16 concurrently: how many give the same
    tokens (on: should be 16 of 16), and the max |audio difference| of those.
-Writes OUT/batch_invariance.json and OUT/batch_invariance.md (a short table).
+Writes OUT/batch_invariance.json (the results, a `summary` of them, `status` complete / partial, per-part seconds and
+errors; rewritten after every part, so a run stopped by a time limit still leaves what it measured) and
+OUT/batch_invariance.md (a short table).
 
-On the GPU machine, from the repository root (the frontends need the carried wheels, as benchmarks/device_run.sh):
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
-    PYTHONPATH=/tmp/site python3 benchmarks/batch_invariance_gpu.py "$OUT"            # about 6-8 minutes
-Options: --parts step,logits,tokens (default all); --off-tokens also runs the token check with the switch off.
+On the GPU machine, one command from the repository root (OUT defaults to $OUT; installs the carried frontend wheels
+of .whl/ when there are any, which only the `tokens` part needs; stops itself before the device call's limit):
+    bash benchmarks/batch_invariance_run.sh --parts step,logits          # about 3-4 minutes
+    bash benchmarks/batch_invariance_run.sh                               # all parts: about 6-8 minutes
+or directly: python3 benchmarks/batch_invariance_gpu.py [OUT] [--parts ...] [--budget-s S].
+Options: --parts step,logits,tokens (default all); --off-tokens also runs the token check with the switch off;
+--budget-s: parts that would start after this many seconds are skipped (recorded as such); --smoke: CPU, tiny
+model, eager only (checks the script's wiring: tests/test_bench_scripts.py).
 """
 from __future__ import annotations
 
@@ -29,9 +35,22 @@ import time
 import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_shim = tempfile.mkdtemp()
-os.symlink(REPO, os.path.join(_shim, "cosytrt"))  # import this checkout as `cosytrt`, not an installed wheel
-sys.path.insert(0, _shim)
+
+
+def _import_this_checkout() -> None:
+    """Import this checkout as `cosytrt` (not an installed wheel): a temporary package folder of links laid out as
+    pyproject's package-dir (cosytrt/__init__.py + extras.py, and the top-level folders)."""
+    pkg = os.path.join(tempfile.mkdtemp(), "cosytrt")
+    os.mkdir(pkg)
+    for name in os.listdir(os.path.join(REPO, "cosytrt")):
+        if name.endswith(".py"):
+            os.symlink(os.path.join(REPO, "cosytrt", name), os.path.join(pkg, name))
+    for name in ("build", "engines", "profiles", "runtime", "tools"):
+        os.symlink(os.path.join(REPO, name), os.path.join(pkg, name))
+    sys.path.insert(0, os.path.dirname(pkg))
+
+
+_import_this_checkout()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -47,7 +66,7 @@ def log(msg: str) -> None:
 def graph_ms(fn, args, reps: int = 20):
     """(ms per replay of fn(*args) in a CUDA graph, its output)."""
     from cosytrt.engines.cuda_graphs import GraphCache
-    from cosytrt.tools.bench.micro import time_cuda
+    from cosytrt.tools.bench.timing import time_cuda
 
     g = GraphCache(fn, torch.device("cuda"))
     g.capture(0, args)
@@ -57,7 +76,7 @@ def graph_ms(fn, args, reps: int = 20):
 
 def part_step(llm, res):
     from cosytrt.runtime.stages.compiled import compile_fn
-    from cosytrt.tools.bench.micro import time_cuda
+    from cosytrt.tools.bench.timing import time_cuda
 
     dev = "cuda"
     kv_len, filled = 1024, 300
@@ -150,12 +169,11 @@ def part_logits(llm, res):
 
 
 def part_tokens(models, res, on: bool):
-    from cosytrt.runtime.stages.pipeline import Pipeline
-    from cosytrt.runtime.scheduling.scheduler import SchedulerConfig
+    from cosytrt.runtime.scheduling.config import SchedulerConfig
     from cosytrt.runtime.tts import TTS
     from cosytrt.tools.bench.common import pipeline_with_random_frontend as _pipeline_with_random_frontend
 
-    pipe = _pipeline_with_random_frontend(models, Pipeline)
+    pipe = _pipeline_with_random_frontend(models)
     cuda = DEV == "cuda"
     cfg = SchedulerConfig(max_in_flight=64, ar_max_batch=64, ar_max_len=1024, cuda_graphs=cuda, compile=cuda,
                           batch_invariant=on)
@@ -187,7 +205,8 @@ def part_tokens(models, res, on: bool):
         tts.close()
     same = [a[0] == b[0] for a, b in zip(alone, together)]
     audio = [float(np.abs(a[1] - b[1]).max()) for a, b, s in zip(alone, together, same) if s and a[1].shape == b[1].shape]
-    row = {"batch_invariant": on, "same_tokens": sum(same), "of": 16, "tokens_alone": [len(a[0]) for a in alone],
+    row = {"batch_invariant": on, "path": "compiled + CUDA graphs" if cuda else "eager (CPU smoke)",
+           "same_tokens": sum(same), "of": 16, "tokens_alone": [len(a[0]) for a in alone],
            "tokens_together": [len(b[0]) for b in together], "max_decode_batch": st["ar"]["max_decode_batch"],
            "audio_max_abs_diff_same_tokens": max(audio) if audio else None}
     log(f"tokens ({'on' if on else 'off'}): {row['same_tokens']}/16 the same; max decode batch "
@@ -211,39 +230,91 @@ def table(res) -> str:
         lines += ["", "| logits, one row vs | max abs diff |", "|---|---|"]
         lines += [f"| {k} | {v:.3e} |" for k, v in res["logits_max_abs_diff"].items()]
     for r in res.get("tokens", []):
-        lines.append(f"\n16 concurrent requests, compiled + CUDA graphs, batch_invariant={r['batch_invariant']}: "
+        lines.append(f"\n16 concurrent requests, {r.get('path')}, batch_invariant={r['batch_invariant']}: "
                      f"{r['same_tokens']}/16 give the tokens they give alone (max decode batch {r['max_decode_batch']});"
                      f" audio max |diff| of those {r['audio_max_abs_diff_same_tokens']}")
     for k, v in res.get("errors", {}).items():
         lines.append(f"\nERROR in {k}: {v.splitlines()[-1]}")
+    for k in res.get("skipped", []):
+        lines.append(f"\nSKIPPED {k} (time budget)")
     return "\n".join(lines) + "\n"
+
+
+def commit() -> str:
+    """The commit measured: $COSYTRT_COMMIT, benchmarks/COMMIT (written by the coordinator's carry), or git."""
+    if os.environ.get("COSYTRT_COMMIT"):
+        return os.environ["COSYTRT_COMMIT"]
+    try:
+        with open(os.path.join(REPO, "benchmarks", "COMMIT")) as f:
+            return f.read().strip()
+    except OSError:
+        pass
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def summary(res) -> dict:
+    """The few numbers the README / BENCHMARKS.md quote, from what ran."""
+    out = {}
+    lg = res.get("logits_max_abs_diff")
+    if lg:
+        on = [v for k, v in lg.items() if k.endswith(", on")]
+        off = [v for k, v in lg.items() if k.endswith(", off")]
+        out["logits_on_max_abs_diff"] = max(on) if on else None      # 0.0: invariant on every path measured
+        out["logits_on_invariant"] = bool(on) and max(on) == 0.0
+        out["logits_off_max_abs_diff"] = max(off) if off else None
+    steps = [r for r in res.get("step_ms", []) if "batch" in r]
+    if steps:
+        out["decode_ratio_on_off"] = {str(r["batch"]): {"graph": round(r["graph_ms_ratio"], 3),
+                                                        "compiled_graph": round(r["compiled_graph_ms_ratio"], 3)}
+                                      for r in steps}
+    for r in res.get("tokens", []):
+        out[f"tokens_same_{'on' if r['batch_invariant'] else 'off'}"] = f"{r['same_tokens']}/{r['of']}"
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("out")
+    ap.add_argument("out", nargs="?", default=os.environ.get("OUT"), help="output folder (default: $OUT)")
     ap.add_argument("--parts", default="step,logits,tokens")
     ap.add_argument("--off-tokens", action="store_true", help="also run the token check with the switch off")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="skip the parts that would start after this many seconds (default: no limit)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager only: checks the script itself")
     args = ap.parse_args()
+    if not args.out:
+        ap.error("give the output folder (or set $OUT)")
     os.makedirs(args.out, exist_ok=True)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - {"step", "logits", "tokens"}
+    if unknown:
+        ap.error(f"unknown part(s) {sorted(unknown)}: choose from step, logits, tokens")
     from cosytrt.tools.bench.common import full_models
 
     global DEV
     if args.smoke:
         DEV = "cpu"
-        args.parts = ",".join(p for p in args.parts.split(",") if p != "step")
+        parts = [p for p in parts if p != "step"]  # CUDA graphs and events only
         cfg, llm, flow, hift = full_models("cpu", torch.float32, "tiny")
     else:
+        if not torch.cuda.is_available():
+            ap.error("no CUDA device (use --smoke to check the script on the CPU)")
         cfg, llm, flow, hift = full_models("cuda", torch.bfloat16)
     res = {"meta": {"gpu": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu (smoke)",
-                    "torch": torch.__version__}, "errors": {}}
+                    "torch": torch.__version__, "commit": commit(), "argv": sys.argv[1:],
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+           "status": "running", "parts_s": {}, "skipped": [], "errors": {}}
     from cosytrt.runtime.stages.kv_slots import KVSlots
 
     KVSlots(llm, 64, 2048, scratch=True)
-    parts = args.parts.split(",")
 
     def save():
+        res["summary"] = summary(res)
         with open(os.path.join(args.out, "batch_invariance.json"), "w") as f:
             json.dump(res, f, indent=1)
         with open(os.path.join(args.out, "batch_invariance.md"), "w") as f:
@@ -257,19 +328,29 @@ def main() -> int:
         jobs.append(("tokens", lambda: part_tokens(models, res, True)))
         if args.off_tokens:
             jobs.append(("tokens off", lambda: part_tokens(models, res, False)))
+    save()
     for name, fn in jobs:
         if name.split()[0] not in parts:
             continue
+        if args.budget_s is not None and time.perf_counter() - T0 > args.budget_s:
+            res["skipped"].append(name)
+            log(f"skip {name}: past the {args.budget_s:.0f}s budget")
+            continue
         log(f"start {name}")
+        t = time.perf_counter()
         try:
             fn()
         except Exception:  # noqa: BLE001 - one failing part must not lose the others
             res["errors"][name] = traceback.format_exc()
             log(f"{name} failed:\n{res['errors'][name]}")
+        res["parts_s"][name] = round(time.perf_counter() - t, 1)
         llm.batch_invariant = False
         save()
+    res["status"] = "partial" if res["errors"] or res["skipped"] else "complete"
+    save()
     print(table(res), flush=True)
-    return 0
+    print(json.dumps(res["summary"]), flush=True)
+    return 1 if res["errors"] else 0
 
 
 if __name__ == "__main__":

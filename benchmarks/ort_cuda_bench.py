@@ -114,7 +114,7 @@ def step_model(args) -> None:
 
 # ------------------------------------------------------------------ timing
 def _time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    from cosytrt.tools.bench.micro import time_cuda
+    from cosytrt.tools.bench.timing import time_cuda
 
     return time_cuda(fn, reps=reps, warmup=warmup)
 

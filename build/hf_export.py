@@ -10,7 +10,8 @@ bias, so those rows give logit 0 rather than -inf: a consumer must sample only f
 (`speech_token_offset` .. `+6761` in `cosytrt_metadata.json`), as the cosytrt runtime does; stock TRT-LLM/HF
 sampling needs a logits processor / bad-words list for the text ids to be strictly safe.
 The prompt can be given as `input_ids` in the merged vocab (`merged_prompt_ids`), so no prompt embeddings are needed.
-No tokenizer is written.
+No tokenizer is written. The layout and the id mapping both ways are `runtime.models.merged_vocab.MergedVocab`
+(also what the TensorRT-LLM AR runner reads back from `cosytrt_metadata.json`).
 """
 from __future__ import annotations
 
@@ -19,43 +20,34 @@ import os
 
 import torch
 
-from cosytrt.runtime.models.config import NUM_SPECIAL, SOS, SPEECH_TOKEN_SIZE, TASK_ID
+from cosytrt.engines.dtypes import DTYPE_NAMES as _DTYPE_NAMES
 from cosytrt.engines.errors import InputError, ModelDirError
+from cosytrt.runtime.models.config import EOS, NUM_SPECIAL, SOS, SPEECH_TOKEN_SIZE, TASK_ID
+from cosytrt.runtime.models.merged_vocab import METADATA_FILE, MergedVocab, padded_vocab_size  # noqa: F401
 
-METADATA_FILE = "cosytrt_metadata.json"
 SPEECH_VOCAB = SPEECH_TOKEN_SIZE + NUM_SPECIAL  # 6761
-from cosytrt.engines.dtypes import DTYPE_NAMES as _DTYPE_NAMES  # noqa: E402
 
 
-def padded_vocab_size(text_vocab: int, speech_vocab: int, multiple: int = 128) -> int:
-    n = text_vocab + speech_vocab
-    return -(-n // multiple) * multiple
+def _layout(text_vocab_size: int) -> MergedVocab:
+    """The released model's layout with the speech ids at `text_vocab_size` (the helpers below take only that)."""
+    off = int(text_vocab_size)
+    return MergedVocab(off, off, SPEECH_VOCAB, padded_vocab_size(off, SPEECH_VOCAB), off + SOS, off + EOS,
+                       off + TASK_ID)
 
 
 def speech_token_to_merged_id(token, text_vocab_size: int):
     """Speech id (0..6760; int or tensor) -> merged-vocab id."""
-    if isinstance(token, int) and not (0 <= token < SPEECH_VOCAB):
-        raise InputError(f"speech token {token} out of range [0, {SPEECH_VOCAB})")
-    return token + text_vocab_size
+    return _layout(text_vocab_size).to_merged(token)
 
 
 def merged_id_to_speech_token(merged_id, text_vocab_size: int):
     """Merged-vocab id (int or tensor) -> speech id (0..6760)."""
-    if isinstance(merged_id, int) and not (text_vocab_size <= merged_id < text_vocab_size + SPEECH_VOCAB):
-        raise InputError(f"merged id {merged_id} is not a speech token (range [{text_vocab_size}, "
-                         f"{text_vocab_size + SPEECH_VOCAB}))")
-    return merged_id - text_vocab_size
+    return _layout(text_vocab_size).to_speech(merged_id)
 
 
-def merged_prompt_ids(text_ids, prompt_speech_ids, text_vocab_size: int, sos: int = SOS,
-                      task_id: int = TASK_ID) -> torch.Tensor:
+def merged_prompt_ids(text_ids, prompt_speech_ids, text_vocab_size: int) -> torch.Tensor:
     """The LM prompt [sos, text..., task_id, prompt_speech...] as merged-vocab input ids [L] (long)."""
-    text = torch.as_tensor(text_ids, dtype=torch.long).reshape(-1)
-    speech = torch.as_tensor(prompt_speech_ids if prompt_speech_ids is not None else [], dtype=torch.long).reshape(-1)
-    if text.numel() and (int(text.min()) < 0 or int(text.max()) >= text_vocab_size):
-        raise InputError(f"merged_prompt_ids: text id out of range [0, {text_vocab_size})")
-    special = torch.tensor([sos, task_id], dtype=torch.long) + text_vocab_size
-    return torch.cat([special[:1], text, special[1:], speech + text_vocab_size])
+    return _layout(text_vocab_size).prompt_ids(text_ids, prompt_speech_ids)
 
 
 def _hf_config(q, vocab: int, ids: dict, dtype_name: str) -> dict:
@@ -97,14 +89,14 @@ def export_merged_hf(lm, out_dir: str, dtype: torch.dtype = torch.float32, text_
     if dtype not in _DTYPE_NAMES:
         raise InputError(f"export_merged_hf: unsupported dtype {dtype} (float32, float16 or bfloat16)")
     q = lm.config.qwen
-    n_speech = lm.config.speech_vocab
-    text_vocab = q.vocab_size if text_vocab is None else text_vocab
-    if not (0 < text_vocab <= q.vocab_size):
-        raise InputError(f"export_merged_hf: text_vocab {text_vocab} must be in (0, {q.vocab_size}]")
-    vocab = padded_vocab_size(text_vocab, n_speech)
-    off = text_vocab
+    try:
+        layout = MergedVocab.for_lm(lm.config, text_vocab)
+    except InputError as e:
+        raise InputError(f"export_merged_hf: {e}") from None
+    text_vocab, off, n_speech, vocab = (layout.text_vocab_size, layout.speech_token_offset, layout.speech_vocab_size,
+                                        layout.padded_vocab_size)
     tok = lm.config.speech_token_size
-    ids = {"sos_id": off + lm.config.sos, "eos_id": off + lm.config.eos, "task_id": off + lm.config.task_id,
+    ids = {"sos_id": layout.sos_id, "eos_id": layout.eos_id, "task_id": layout.task_id,
            "fill_id": off + lm.config.fill_token}
 
     sd = {k: v.detach().float().cpu() for k, v in lm.state_dict().items()}
@@ -133,11 +125,8 @@ def export_merged_hf(lm, out_dir: str, dtype: torch.dtype = torch.float32, text_
         json.dump(gen, f, indent=2)
     meta = {
         "format": "cosytrt-merged-qwen2",
-        "text_vocab_size": text_vocab,
-        "speech_token_offset": off,
+        **layout.metadata(),
         "speech_token_size": tok,
-        "speech_vocab_size": n_speech,
-        "padded_vocab_size": vocab,
         **ids,
         "stop_token_ids": list(range(off + tok, off + n_speech)),
         "lm_head_non_speech_rows": "zero",

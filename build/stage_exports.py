@@ -81,8 +81,9 @@ def hift_export(hift, mode: str, device: str) -> StageExport:
         lo = max(min_len, hift.held_back_frames + 1)
         B = torch.export.Dim("batch", min=1, max=max(2, max_batch))
         T = torch.export.Dim("frames", min=lo, max=max(lo + 1, max_len))
-        S = torch.export.Dim("noise_samples", min=lo * spf, max=max(lo + 1, max_len) * spf)
-        return {"mel": {0: B, 2: T}, "sine_noise": {1: S}}
+        # the sine-noise slice is T * samples_per_frame long: a derived dim (torch < 2.9 refuses an independent one
+        # the graph relates to T: "noise_samples = 480*frames")
+        return {"mel": {0: B, 2: T}, "sine_noise": {1: T * spf}}
 
     return StageExport(input_names=INPUT_NAMES, output_names=(OUTPUT_NAME,), input_shapes=shapes,
                        to_onnx=lambda path: export_hift_onnx(hift, path, finalize), module=graph, example=example,

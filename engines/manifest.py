@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -38,10 +39,20 @@ def set_path(folder: str, rel: str, where: str = MANIFEST) -> str:
     return path
 
 
-def sha256_file(path: str) -> str:
-    from ..runtime.models.loading import sha256_file as _sha
+_HASH_CACHE: dict[tuple, str] = {}
 
-    return _sha(path)
+
+def sha256_file(path: str) -> str:
+    """Full sha256 (hex) of a file, cached per (path, size, mtime) for this process."""
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if key not in _HASH_CACHE:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        _HASH_CACHE[key] = h.hexdigest()
+    return _HASH_CACHE[key]
 
 
 def hash_set_files(folder: str) -> dict[str, str]:

@@ -145,7 +145,8 @@ class TTS:
         if self._ar_runner is None:
             from .scheduling.scheduler import make_ar_runner
 
-            self._ar_runner = make_ar_runner(self.pipeline.models, self.scheduler_config, self.pipeline.device)
+            self._ar_runner = make_ar_runner(self.pipeline.models, self.scheduler_config, self.pipeline.device,
+                                             self.pipeline.backends.engine_set)
         return self._ar_runner
 
     def make_scheduler(self, config: SchedulerConfig | None = None, backends=None, on_finish=None) -> Scheduler:

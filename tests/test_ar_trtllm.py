@@ -1,7 +1,10 @@
 """TensorRT-LLM AR runner: its pure-Python parts (slots and histories, merged-vocab id mapping, executor / request
-arguments) and the protocol end to end against a stand-in executor that computes what TensorRT-LLM would (the
-merged-vocab HF export run by transformers). The real executor path needs TensorRT-LLM: skipped with the reason."""
+arguments), the protocol end to end against a stand-in executor that computes what TensorRT-LLM would (the
+merged-vocab HF export run by transformers), and the scheduler driving it: merged-vocab prompt ids in, speech-id
+logits out, the same tokens as the PyTorch runner. The real executor needs TensorRT-LLM (not installable here: NVIDIA's
+index only): skipped with the reason."""
 import importlib.util
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -10,8 +13,9 @@ import torch
 
 from cosytrt.build.hf_export import export_merged_hf, merged_prompt_ids
 from cosytrt.engines.errors import BackendUnavailableError, EngineSetError, InputError
-from cosytrt.runtime.stages.ar_trtllm import (SlotTable, TrtllmARRunner, VocabMap, build_request,
-                                              executor_config_kwargs, import_executor_api, request_kwargs)
+from cosytrt.runtime.models.merged_vocab import MergedVocab
+from cosytrt.runtime.stages.ar_trtllm import (SlotTable, TrtllmARRunner, build_request, executor_config_kwargs,
+                                              import_executor_api, request_kwargs)
 
 TOL = 1e-4
 
@@ -46,17 +50,22 @@ def test_slot_table_bookkeeping():
 
 def test_vocab_map_and_arguments():
     meta = {"text_vocab_size": 512, "speech_token_offset": 512, "speech_vocab_size": 6761, "padded_vocab_size": 7296,
-            "eos_id": 512 + 6562}
-    v = VocabMap.from_metadata(meta)
-    assert v.merged(0) == 512 and v.merged(6760) == 512 + 6760
+            "sos_id": 512 + 6561, "eos_id": 512 + 6562, "task_id": 512 + 6563}
+    v = MergedVocab.from_metadata(meta)
+    assert v.to_merged(0) == 512 and v.to_merged(6760) == 512 + 6760 and v.to_speech(512 + 6760) == 6760
+    for bad in (6761, -1):
+        with pytest.raises(InputError):
+            v.to_merged(bad)
     with pytest.raises(InputError):
-        v.merged(6761)
+        v.to_speech(511)  # a text id
     lg = torch.arange(7296.0)
     assert torch.equal(v.speech_logits(lg), torch.arange(512.0, 512 + 6761))
     with pytest.raises(EngineSetError):
         v.speech_logits(torch.zeros(100))
     with pytest.raises(EngineSetError, match="lacks"):
-        VocabMap.from_metadata({"text_vocab_size": 1})
+        MergedVocab.from_metadata({"text_vocab_size": 1})
+    with pytest.raises(EngineSetError, match="above the text ids"):
+        MergedVocab.from_metadata({**meta, "speech_token_offset": 100})
     kw = request_kwargs([1, 2, 3], v, slot=4)
     assert kw["input_token_ids"] == [1, 2, 3] and kw["max_tokens"] == 1 and kw["client_id"] == 4
     assert kw["end_id"] == kw["pad_id"] == 512 + 6562
@@ -145,6 +154,9 @@ def test_protocol_against_stand_in_executor(exported, golden_lm, golden_vectors)
     # two rows: the full prompt and a shorter one (text only)
     ids_b = merged_prompt_ids(text[..., :5], None, off)
     embeds_b = lm.build_lm_input(text[..., :5])
+    assert torch.equal(r.prompt_ids(text, prompt), ids) and torch.equal(r.prompt_ids(text[..., :5], None), ids_b)
+    with pytest.raises(InputError, match="line up"):
+        r.prefill([Row(a, embeds, ids_b)])
     got = r.prefill([Row(a, embeds, ids), Row(b, embeds_b, ids_b)])
     with torch.no_grad():
         ref_a = lm(embeds[None])[0, -1]
@@ -178,3 +190,141 @@ def test_protocol_against_stand_in_executor(exported, golden_lm, golden_vectors)
     assert ex.closed
     with pytest.raises(EngineSetError, match="closed"):
         r.decode([1], [b], [embeds_b.shape[0] + 1])
+
+
+# ------------------------------------------------------------------ the merged-vocab id mapping
+
+def test_merged_vocab_mapping_matches_the_lm_input(golden_lm, golden_vectors, exported):
+    """The exporter and the runner read one layout (`MergedVocab`): the export's metadata is `MergedVocab.for_lm`;
+    `prompt_ids` has one id per position of `build_lm_input` and the export's embedding rows of those ids ARE the
+    LM input embeddings; `speech_logits` column i scores speech id i."""
+    out, meta, hf = exported
+    v = MergedVocab.load(out)
+    assert v == MergedVocab.for_lm(golden_lm.config) and v.metadata().items() <= meta.items()
+    text, prompt = golden_vectors["llm.text"], golden_vectors["llm.prompt_speech"]
+    lm_input = golden_lm.build_lm_input(text, prompt)
+    ids = v.prompt_ids(text, prompt)
+    assert ids.shape == (lm_input.shape[0],) and ids.dtype == torch.long
+    with torch.no_grad():
+        assert torch.equal(hf.get_input_embeddings()(ids), lm_input)
+        lg = hf(input_ids=ids[None]).logits[0, -1]
+        assert (v.speech_logits(lg) - golden_lm(lm_input[None])[0, -1]).abs().max() <= TOL
+    t = torch.tensor([0, 6561, 6760])
+    assert torch.equal(v.to_speech(v.to_merged(t)), t)
+    with pytest.raises(InputError, match="text id out of range"):
+        v.prompt_ids([v.text_vocab_size], None)
+
+
+# ------------------------------------------------------------------ the scheduler drives the TensorRT-LLM runner
+
+@pytest.fixture(scope="module")
+def tiny_export(tiny_tts, tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    out = str(tmp_path_factory.mktemp("tiny_hf"))
+    export_merged_hf(tiny_tts.pipeline.models.llm, out)
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    return out, hf
+
+
+class _RecordingRunner(TrtllmARRunner):
+    """The TensorRT-LLM runner over the stand-in executor, recording each prefill's rows."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.rows = []
+
+    def prefill(self, rows):
+        self.rows.extend(rows)
+        return super().prefill(rows)
+
+
+def test_scheduler_passes_merged_ids_and_gets_the_torch_tokens(tiny_tts, tiny_export):
+    """Through the Scheduler (several concurrent requests, prefills batched, decode steps shared): the runner gets
+    each prompt as merged-vocab ids (`ARRunner.prompt_ids` -> PrefillRow.ids), decode tokens are mapped to merged
+    ids, and the speech-id logits it returns give the same tokens as the PyTorch runner for the same seeds."""
+    from cosytrt.runtime.models.merged_vocab import MergedVocab
+    from cosytrt.runtime.scheduling.config import SchedulerConfig
+    from cosytrt.runtime.scheduling.scheduler import Scheduler, make_ar_runner
+    from cosytrt.runtime.stages.ar_runner import default_max_len
+
+    out, hf = tiny_export
+    models = tiny_tts.pipeline.models
+    cfg = SchedulerConfig(ar_max_batch=4)
+    texts = [("Hello there.", 1), ("A second, longer sentence to speak.", 2), ("Third.", 3)]
+
+    def run(runner):
+        sched = Scheduler(tiny_tts.pipeline, cfg, runner=runner)
+        try:
+            hs = [sched.submit(_request(t, seed)) for t, seed in texts]
+            for h in hs:
+                h.result(timeout=300)
+            return [h.tokens for h in hs]
+        finally:
+            sched.close()
+
+    ex = _FakeExecutor(hf)
+    trt = _RecordingRunner("unused", out, max_batch=4, max_len=default_max_len(models), device="cpu", api=_FakeApi,
+                           executor=ex)
+    torch_runner = make_ar_runner(models, cfg, "cpu")
+    assert torch_runner.prompt_ids(torch.tensor([1]), torch.tensor([], dtype=torch.long)) is None
+    got, ref = run(trt), run(torch_runner)
+    assert got == ref and all(len(t) > 0 for t in got)
+    v = MergedVocab.load(out)
+    assert len(trt.rows) == len(texts)
+    for row in trt.rows:  # every prefill row came with ids, one per LM input position, starting with sos
+        assert row.ids is not None and row.ids.shape[0] == row.embeds.shape[0] and int(row.ids[0]) == v.sos_id
+    # every executor request: one of the merged prompts, then fed speech tokens as merged ids
+    prompts = [r.ids.tolist() for r in trt.rows]
+    for _, h in ex.seen:
+        p = next(p for p in prompts if h[:len(p)] == p)
+        assert all(v.speech_token_offset <= i < v.speech_end for i in h[len(p):])
+    assert trt.free == trt.max_batch
+
+
+def _request(text, seed):
+    from cosytrt.runtime.models.sampling import SamplingParams
+    from cosytrt.runtime.stages.request import Request
+
+    return Request(text=text, sampling=SamplingParams(seed=seed, max_tokens=40))
+
+
+def test_make_ar_runner_follows_the_engine_sets_ar_runner(tiny_tts, tiny_export, monkeypatch):
+    """An engine set whose manifest says `ar_runner: trtllm` gets the TensorRT-LLM runner (opened through the
+    executor bindings: here a stand-in module), one that says `torch` (or no engine set) the PyTorch runner."""
+    from cosytrt.runtime.scheduling.config import SchedulerConfig
+    from cosytrt.runtime.scheduling.scheduler import make_ar_runner
+    from cosytrt.runtime.stages import ar_trtllm
+    from cosytrt.runtime.stages.ar_runner import TorchARRunner
+    from cosytrt.runtime.stages.engine_set import LoadedEngineSet
+
+    out, hf = tiny_export
+    folder = os.path.dirname(out)
+    os.makedirs(os.path.join(folder, "ar_trtllm_engine"), exist_ok=True)
+    opened = []
+
+    class ExecutorConfig:
+        def __init__(self, max_beam_width):
+            self.max_beam_width = max_beam_width
+
+    def executor(engine_dir, model_type, config):
+        opened.append((engine_dir, model_type, config))
+        return _FakeExecutor(hf)
+
+    class Api(_FakeApi):
+        KvCacheConfig = _Obj
+        ModelType = SimpleNamespace(DECODER_ONLY="decoder-only")
+
+    Api.ExecutorConfig, Api.Executor = ExecutorConfig, staticmethod(executor)
+    monkeypatch.setattr(ar_trtllm, "import_executor_api", lambda: Api)
+    es = LoadedEngineSet.__new__(LoadedEngineSet)  # what opening a set gives: folder, manifest, checked ar_runner
+    es.folder, es.ar_runner = folder, "trtllm"
+    es.manifest = SimpleNamespace(commands={"ar_hf_checkpoint": os.path.basename(out)})
+    models, cfg = tiny_tts.pipeline.models, SchedulerConfig(ar_max_batch=3)
+    r = make_ar_runner(models, cfg, "cpu", es)
+    assert isinstance(r, TrtllmARRunner) and r.max_batch == 3
+    assert opened[0][0] == os.path.join(folder, "ar_trtllm_engine") and opened[0][1] == "decoder-only"
+    assert opened[0][2].max_batch_size == 3 and opened[0][2].kv_cache_config.enable_block_reuse
+    r.close()
+    es.ar_runner = "torch"
+    assert isinstance(make_ar_runner(models, cfg, "cpu", es), TorchARRunner)
+    assert isinstance(make_ar_runner(models, cfg, "cpu", None), TorchARRunner)

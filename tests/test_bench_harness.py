@@ -128,7 +128,7 @@ def test_hift_micro_rows_and_report(tiny_tts, monkeypatch, tmp_path):
     """`bench_hift` on the CPU (tiny HiFT; CUDA timing and graphs replaced by direct calls; the compiled column is
     left out: compiling even the tiny HiFT takes minutes on 2 cores), and its report table."""
     from cosytrt.engines import cuda_graphs
-    from cosytrt.tools.bench import micro
+    from cosytrt.tools.bench import micro, timing
 
     class Direct:
         def __init__(self, fn, device):
@@ -141,7 +141,8 @@ def test_hift_micro_rows_and_report(tiny_tts, monkeypatch, tmp_path):
             return self.fn(*inputs)
 
     monkeypatch.setattr(cuda_graphs, "GraphCache", Direct)
-    monkeypatch.setattr(micro, "time_cuda", lambda fn, reps=10, warmup=2: (fn(), 2.0)[1])
+    for module in (micro, timing):  # micro times eager calls; timing.graph_timing times the graph replays
+        monkeypatch.setattr(module, "time_cuda", lambda fn, reps=10, warmup=2: (fn(), 2.0)[1])
     rows = micro.bench_hift(tiny_tts.pipeline.models.hift, "cpu", quick=True, compile=False)
     assert [(r["batch"], r["frames"]) for r in rows] == [(1, 100), (2, 500), (8, 500)]
     assert all(r["graph_ms"] == 2.0 and "compiled_graph_ms" not in r for r in rows)

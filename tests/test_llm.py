@@ -241,3 +241,76 @@ def test_prefill_attention_never_uses_cudnn(lm, vectors, monkeypatch):
         lm.decode(torch.tensor([3, 4, 5]), torch.tensor([0, 1, 1]), torch.tensor([40, 31, 32]))
     assert n_prefill == lm.config.qwen.num_hidden_layers and not any(seen[:n_prefill])
     assert all(seen[n_prefill:]) and len(seen) == 2 * n_prefill  # decode (3 rows: SDPA) with the default backends
+
+
+def _decode_graph_ops(m, rows: int, **kw) -> set:
+    """The ops of `m.decode` on `rows` rows as dynamo traces it (a recording backend that runs the graph eagerly:
+    no Inductor compile)."""
+    ops = set()
+
+    def backend(gm, example_inputs):
+        ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(tokens, slots, positions):
+        return m.decode(tokens, slots, positions, kv_len=24, **kw)
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(step, backend=backend, fullgraph=True)(
+                torch.arange(rows), torch.arange(rows), torch.full((rows,), 5))
+    finally:
+        torch._dynamo.reset()
+    return ops
+
+
+def _has_sdpa(ops: set) -> bool:
+    return any("scaled_dot_product_attention" in o for o in ops)
+
+
+def test_reduce_attention_rows_is_a_per_lm_setting_and_a_per_call_argument(state_dict):
+    """The compiled decode's attention form for small batches (multiply-and-sum up to `reduce_attention_max_rows`
+    rows, SDPA above) is set per LM instance or per `decode` call, never by assigning a module constant (the micro
+    bench used to set `llm.REDUCE_ATTENTION_MAX_ROWS = 0` for its SDPA column)."""
+    from cosytrt.runtime.models import llm as llm_module
+
+    cfg = config_from_golden_json(os.path.join(GOLDEN, "config.json")).llm
+    m = CosyVoice3LM(cfg).eval()
+    m.load_checkpoint(state_dict)
+    m.setup_cache(4, 32)
+    assert m.reduce_attention_max_rows == llm_module.REDUCE_ATTENTION_MAX_ROWS == 2
+    assert not _has_sdpa(_decode_graph_ops(m, 2))                                # default: reduce form at 2 rows
+    assert _has_sdpa(_decode_graph_ops(m, 3))                                    # SDPA above
+    assert _has_sdpa(_decode_graph_ops(m, 2, reduce_attention_max_rows=0))       # per call: SDPA at every batch
+    m.reduce_attention_max_rows = 0                                              # per instance
+    assert _has_sdpa(_decode_graph_ops(m, 1))
+    assert llm_module.REDUCE_ATTENTION_MAX_ROWS == 2                             # the default is untouched
+    other = CosyVoice3LM(cfg).eval()
+    assert other.reduce_attention_max_rows == 2
+
+
+def test_no_module_assigns_the_reduce_attention_default():
+    """Static check over the package: `REDUCE_ATTENTION_MAX_ROWS` is defined once and never assigned elsewhere."""
+    import ast
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    offenders = []
+    for folder in ("runtime", "tools", "build", "engines", "benchmarks"):
+        for dirpath, _dirs, files in os.walk(os.path.join(root, folder)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, f)
+                with open(path, encoding="utf-8") as fh:
+                    tree = ast.parse(fh.read(), path)
+                for node in ast.walk(tree):
+                    targets = (node.targets if isinstance(node, ast.Assign)
+                               else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+                    for t in targets:
+                        if isinstance(t, ast.Attribute) and t.attr == "REDUCE_ATTENTION_MAX_ROWS":
+                            offenders.append(f"{path}:{node.lineno}")
+                        if isinstance(t, ast.Name) and t.id == "REDUCE_ATTENTION_MAX_ROWS" and \
+                                not path.endswith(os.path.join("runtime", "models", "llm.py")):
+                            offenders.append(f"{path}:{node.lineno}")
+    assert not offenders, offenders

@@ -30,7 +30,8 @@ LONG_TEXT = ("A regional support lead records a detailed incident narrative. The
 
 
 class CappedTTS:
-    """The tiny TTS with every request capped at TOKEN_CAP speech tokens (the HTTP bodies are untouched)."""
+    """The tiny TTS with every request capped at TOKEN_CAP speech tokens, and at least one (the HTTP bodies are
+    untouched)."""
 
     def __init__(self, tts):
         self._tts = tts
@@ -40,6 +41,8 @@ class CappedTTS:
             kw["seed"] = 0
         if "force_tokens" not in kw:
             kw["max_tokens"] = min(kw.get("max_tokens") or TOKEN_CAP, TOKEN_CAP)
+            if kw.get("min_tokens") is None:  # unseeded bodies: the random LM's first token was a stop token in ~5 %
+                kw["min_tokens"] = 1          # of requests, and an empty answer failed the "no audio" check
         return self._tts.submit(text, **kw)
 
     def __getattr__(self, name):

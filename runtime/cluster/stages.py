@@ -21,7 +21,7 @@ from ..scheduling.ar_worker import ARWorker
 from ..scheduling.config import SchedulerConfig
 from ..scheduling.handle import RequestHandle
 from ..scheduling.lifecycle import FrontendPool, Lifecycle
-from ..scheduling.prepare import flow_prompt, lm_input, token_policy
+from ..scheduling.prepare import flow_prompt, lm_input, runner_ids, token_policy
 from ..stages.request import Request
 from ..scheduling.scheduler import collect_stats, make_ar_runner, start_workers
 from ..scheduling.stage_clock import StageClock
@@ -75,7 +75,7 @@ class ARStage:
         self.config = cfg = config or SchedulerConfig()
         self.lm = pipeline.models.llm
         self.device = torch.device(pipeline.device)
-        self.runner = runner or make_ar_runner(pipeline.models, cfg, self.device)
+        self.runner = runner or make_ar_runner(pipeline.models, cfg, self.device, pipeline.backends.engine_set)
         self.clock = StageClock(self.device.type == "cuda")
         self.requests = Lifecycle(cfg, on_dead=lambda r: self.ar.wake())
         self.ar = ARWorker(self.runner, cfg, TokenStream(self.requests.finish), self.requests.finish, self.clock,
@@ -92,6 +92,7 @@ class ARStage:
     def _prepare(self, r: RequestState) -> None:  # the frontend ran remotely: only the LM input and policy here
         t0 = time.perf_counter()
         lm_input(r, r.inputs, self.lm, self.device)
+        runner_ids(r, r.inputs, self.runner)
         token_policy(r, r.inputs, self.lm, self.runner.max_len, "the AR replica's KV-cache slots",
                      "scheduler.ar_max_len of the AR stage")
         if r.req.stream:

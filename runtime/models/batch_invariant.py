@@ -35,6 +35,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .rope import apply_rope, rope_cos_sin
+
 DECODE_ROWS = 64      # rows per GEMM / norm call in decode steps and for the prefill's last-position logits
 PREFILL_ROWS = 256    # token rows per GEMM / norm call in prefill
 KV_BLOCK = 256        # keys per attention block (the scheduler's KV rungs are multiples of it)
@@ -125,11 +127,6 @@ def _(q, k, v, q_pos, kv_len, block):
 
 # ------------------------------------------------------------------------------------------ the LM's two calls
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
 def _layer(layer, x, cos, sin, rows, write, read, q_pos, kv_len):
     """One decoder layer on x [..., H]; `write(k, v)` stores this step's K/V [B, kvh, Q, hd] and `read()` returns
     the keys / values to attend [B, kvh, n, hd]."""
@@ -139,8 +136,8 @@ def _layer(layer, x, cos, sin, rows, write, read, q_pos, kv_len):
     heads, kvh, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
     h = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps, rows)
     q, k, v = linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias, rows).split(attn.qkv_proj.split_sizes, dim=-1)
-    q = _rope(q.reshape(b, nq, heads, hd), cos, sin)
-    k = _rope(k.reshape(b, nq, kvh, hd), cos, sin)
+    q = apply_rope(q.reshape(b, nq, heads, hd), cos, sin)
+    k = apply_rope(k.reshape(b, nq, kvh, hd), cos, sin)
     write(k.transpose(1, 2), v.reshape(b, nq, kvh, hd).transpose(1, 2))
     keys, values = read()
     q = q.view(b, nq, kvh, heads // kvh, hd).transpose(1, 2)                            # [B, kvh, Q, G, hd]
@@ -154,8 +151,6 @@ def _layer(layer, x, cos, sin, rows, write, read, q_pos, kv_len):
 
 def prefill(lm, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
     """`CosyVoice3LM.prefill` with batch-invariant kernels: (last-position logits [B, V], hidden [B, T, H])."""
-    from .llm import rope_cos_sin
-
     b, t, _ = embeds.shape
     dev = embeds.device
     lengths = lengths.to(dev)
@@ -181,8 +176,6 @@ def prefill(lm, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor
 
 def decode(lm, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, n: int, rows_are_slots: bool):
     """`CosyVoice3LM.decode` with batch-invariant kernels on embeddings x [B, H]: (logits [B, V], hidden [B, H])."""
-    from .llm import rope_cos_sin
-
     b = x.shape[0]
     qc = lm.config.qwen
     cos, sin = rope_cos_sin(positions[:, None], qc.head_dim, qc.rope_theta, x.dtype)   # [B, 1, hd]

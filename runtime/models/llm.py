@@ -22,6 +22,7 @@ from .checkpoint import read_state_dict, validate_state_dict
 from .config import LLMConfig, QwenConfig
 from ...engines.errors import InputError
 from . import batch_invariant as _bi
+from .rope import apply_rope, rope_cos_sin
 
 TIED_LM_HEAD_KEY = "llm.model.lm_head.weight"
 
@@ -37,24 +38,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """HF-style rotary tables for integer `positions` [..., T] -> cos, sin [..., T, head_dim] (computed in fp32)."""
-    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponent)
-    freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
 
 
 class KVCache(nn.Module):
@@ -124,6 +107,18 @@ def _keep_checkpoint_keys(module: nn.Module, fused: str, parts: tuple[str, ...])
     module._register_load_state_dict_pre_hook(merge)
 
 
+# Under torch.compile, decode steps of at most `reduce_max_rows` rows write the attention as multiply-and-sum
+# reductions: Inductor emits a few Triton reductions that read K and V straight out of the slot cache (the gather
+# becomes an indirect load) instead of a gathered copy plus an attention kernel built for long queries. H200, full
+# size, KV rung 1024 (BENCHMARKS.md, run 8): batch 2 1.18 ms vs 1.45 ms with SDPA, but batch 8 2.12 vs 1.52 and batch
+# 32 4.98 vs 1.81 (the fused softmax re-reads K per pass), so larger batches keep SDPA. The branch is on the
+# (symbolic) batch size: dynamo compiles the decode step twice (<= 2 rows, more). Eager always uses SDPA: the reduce
+# form would materialize [B, kv_heads, group, n, head_dim] products.
+# REDUCE_ATTENTION_MAX_ROWS is the default of `CosyVoice3LM.reduce_attention_max_rows` (per LM instance; `decode`
+# takes an override per call, e.g. 0 for SDPA at every batch). It is read, never assigned, at run time.
+REDUCE_ATTENTION_MAX_ROWS = 2
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: QwenConfig):
         super().__init__()
@@ -144,10 +139,12 @@ class Attention(nn.Module):
         group = self.num_heads // kvh
         return x[:, :, None].expand(b, kvh, group, s, hd).reshape(b, kvh * group, s, hd)
 
-    def forward(self, x, cos, sin, mask=None, slots=None, positions=None, kv_len=None, rows_are_slots=False):
+    def forward(self, x, cos, sin, mask=None, slots=None, positions=None, kv_len=None, rows_are_slots=False,
+                reduce_max_rows=REDUCE_ATTENTION_MAX_ROWS):
         """x [B, T, H]. No `slots`: plain causal attention. `slots` only: prefill (write 0..T-1, attend to the
         fresh K/V under `mask`). `slots` + `positions`: decode one token (T == 1), attend to the slot cache
-        (`rows_are_slots`: slots are 0..B-1, so the cache is read as a view instead of gathered)."""
+        (`rows_are_slots`: slots are 0..B-1, so the cache is read as a view instead of gathered;
+        `reduce_max_rows`: see `decode_attention`)."""
         b, t, _ = x.shape
         q, k, v = self.qkv_proj(x)
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
@@ -167,7 +164,8 @@ class Attention(nn.Module):
                 # One query per row: fold each kv head's query group into the query axis instead of
                 # repeating K/V per query head (same result, no [B, heads, n, hd] copies).
                 group = self.num_heads // self.num_kv_heads
-                out = decode_attention(q.reshape(b, self.num_kv_heads, group, self.head_dim), k, v, mask)
+                out = decode_attention(q.reshape(b, self.num_kv_heads, group, self.head_dim), k, v, mask,
+                                       reduce_max_rows)
                 return self.o_proj(out.reshape(b, 1, self.num_heads * self.head_dim))
         k, v = self._expand_kv(k), self._expand_kv(v)
         with sdpa_kernel(PREFILL_SDPA_BACKENDS):
@@ -187,19 +185,13 @@ class Attention(nn.Module):
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-# Under torch.compile, decode steps of at most REDUCE_ATTENTION_MAX_ROWS rows write the attention as multiply-and-sum
-# reductions: Inductor emits a few Triton reductions that read K and V straight out of the slot cache (the gather
-# becomes an indirect load) instead of a gathered copy plus an attention kernel built for long queries. H200, full
-# size, KV rung 1024 (BENCHMARKS.md, run 8): batch 2 1.18 ms vs 1.45 ms with SDPA, but batch 8 2.12 vs 1.52 and batch
-# 32 4.98 vs 1.81 (the fused softmax re-reads K per pass), so larger batches keep SDPA. The branch is on the
-# (symbolic) batch size: dynamo compiles the decode step twice (<= 2 rows, more). Eager always uses SDPA: the reduce
-# form would materialize [B, kv_heads, group, n, head_dim] products.
-REDUCE_ATTENTION_MAX_ROWS = 2
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, kvh, G, hd] (G query heads per kv head), k / v [B, kvh, n, hd], mask [B, 1, 1, n] (True = attend)."""
-    if torch.compiler.is_compiling() and q.shape[0] <= REDUCE_ATTENTION_MAX_ROWS:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     reduce_max_rows: int = REDUCE_ATTENTION_MAX_ROWS) -> torch.Tensor:
+    """q [B, kvh, G, hd] (G query heads per kv head), k / v [B, kvh, n, hd], mask [B, 1, 1, n] (True = attend).
+    Under torch.compile, batches of at most `reduce_max_rows` rows take the multiply-and-sum form (see above)."""
+    if torch.compiler.is_compiling() and q.shape[0] <= reduce_max_rows:
         scores = (q.float()[:, :, :, None, :] * k.float()[:, :, None, :, :]).sum(-1) * q.shape[-1] ** -0.5
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)        # [B, kvh, G, n]
         return (probs[..., None] * v.float()[:, :, None]).sum(-2).to(q.dtype)
@@ -227,8 +219,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask=None, slots=None, positions=None, kv_len=None, rows_are_slots=False):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, slots, positions, kv_len, rows_are_slots)
+    def forward(self, x, cos, sin, mask=None, slots=None, positions=None, kv_len=None, rows_are_slots=False,
+                reduce_max_rows=REDUCE_ATTENTION_MAX_ROWS):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, slots, positions, kv_len, rows_are_slots,
+                               reduce_max_rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -262,6 +256,10 @@ class CosyVoice3LM(nn.Module):
         # rows of the call nor on the padded bucket / KV length. Off by default here (the plain kernels are the
         # reference numerics); the scheduler sets it from `SchedulerConfig.batch_invariant`.
         self.batch_invariant = False
+        # Decode steps of at most this many rows use the multiply-and-sum attention under torch.compile
+        # (`decode_attention`); `decode(..., reduce_attention_max_rows=)` overrides it for one call (the micro bench
+        # compiles a second decode with 0: SDPA at every batch).
+        self.reduce_attention_max_rows = REDUCE_ATTENTION_MAX_ROWS
 
     # ------------------------------------------------------------------ weights
 
@@ -398,10 +396,11 @@ class CosyVoice3LM(nn.Module):
         return (logits, hidden) if return_hidden else logits
 
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor | None, positions: torch.Tensor,
-               kv_len: int | None = None, return_hidden: bool = False):
+               kv_len: int | None = None, return_hidden: bool = False, reduce_attention_max_rows: int | None = None):
         """One token per row: `tokens` = speech ids [B] (long) or embeddings [B, H], written at `positions` [B] of
         `slots` [B]; each row attends to 0..position of its slot. `slots=None` means rows 0..B-1 (the cache is then
         read in place, no gather). `kv_len` (a static int > every position) limits the attended cache length.
+        `reduce_attention_max_rows`: this call's `decode_attention` threshold (None: the instance's).
         Returns logits [B, V] (and hidden [B, H])."""
         if not tokens.is_floating_point():
             tokens = self.speech_embedding(tokens)
@@ -416,11 +415,13 @@ class CosyVoice3LM(nn.Module):
         if self.batch_invariant:
             logits, hidden = _bi.decode(self, x[:, 0], slots, positions, n, rows_are_slots)
             return (logits, hidden) if return_hidden else logits
+        reduce_rows = self.reduce_attention_max_rows if reduce_attention_max_rows is None else reduce_attention_max_rows
         mask = (torch.arange(n, device=dev)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, n]
         cos, sin = rope_cos_sin(positions[:, None], self.config.qwen.head_dim, self.config.qwen.rope_theta, x.dtype)
         cos, sin = cos[:, None], sin[:, None]                                      # [B, 1, 1, hd]
         for layer in self.backbone.layers:
-            x = layer(x, cos, sin, mask, slots=slots, positions=positions, kv_len=n, rows_are_slots=rows_are_slots)
+            x = layer(x, cos, sin, mask, slots=slots, positions=positions, kv_len=n, rows_are_slots=rows_are_slots,
+                      reduce_max_rows=reduce_rows)
         hidden = self.backbone.norm(x)[:, 0]
         logits = self.llm_decoder(hidden)
         return (logits, hidden) if return_hidden else logits

@@ -17,6 +17,7 @@ import torch
 from .checkpoint import read_state_dict
 from .config import CosyVoice3Config, config_from_golden_json, config_from_model_dir, full_config, tiny_config
 from ...engines.errors import ModelDirError
+from ...engines.manifest import sha256_file
 
 TINY_SEED = 1234
 TINY_VERSION = "tiny-v1"
@@ -81,20 +82,6 @@ def build_modules(config: CosyVoice3Config, device: str | torch.device = "cpu"):
 
 # files of a model directory whose sha256 is recorded in engine-set manifests and shown at start-up
 HASHED_FILES = CHECKPOINTS + ("campplus.onnx", "speech_tokenizer_v3.onnx")
-_HASH_CACHE: dict[tuple, str] = {}
-
-
-def sha256_file(path: str) -> str:
-    """Full sha256 (hex) of a file, cached per (path, size, mtime) for this process."""
-    st = os.stat(path)
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    if key not in _HASH_CACHE:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-        _HASH_CACHE[key] = h.hexdigest()
-    return _HASH_CACHE[key]
 
 
 def hash_files(paths: list[str]) -> str:

@@ -137,7 +137,7 @@ class ARWorker:
                 torch.cuda.current_stream().wait_event(r.inputs_ready)
         for r in rows:
             r.metrics.t_queue = max(0.0, t0 - r.metrics.t_submit - r.metrics.t_tokenizer)
-        results = self._logits(lambda rs: self.runner.prefill([PrefillRow(r.slot, r.lm_input) for r in rs]), rows)
+        results = self._logits(lambda rs: self.runner.prefill([PrefillRow(r.slot, r.lm_input, r.lm_ids) for r in rs]), rows)
         for r, _ in results:
             r.pos = r.lm_input.shape[0]
             self.running.append(r)

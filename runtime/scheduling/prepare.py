@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ...engines.errors import RequestTooLongError
+from ...engines.errors import EngineSetError, RequestTooLongError
 from ..models.sampling import TokenPolicy
 from .state import RequestState
 
@@ -16,6 +16,16 @@ def lm_input(r: RequestState, inputs, lm, device) -> None:
     if torch.device(device).type == "cuda":
         r.inputs_ready = torch.cuda.Event()
         r.inputs_ready.record()
+
+
+def runner_ids(r: RequestState, inputs, runner) -> None:
+    """The prompt as the AR runner's own input ids (`ARRunner.prompt_ids`: merged-vocab ids for TensorRT-LLM, None
+    for the PyTorch LM), one per position of `r.lm_input` (set first), for the prefill's `PrefillRow.ids`."""
+    ids = runner.prompt_ids(inputs.text_ids, inputs.prompt_speech_tokens)
+    if ids is not None and ids.shape[0] != r.lm_input.shape[0]:
+        raise EngineSetError(f"AR runner {type(runner).__name__}: prompt_ids gave {ids.shape[0]} ids for "
+                           f"{r.lm_input.shape[0]} LM input positions")
+    r.lm_ids = ids
 
 
 def flow_prompt(r: RequestState, inputs, device) -> None:

@@ -31,7 +31,7 @@ from .config import SchedulerConfig
 from .handle import RequestHandle
 from .lifecycle import FrontendPool, Lifecycle
 from .policies import POLICIES, dit_order, playback_slack  # noqa: F401 - re-exported
-from .prepare import flow_prompt, lm_input, token_policy
+from .prepare import flow_prompt, lm_input, runner_ids, token_policy
 from ..stages.request import Request, RequestMetrics, prepare_inputs
 from .stage_clock import StageClock
 from .state import RequestState
@@ -41,9 +41,19 @@ from .token2wav_worker import Token2WavWorker
 __all__ = ["Scheduler", "SchedulerConfig", "RequestHandle", "POLICIES", "make_ar_runner", "start_workers", "collect_stats"]
 
 
-def make_ar_runner(models, config: SchedulerConfig, device) -> TorchARRunner:
-    """The PyTorch AR runner a SchedulerConfig describes (KV slots, CUDA-graph ladders, compile)."""
+def make_ar_runner(models, config: SchedulerConfig, device, engine_set=None) -> ARRunner:
+    """The AR runner a SchedulerConfig describes: the PyTorch LM (KV slots, CUDA-graph ladders, compile), or the
+    TensorRT-LLM engine of `engine_set` (an opened engine set, `StageBackends.engine_set`) when its manifest says
+    `ar_runner: trtllm` (the set was checked for it when opened)."""
     cfg = config
+    if engine_set is not None:
+        from ..stages.engine_set import LoadedEngineSet
+
+        if isinstance(engine_set, LoadedEngineSet) and engine_set.ar_runner == "trtllm":
+            from ..stages.ar_trtllm import TrtllmARRunner
+
+            return TrtllmARRunner.from_engine_set(engine_set.folder, engine_set.manifest, cfg.ar_max_batch,
+                                                  cfg.ar_max_len or default_max_len(models), device)
     models.llm.batch_invariant = cfg.batch_invariant  # before any compile / graph capture of its calls
     return TorchARRunner(models.llm, cfg.ar_max_batch, cfg.ar_max_len or default_max_len(models), device,
                          cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, graph_batches=cfg.ar_graph_batches,
@@ -104,10 +114,10 @@ def collect_stats(lifecycle: Lifecycle, frontend: FrontendPool, clock: StageCloc
 class Scheduler:
     """Runs many requests through one `Pipeline`'s models with batching across requests (see module docstring).
 
-    `runner`: the AR runner (default: a TorchARRunner built from `config`, closed with the scheduler);
-    `backends`: what runs DiT / HiFT (default: the pipeline's); `admission`: the control that admits requests (default:
-    one from `config`; a TTS passes its own, which its server asks too). `on_finish(metrics)` (optional) is called once per
-    request when it completes, fails or is cancelled."""
+    `runner`: the AR runner (default: `make_ar_runner` from `config` and the backends' engine set, closed with the
+    scheduler); `backends`: what runs DiT / HiFT (default: the pipeline's); `admission`: the control that admits
+    requests (default: one from `config`; a TTS passes its own, which its server asks too). `on_finish(metrics)`
+    (optional) is called once per request when it completes, fails or is cancelled."""
 
     def __init__(self, pipeline, config: SchedulerConfig | None = None,
                  on_finish: Callable[[RequestMetrics], None] | None = None, *, runner: ARRunner | None = None,
@@ -120,7 +130,8 @@ class Scheduler:
         self.sample_rate = pipeline.sample_rate
         self.backends = backends if backends is not None else pipeline.backends
         self._owns_runner = runner is None
-        self.runner = runner if runner is not None else make_ar_runner(models, cfg, self.device)
+        self.runner = runner if runner is not None else make_ar_runner(models, cfg, self.device,
+                                                                       self.backends.engine_set)
         self.ar_max_len = self.runner.max_len
         self._compiles_at_start = compile_count() if cfg.compile else None
 
@@ -213,6 +224,7 @@ class Scheduler:
         r.metrics.t_tokenizer = time.perf_counter() - t0
         flow_prompt(r, inputs, self.device)
         lm_input(r, inputs, self.lm, self.device)
+        runner_ids(r, inputs, self.runner)
         self.pipeline._check_noise(inputs, r.req)
         token_policy(r, inputs, self.lm, self.ar_max_len, noise_room=self.pipeline.noise_room(inputs))
         self.token2wav.start(r)

@@ -26,6 +26,7 @@ class RequestState:
         self.metrics = handle.metrics
         self.inputs = inputs                      # the frontend's LMRequestInputs when computed elsewhere (cluster)
         self.lm_input: torch.Tensor | None = None
+        self.lm_ids: torch.Tensor | None = None   # the prompt as the AR runner's input ids (None: embeddings only)
         self.inputs_ready = None                  # CUDA: event after the frontend thread built lm_input / prompt
         self.prompt: tuple | None = None          # flow prompt (tokens [P], mel [2P, 80], embedding [192])
         self.policy: TokenPolicy | None = None

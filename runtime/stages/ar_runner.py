@@ -22,7 +22,7 @@ MIN_COMPILED_ROWS = 2  # compiled LM calls get >= 2 rows (padding rows -> scratc
 class PrefillRow:
     slot: int
     embeds: torch.Tensor               # [T, H] LM input embeddings
-    ids: torch.Tensor | None = None    # merged-vocab ids, for engines that take ids
+    ids: torch.Tensor | None = None    # [T] the runner's own input ids (its `prompt_ids`), for engines that take ids
 
 
 @runtime_checkable
@@ -33,6 +33,11 @@ class ARRunner(Protocol):
     max_len: int    # KV positions per slot
 
     def allocate(self) -> int | None: ...      # a free slot, or None
+
+    # The prompt as this runner's input ids, one per LM input position (the scheduler passes them in
+    # PrefillRow.ids), or None: the runner takes the embeddings only. Decode tokens and the returned logits' columns
+    # are speech ids whatever the runner's own vocab is (the runner maps them).
+    def prompt_ids(self, text_ids: torch.Tensor, prompt_speech_ids: torch.Tensor) -> torch.Tensor | None: ...
 
     def release(self, slot: int) -> None: ...
 
@@ -102,6 +107,10 @@ class TorchARRunner:
     def release(self, slot: int) -> None:
         self.slots.release(slot)
 
+    def prompt_ids(self, text_ids, prompt_speech_ids) -> None:
+        """None: the PyTorch LM takes the prompt as embeddings (PrefillRow.embeds)."""
+        return None
+
     def prefill(self, rows: list[PrefillRow]) -> torch.Tensor:
         self.slots.install()
         lengths = [r.embeds.shape[0] for r in rows]
@@ -149,15 +158,13 @@ class TorchARRunner:
         """Compile now, not under load: run the compiled prefill (and, without decode graphs, the decode step at
         the smallest padded batch and one row more: the two decode specializations, see `llm.decode_attention`) into
         the scratch slot (decode graphs compile while they are captured)."""
-        from ..models.llm import REDUCE_ATTENTION_MAX_ROWS
-
         dev, n = self.device, MIN_COMPILED_ROWS
         with torch.inference_mode():  # as the AR worker's tensors are (dynamo guards on inference-ness)
             rows = torch.full((n,), self.slots.scratch_slot, device=dev)
             embeds = torch.zeros(n, 8, self.lm.config.qwen.hidden_size, device=dev, dtype=self.lm.dtype)
             self._prefill(embeds, torch.full((n,), 8, device=dev), rows)
             if self.decode_graphs is None:
-                for b in (n, max(n, REDUCE_ATTENTION_MAX_ROWS) + 1):  # the reduce-form rows and the SDPA rows
+                for b in (n, max(n, self.lm.reduce_attention_max_rows) + 1):  # the reduce-form rows and the SDPA rows
                     self._decode(torch.zeros(b, dtype=torch.long, device=dev),
                                  torch.full((b,), self.slots.scratch_slot, device=dev),
                                  torch.full((b,), 8, device=dev), kv_len=min(KV_LEN_STEP, self.max_len))

@@ -19,10 +19,12 @@ sampler, per request), so the runner has to hand it per-step logits and take the
   history. This is stateless on the executor side: no request sits in the executor between calls, so the
   scheduler's order (prefill of new rows while others are mid-generation) cannot deadlock a callback, which an
   in-flight request driven step by step through a blocking logits post-processor would.
-* merged ids: text id t -> t, speech token s -> text_vocab + s (`cosytrt_metadata.json` of the HF export); the
-  logits' speech rows [offset, offset + speech_vocab) are what the scheduler samples from.
-The prompt must come as merged-vocab ids (`PrefillRow.ids`, `build.hf_export.merged_prompt_ids`): the engine has no
-input-embedding path here (a prompt table would need `--max_prompt_embedding_table_size` and p-tuning ids).
+* ids in and out (`runtime/models/merged_vocab.py`, read from the export's `cosytrt_metadata.json`): the engine has
+  no input-embedding path here (a prompt table would need `--max_prompt_embedding_table_size` and p-tuning ids), so
+  the prompt comes as merged-vocab ids: the scheduler asks the runner for them (`prompt_ids(text_ids,
+  prompt_speech_ids)`, one id per position of the LM input embeddings) and hands them over in `PrefillRow.ids`; a
+  fed speech token s becomes `speech_token_offset + s`; the engine's logits [padded_vocab] are cut to the speech
+  columns, so column i is speech id i, as the torch runner returns them and the sampler indexes them.
 """
 from __future__ import annotations
 
@@ -34,8 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...engines.errors import BackendUnavailableError, EngineSetError, InputError
-
-METADATA_FILE = "cosytrt_metadata.json"  # build/hf_export.py writes it beside the HF checkpoint
+from ..models.merged_vocab import MergedVocab
 
 
 def import_executor_api():
@@ -45,48 +46,6 @@ def import_executor_api():
     except ImportError as e:
         raise BackendUnavailableError("trtllm", "tensorrt_llm", str(e)) from None
     return api
-
-
-@dataclass
-class VocabMap:
-    """The merged-vocab layout of the exported checkpoint (`cosytrt_metadata.json`)."""
-
-    text_vocab_size: int
-    speech_token_offset: int
-    speech_vocab_size: int
-    padded_vocab_size: int
-    eos_id: int
-
-    @staticmethod
-    def from_metadata(meta: dict) -> "VocabMap":
-        try:
-            return VocabMap(text_vocab_size=int(meta["text_vocab_size"]),
-                            speech_token_offset=int(meta["speech_token_offset"]),
-                            speech_vocab_size=int(meta["speech_vocab_size"]),
-                            padded_vocab_size=int(meta["padded_vocab_size"]), eos_id=int(meta["eos_id"]))
-        except KeyError as e:
-            raise EngineSetError(f"merged-vocab metadata lacks {e.args[0]!r}") from None
-
-    @staticmethod
-    def load(hf_dir: str) -> "VocabMap":
-        path = os.path.join(hf_dir, METADATA_FILE)
-        if not os.path.isfile(path):
-            raise EngineSetError(f"{hf_dir}: no {METADATA_FILE} (export the LM with build.hf_export first)")
-        with open(path) as f:
-            return VocabMap.from_metadata(json.load(f))
-
-    def merged(self, speech_token: int) -> int:
-        """A speech token (0 .. speech_vocab-1, as the scheduler samples it) as a merged-vocab id."""
-        if not 0 <= int(speech_token) < self.speech_vocab_size:
-            raise InputError(f"speech token {speech_token} out of range [0, {self.speech_vocab_size})")
-        return self.speech_token_offset + int(speech_token)
-
-    def speech_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Merged-vocab logits [..., V_padded] -> the speech rows [..., speech_vocab] (float32)."""
-        if logits.shape[-1] < self.speech_token_offset + self.speech_vocab_size:
-            raise EngineSetError(f"logits have {logits.shape[-1]} columns, the merged vocab needs "
-                                 f"{self.speech_token_offset + self.speech_vocab_size}")
-        return logits[..., self.speech_token_offset:self.speech_token_offset + self.speech_vocab_size].float()
 
 
 @dataclass
@@ -159,7 +118,7 @@ def executor_config_kwargs(max_batch: int, kv_cache_free_gpu_memory_fraction: fl
                          "free_gpu_memory_fraction": kv_cache_free_gpu_memory_fraction}}
 
 
-def request_kwargs(history: list[int], vocab: VocabMap, slot: int) -> dict:
+def request_kwargs(history: list[int], vocab: MergedVocab, slot: int) -> dict:
     """Arguments of one step's `Request` (pure): the whole history, one new token, its generation logits."""
     return {"input_token_ids": [int(t) for t in history], "max_tokens": 1, "streaming": False,
             "end_id": vocab.eos_id, "pad_id": vocab.eos_id, "client_id": int(slot),
@@ -195,7 +154,7 @@ class TrtllmARRunner:
 
     def __init__(self, engine_dir: str, hf_dir: str, max_batch: int, max_len: int, device="cuda", *,
                  kv_cache_free_gpu_memory_fraction: float = 0.5, timeout_s: float = 60.0, api=None, executor=None):
-        self.vocab = VocabMap.load(hf_dir)
+        self.vocab = MergedVocab.load(hf_dir)
         self.slots = SlotTable(max_batch, max_len)
         self.max_batch, self.max_len = max_batch, max_len
         self.device = torch.device(device)
@@ -234,13 +193,20 @@ class TrtllmARRunner:
     def free(self) -> int:
         return self.slots.free
 
+    def prompt_ids(self, text_ids, prompt_speech_ids) -> torch.Tensor:
+        """The prompt as the engine's merged-vocab ids (what the scheduler puts in `PrefillRow.ids`)."""
+        return self.vocab.prompt_ids(text_ids, prompt_speech_ids)
+
     def prefill(self, rows) -> torch.Tensor:
         histories = []
         for r in rows:
-            if getattr(r, "ids", None) is None:
+            if r.ids is None:
                 raise InputError("the TensorRT-LLM AR runner takes the prompt as merged-vocab ids: PrefillRow.ids "
-                                 "(build.hf_export.merged_prompt_ids) is None")
+                                 "is None (the scheduler fills it from the runner's prompt_ids)")
             ids = torch.as_tensor(r.ids).reshape(-1).tolist()
+            if r.embeds is not None and len(ids) != r.embeds.shape[0]:
+                raise InputError(f"PrefillRow.ids has {len(ids)} ids for {r.embeds.shape[0]} LM input positions: "
+                                 "the decode positions would not line up")
             bad = [i for i in ids if not 0 <= i < self.vocab.padded_vocab_size]
             if bad:
                 raise InputError(f"merged-vocab id {bad[0]} out of range [0, {self.vocab.padded_vocab_size})")
@@ -250,7 +216,7 @@ class TrtllmARRunner:
     def decode(self, tokens: list[int], slots: list[int], positions: list[int]) -> torch.Tensor:
         if not len(tokens) == len(slots) == len(positions):
             raise InputError("decode: tokens, slots and positions differ in length")
-        histories = [(s, self.slots.feed(s, self.vocab.merged(t), p)) for t, s, p in zip(tokens, slots, positions)]
+        histories = [(s, self.slots.feed(s, self.vocab.to_merged(t), p)) for t, s, p in zip(tokens, slots, positions)]
         return self._step(histories)
 
     def close(self) -> None:

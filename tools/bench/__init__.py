@@ -8,8 +8,9 @@ Modules, each importing only the ones listed before it:
 - playback.py   underruns / stalls of a chunk timeline and an open-loop cell's summary (pure functions)
 - common.py     log, results file and time budget (`Bench`), random full-size models, the serving variants' pipeline
                 and scheduler settings
-- micro.py      AR / DiT / HiFT micro-benchmarks with rooflines, CUDA-graph parity, c1 end to end
+- timing.py     CUDA-event timing, CUDA-graph replay timing, max abs error, per-kernel profile
 - aoti.py       the AOTInductor DiT, built and timed in a child process
+- micro.py      AR / DiT / HiFT micro-benchmarks with rooflines, CUDA-graph parity, c1 end to end
 - serving.py    the serving matrix and the scheduler-feature comparison (waves of requests)
 - open_loop.py  open-loop cells: a rate sweep until saturation, A/B over SchedulerConfig fields
 - cli.py        arguments and the suite runner (`trtbuild bench`, `__main__`)

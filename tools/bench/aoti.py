@@ -8,7 +8,7 @@ import time
 import torch
 
 from .common import full_models
-from .micro import graph_timing, max_err
+from .timing import graph_timing, max_err
 
 
 class AotiBuild:

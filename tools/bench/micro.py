@@ -9,7 +9,6 @@ random weights, fixed shapes).
 """
 from __future__ import annotations
 
-import statistics
 import time
 from typing import TYPE_CHECKING
 
@@ -19,80 +18,20 @@ if TYPE_CHECKING:
     from .aoti import AotiBuild
 from .common import (H200_BF16_FLOPS, H200_HBM_BPS, log as _log, pipeline_with_random_frontend, random_models,
                      scheduler_config)
-
-
-def time_cuda(fn, reps: int = 10, warmup: int = 2) -> float:
-    """Median milliseconds of fn() measured with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from .timing import graph_timing, kernel_table, max_err, time_cuda
 
 
 # ------------------------------------------------------------------ micro-benchmarks
 
-def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max())
+def sdpa_decode(llm):
+    """The LM's decode step with SDPA decode attention at every batch (`reduce_attention_max_rows=0`), for a
+    torch.compile separate from the scheduler's: the same-run baseline of the reduce form that small batches use.
+    The LM itself is not changed."""
 
+    def decode(tokens, slots, positions, kv_len=None):
+        return llm.decode(tokens, slots, positions, kv_len=kv_len, reduce_attention_max_rows=0)
 
-def kernel_table(fn, steps: int = 5, top: int = 12) -> dict:
-    """GPU kernels of `steps` calls of `fn` (torch.profiler, no CUDA graph): launches and kernel time per call,
-    and the `top` kernels by time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with torch.inference_mode():
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                fn()
-            torch.cuda.synchronize()
-    per: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            k = per.setdefault(e.name, [0, 0.0])
-            k[0] += 1
-            k[1] += e.device_time
-    rows = sorted(({"name": n, "calls": c / steps, "us": t / steps} for n, (c, t) in per.items()),
-                  key=lambda r: -r["us"])
-    return {"kernel_us": sum(r["us"] for r in rows), "launches": sum(r["calls"] for r in rows), "top": rows[:top]}
-
-
-def graph_timing(fn, device, args: tuple, ref, reps: int = 20) -> tuple[float, float, float]:
-    """`fn(*args)` captured in a CUDA graph: (median ms per replay, max abs error of its output vs `ref`, seconds the
-    capture took, warm-up included)."""
-    from ...engines.cuda_graphs import GraphCache
-
-    t0 = time.perf_counter()
-    g = GraphCache(fn, device)
-    g.capture(0, args)
-    capture_s = time.perf_counter() - t0
-    out = g.run(0, *args)
-    err = max_err(out[0] if isinstance(out, (list, tuple)) else out, ref)
-    return time_cuda(lambda: g.run(0, *args), reps=reps), err, capture_s
-
-
-def _sdpa_decode_graph(fn, device, args: tuple, kv_len: int, ref) -> tuple[float, float]:
-    """`fn` (a torch.compile of the LM's decode, separate from the scheduler's) traced with SDPA decode attention
-    at every batch (`llm.REDUCE_ATTENTION_MAX_ROWS = 0`) in a CUDA graph: ms per step and max abs error vs eager;
-    the same-run baseline of the reduce form that small batches use."""
-    from ...runtime.models import llm as llm_module
-
-    default = llm_module.REDUCE_ATTENTION_MAX_ROWS
-    llm_module.REDUCE_ATTENTION_MAX_ROWS = 0
-    try:
-        ms, err, _ = graph_timing(lambda t, s, p: fn(t, s, p, kv_len=kv_len), device, args, ref)
-        return ms, err
-    finally:
-        llm_module.REDUCE_ATTENTION_MAX_ROWS = default
+    return decode
 
 
 def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
@@ -100,7 +39,6 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
     rung 1024): eager, CUDA graph of the eager step, CUDA graph of the torch.compile'd step. Prefill eager vs
     compiled. `compiled_max_abs_err`: compiled vs eager logits."""
     from ...runtime.stages.compiled import compile_fn
-    from ...runtime.models.llm import REDUCE_ATTENTION_MAX_ROWS
 
     q = llm.config.qwen
     params = sum(p.numel() for p in llm.parameters()) - llm.speech_embedding.weight.numel()
@@ -117,7 +55,7 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
     serving = scheduler_config("compiled")
     KVSlots(llm, serving.ar_max_batch, serving.ar_max_len, scratch=True)
     decode_c = compile_fn(llm.decode) if compile else None
-    decode_sdpa = torch.compile(llm.decode, dynamic=True, fullgraph=True) if compile else None
+    decode_sdpa = torch.compile(sdpa_decode(llm), dynamic=True, fullgraph=True) if compile else None
     for B in batches:
         tokens = torch.randint(0, 6561, (B,), device=device)
         slots = torch.arange(B, device=device)
@@ -143,9 +81,9 @@ def bench_ar(llm, device, quick: bool, compile: bool = True) -> list[dict]:
                     _log(f"AR decode B={B} compiled, kernels per step: {row['kernels']['kernel_us']:.0f} us in "
                          f"{row['kernels']['launches']} launches; top: " + "; ".join(
                              f"{k['name'][:60]} x{k['calls']} {k['us']:.0f}us" for k in row["kernels"]["top"][:6]))
-                if B <= REDUCE_ATTENTION_MAX_ROWS:  # larger batches use SDPA already
-                    row["compiled_sdpa_graph_ms"], row["compiled_sdpa_max_abs_err"] = _sdpa_decode_graph(
-                        decode_sdpa, device, (tokens, slots, pos), kv_len, ref)
+                if B <= llm.reduce_attention_max_rows:  # larger batches use SDPA already
+                    row["compiled_sdpa_graph_ms"], row["compiled_sdpa_max_abs_err"], _ = graph_timing(
+                        lambda t, s, p: decode_sdpa(t, s, p, kv_len=kv_len), device, (tokens, slots, pos), ref)
         kv_bytes = 2 * q.num_hidden_layers * B * q.num_key_value_heads * filled * q.head_dim * 2
         row["bound_ms"] = (step_bytes + kv_bytes) / H200_HBM_BPS * 1e3
         best = min(v for k, v in row.items() if k.endswith("graph_ms"))

@@ -1,0 +1,41 @@
+"""benchmarks/batch_invariance_gpu.py (issue #20's GPU check) runs as one command and writes its JSON summary: its
+CPU smoke mode (tiny model, eager, no CUDA) exercises the wiring the GPU run uses. The GPU numbers themselves come
+from the coordinator's device run (BENCHMARKS.md)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "batch_invariance_gpu.py")
+
+
+def _run(*args, env=None):
+    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300, env=e,
+                          cwd=ROOT)
+
+
+def test_smoke_writes_the_json_summary(tmp_path):
+    p = _run("--smoke", "--parts", "logits", env={"OUT": str(tmp_path)})  # the folder from $OUT
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((tmp_path / "batch_invariance.json").read_text())
+    assert res["status"] == "complete" and res["errors"] == {} and res["meta"]["commit"]
+    assert res["summary"]["logits_on_invariant"] is True            # on: bit-identical rows on the CPU
+    assert "logits" in res["parts_s"] and (tmp_path / "batch_invariance.md").is_file()
+
+
+def test_budget_skips_parts_and_bad_arguments_fail(tmp_path):
+    p = _run(str(tmp_path), "--smoke", "--parts", "logits", "--budget-s", "0")
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((tmp_path / "batch_invariance.json").read_text())
+    assert res["status"] == "partial" and res["skipped"] == ["logits"]
+    p = _run(str(tmp_path), "--smoke", "--parts", "nope")
+    assert p.returncode == 2 and "unknown part" in p.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
+def test_the_one_command_wrapper_is_valid_bash():
+    assert subprocess.run(["bash", "-n", os.path.join(ROOT, "benchmarks", "batch_invariance_run.sh")]).returncode == 0
