@@ -138,7 +138,7 @@ def test_build_json_and_quiet_exporters(tmp_path, capsys):
 
 
 def test_parity_report_ends_with_counts():
-    from cosytrt.build.parity import Check, ParityReport
+    from cosytrt.build.parity_metrics import Check, ParityReport
     from cosytrt.tools.parity import format_report
 
     checks = [Check("a", "engine", True, "r"), Check("b", "engine", False, "r", note="too far"),

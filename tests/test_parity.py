@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from cosytrt.build.engine_set import build_engine_set
-from cosytrt.build.parity import THRESHOLDS, Rule, bucket_cases, compare, engine_rule
+from cosytrt.build.parity_cases import bucket_cases
+from cosytrt.build.parity_metrics import THRESHOLDS, Rule, compare, engine_rule
 from cosytrt.engines.buckets import Bucket
 from cosytrt.runtime.models.loading import load_models
 from cosytrt.runtime.stages.profile import profile_from_dict

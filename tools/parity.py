@@ -34,7 +34,7 @@ def _num(v, fmt: str) -> str:
 
 
 def format_report(report) -> str:
-    from ..build.parity import THRESHOLDS
+    from ..build.parity_metrics import THRESHOLDS
 
     rows = []
     for c in report.checks:
