@@ -2,6 +2,7 @@
 runtime request per segment (submitted in order, so they batch as capacity allows), consumed in order as one
 response."""
 import asyncio
+import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -116,6 +117,27 @@ class SpeechJob:
                 h.cancel()
             except Exception:  # noqa: BLE001
                 log.exception("cancelling a request failed")
+
+
+@contextlib.asynccontextmanager
+async def tracked_job(state, job: SpeechJob, ticket):
+    """Run `job` registered with the server for the `async with` body: started on enter; on exit cancelled unless
+    the body completed, unregistered, and its outcome (ok / error / cancelled) recorded. The admission ticket stays
+    with the caller's `state.admitted` block (batch items and websocket sentences)."""
+    state.jobs.add(job)
+    outcome = "cancelled"
+    try:
+        await job.start(state.executor)
+        yield job
+        outcome = "ok"
+    except Exception:
+        outcome = "error"
+        raise
+    finally:
+        if outcome != "ok":
+            job.cancel()
+        state.jobs.discard(job)
+        state.metrics.finish(outcome, job.metrics, ticket.waited)
 
 
 def segment_text(text: str, settings: ServerSettings, options: dict, tts=None, speaker=None) -> list[str]:

@@ -17,7 +17,7 @@ import numpy as np
 from .encoding import MEDIA_TYPES, encode_audio
 from .errors import APIError, from_runtime_error, invalid
 from .http import check_content_type, read_body_capped, until_done_or_gone
-from .jobs import SpeechJob, _ClientGone, segment_text
+from .jobs import SpeechJob, _ClientGone, segment_text, tracked_job
 from .routes_speech import resolve_speaker
 
 
@@ -32,20 +32,8 @@ async def synthesize_item(state, params, ticket) -> dict:
     if params.speed != 1.0:
         options["speed"] = params.speed
     job = SpeechJob(tts, segment_text(params.input, settings, params.options, tts, speaker), options, False)
-    state.jobs.add(job)
-    outcome = "cancelled"
-    try:
-        await job.start(state.executor)
+    async with tracked_job(state, job, ticket):
         parts = [c async for c in job.chunks()]
-        outcome = "ok"
-    except Exception:
-        outcome = "error"
-        raise
-    finally:
-        if outcome != "ok":
-            job.cancel()
-        state.jobs.discard(job)
-        state.metrics.finish(outcome, job.metrics, ticket.waited)
     wav = np.concatenate(parts) if parts else np.zeros(0, np.float32)
     data = await asyncio.get_running_loop().run_in_executor(None, encode_audio, wav, state.sample_rate,
                                                             params.response_format)

@@ -24,7 +24,7 @@ import numpy as np
 
 from .encoding import pcm16
 from .errors import APIError, from_runtime_error, invalid
-from .jobs import SpeechJob
+from .jobs import SpeechJob, tracked_job
 from .routes_speech import resolve_speaker
 
 _ENDS = {"sentence": re.compile(r"(?<=[。！？!?])|(?<=[.;；])(?=\s|$)|\n+"),
@@ -71,10 +71,8 @@ def add_ws_routes(app, state) -> None:
             if params.speed != 1.0:
                 options["speed"] = params.speed
             job = SpeechJob(state.tts, [text], options, stream_audio)
-            state.jobs.add(job)
-            outcome, sent = "cancelled", 0
-            try:
-                await job.start(state.executor)
+            sent = 0
+            async with tracked_job(state, job, ticket):
                 await ws.send_json({"type": "audio.start", "sentence_index": index, "sentence_text": text,
                                     "format": "pcm", "sample_rate": state.sample_rate})
                 if stream_audio:
@@ -89,15 +87,6 @@ def add_ws_routes(app, state) -> None:
                     if data:
                         await ws.send_bytes(data)
                         sent = len(data)
-                outcome = "ok"
-            except Exception:
-                outcome = "error"
-                raise
-            finally:
-                if outcome != "ok":
-                    job.cancel()
-                state.jobs.discard(job)
-                state.metrics.finish(outcome, job.metrics, ticket.waited)
         await ws.send_json({"type": "audio.done", "sentence_index": index, "total_bytes": sent, "error": False})
         return sent
 
