@@ -230,7 +230,8 @@ def _derive(args, report: dict, calls, base, label, source: str) -> str:
     else:
         how = (f"a shape-only simulation (tools/coverage_sim.py: hop schedule, the scheduler's batching policies with "
                f"the default SchedulerConfig, SimCosts clock) of {source}, prompt {args.prompt_tokens} speech tokens "
-               "(dit/stream: whole-history hops, as with flow_prefix_cache off; prefix-cached hops run in the dit.cached grid, kept from the base profile)")
+               "(dit/stream: whole-history hops, as with flow_prefix_cache off; prefix-cached hops run in the "
+               "dit.cached grid, kept from the base profile)")
         workload = (f"--open-loop {args.open_loop}" + (f" --rates {args.rates}" if args.rates else "")
                     if args.open_loop else f"--workload {args.workload}" if args.workload else "--matrix default")
         how += (f".\nCommand: trtbuild coverage --simulate {workload} --profile {label} --prompt-tokens "
