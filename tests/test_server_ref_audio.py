@@ -114,6 +114,26 @@ def test_fetch_rules(origin):
     _refused(lambda: fetch_ref_audio(origin + "/stall", **{**ok, "timeout": 0.3}), 408, "ref_audio_timeout")
 
 
+def test_dns_lookup_has_a_time_limit(monkeypatch):
+    """The resolver has no timeout of its own: a lookup that never answers ends the fetch with a 408 at the fetch's
+    time limit instead of holding a decode worker."""
+    import socket
+    import threading
+
+    never = threading.Event()
+
+    def stuck(*a, **kw):
+        never.wait(30)
+        raise socket.gaierror("unreachable")
+
+    monkeypatch.setattr(socket, "getaddrinfo", stuck)
+    try:
+        _refused(lambda: fetch_ref_audio("http://slow.example.com/ref.wav", allowed_hosts=["slow.example.com"],
+                                         cap=1000, timeout=0.2), 408, "ref_audio_timeout")
+    finally:
+        never.set()
+
+
 def test_speech_with_ref_audio_url(origin, tmp_path):
     fake = FakeTTS()
     got = []

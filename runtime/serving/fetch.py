@@ -15,6 +15,7 @@ import http.client
 import ipaddress
 import socket
 import ssl
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -41,9 +42,30 @@ def public_address(ip: str) -> bool:
     return addr.is_global and not addr.is_multicast
 
 
-def _resolve(host: str, port: int, private_ok: bool, param: str) -> str:
+def _getaddrinfo(host: str, port: int, timeout: float) -> list:
+    """socket.getaddrinfo with a time limit (the resolver has none of its own): it runs in a daemon thread that is
+    left behind if it does not answer in time."""
+    box: dict = {}
+
+    def look():
+        try:
+            box["infos"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=look, name="ref-audio-dns", daemon=True)
+    t.start()
+    t.join(max(0.0, timeout))
+    if t.is_alive():
+        raise TimeoutError(f"DNS lookup of {host!r} took longer than {timeout:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["infos"]
+
+
+def _resolve(host: str, port: int, private_ok: bool, param: str, timeout: float = 10.0) -> str:
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = _getaddrinfo(host, port, timeout)
     except (socket.gaierror, UnicodeError) as e:
         raise invalid(f"'{param}' host {host!r} does not resolve: {e}", param, "ref_audio_unreachable") from None
     addresses = [info[4][0] for info in infos]
@@ -100,8 +122,13 @@ def fetch_ref_audio(url: str, *, allowed_hosts: list[str] | None, cap: int, time
                       "url_not_allowed")
     port = port or SCHEMES[scheme]
     deadline = time.monotonic() + timeout
-    ip = _resolve(host, port, private_ok, param)
-    conn = (_PinnedHTTPS if scheme == "https" else _PinnedHTTP)(host, ip, port, timeout)
+    try:
+        ip = _resolve(host, port, private_ok, param, timeout)
+    except TimeoutError:
+        raise APIError(408, f"'{param}' URL did not deliver within {timeout:g} s (DNS lookup)", param=param,
+                       code="ref_audio_timeout") from None
+    conn_cls = _PinnedHTTPS if scheme == "https" else _PinnedHTTP
+    conn = conn_cls(host, ip, port, max(0.01, deadline - time.monotonic()))
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     try:
         conn.request("GET", path, headers={"User-Agent": "cosytrt", "Accept": "audio/*"})
@@ -117,9 +144,12 @@ def fetch_ref_audio(url: str, *, allowed_hosts: list[str] | None, cap: int, time
                            code="payload_too_large")
         parts_read, total = [], 0
         while True:
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise APIError(408, f"'{param}' URL did not deliver within {timeout:g} s", param=param,
                                code="ref_audio_timeout")
+            if conn.sock is not None:  # one slow read may not outlast the whole fetch's time limit
+                conn.sock.settimeout(left)
             chunk = resp.read1(65536) if hasattr(resp, "read1") else resp.read(65536)
             if not chunk:
                 break
