@@ -110,7 +110,7 @@ def _keep_checkpoint_keys(module: nn.Module, fused: str, parts: tuple[str, ...])
 # Under torch.compile, decode steps of at most `reduce_max_rows` rows write the attention as multiply-and-sum
 # reductions: Inductor emits a few Triton reductions that read K and V straight out of the slot cache (the gather
 # becomes an indirect load) instead of a gathered copy plus an attention kernel built for long queries. H200, full
-# size, KV rung 1024 (BENCHMARKS.md, run 8): batch 2 1.18 ms vs 1.45 ms with SDPA, but batch 8 2.12 vs 1.52 and batch
+# size, KV rung 1024 (BENCHMARKS.md): batch 2 1.18 ms vs 1.45 ms with SDPA, but batch 8 2.12 vs 1.52 and batch
 # 32 4.98 vs 1.81 (the fused softmax re-reads K per pass), so larger batches keep SDPA. The branch is on the
 # (symbolic) batch size: dynamo compiles the decode step twice (<= 2 rows, more). Eager always uses SDPA: the reduce
 # form would materialize [B, kv_heads, group, n, head_dim] products.
@@ -179,7 +179,7 @@ class Attention(nn.Module):
 # The prefill's shapes change from call to call (rows x padded length), and batches that no prefill graph holds run
 # outside CUDA graphs. cuDNN's fused attention builds an execution plan for every new shape (~400 ms on an H100,
 # sglang PR #4650), which would stall the AR worker, and every request decoding in it, on each new admission shape
-# (a likely cause of the 0.7 s admission delay in the first 32-request cell of BENCHMARKS.md run 12). So the
+# (a likely cause of an admission delay seen on the first cell of 32 concurrent requests). So the
 # prefill attention never uses the cuDNN backend; the decode step keeps the default choice (its shapes are the
 # fixed ones of its CUDA graphs). Traced into the compiled prefill as well (one graph, no guard on global state).
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

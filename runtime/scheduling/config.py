@@ -30,7 +30,7 @@ class SchedulerConfig:
     dit_slack_priority: bool = True   # off: each DiT call is built around the oldest queued job (see playback_slack)
     # on: the DiT worker advances rows one Euler step per call, so a new first hop joins the next step instead of
     # waiting for a long final. Off by default: on the H200 it cost ~20 % c1 streaming TTFA (ten calls per hop) and
-    # its open-loop gain did not repeat across runs (BENCHMARKS.md, runs 15-17)
+    # its open-loop gain did not repeat across runs (measured: BENCHMARKS.md)
     dit_step_level: bool = False
     hift_length_aware: bool = True    # off: offline HiFT batches in arrival order, no padding-waste limit
     async_d2h: bool = True            # off (CUDA): each chunk's device-to-host copy blocks the HiFT worker
@@ -43,13 +43,13 @@ class SchedulerConfig:
     # None (auto): on where the backends capture cached hops in CUDA graphs (`StageBackends.dit_cached`, from a
     # profile's dit.cached grid), off elsewhere: on the H200 graphed cached hops served 1.26x the audio of
     # whole-history hops with 5x fewer stall seconds, while eager cached hops (launch-bound) were 1.6x slower
-    # (BENCHMARKS.md, runs 16 and 18).
+    # (measured: BENCHMARKS.md).
     flow_prefix_cache: bool | None = None
     flow_prompt_cache: bool = True
     flow_cache_budget_bytes: int | None = None
     # A request's tokens do not depend on the other requests batched with it, nor on the padded bucket / KV rung
     # (same seed, same tokens). The LM then runs batch-invariant kernels (runtime/models/batch_invariant.py). Off by
-    # default: on the H200 it doubled the time to first audio under open-loop load (BENCHMARKS.md, run 16).
+    # default: on the H200 it doubled the time to first audio under open-loop load (measured: BENCHMARKS.md).
     batch_invariant: bool = False
 
     def __post_init__(self):
