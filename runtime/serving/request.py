@@ -171,7 +171,7 @@ def parse_speech_request(body, settings: ServerSettings) -> SpeechParams:
     if not text.strip():
         raise invalid("'input' is empty", "input")
     if len(text) > settings.max_input_chars:
-        raise APIError(413, f"'input' is {len(text)} characters long; at most {settings.max_input_chars} are "
+        raise APIError(400, f"'input' is {len(text)} characters long; at most {settings.max_input_chars} are "
                             f"allowed", param="input", code="input_too_long")
     voice = b.voice.id if isinstance(b.voice, VoiceRef) else b.voice
     if voice is not None:
