@@ -53,10 +53,10 @@ def plan_jobs(args) -> list[dict]:
     jobs, rest = [], []
     for pi, (pname, prof) in enumerate(profiles):
         for s, m, d in graphs:
-            bks = prof.buckets(s, m)
+            bks = [b for b in prof.buckets(s, m) if not args.buckets or b.key.split("/")[-1] in args.buckets.split(",")]
             if not bks:
                 continue
-            ends = [bks[0], bks[-1]] if len(bks) > 1 else bks[:1]
+            ends = [bks[0], bks[-1]] if len(bks) > 1 and args.chunk > 1 else bks[:1]  # --chunk 1: one bucket a plan
             jobs.append(dict(phase=1 if pi == 0 else 2, profile=pname, stage=s, mode=m, dtype=d,
                              buckets=ends, prof=prof))
             middle = [b for b in bks if b not in ends]
@@ -145,6 +145,7 @@ def main() -> int:
     ap.add_argument("--graphs", default="", help="subset of " + ",".join(f"{s}/{m}" for s, m in GRAPHS))
     ap.add_argument("--workspace-gb", action="append", help="STAGE[:DTYPE]=GB over the profile's workspace_gb")
     ap.add_argument("--max-threads", type=int, default=None, help="builder threads per job (default: every CPU)")
+    ap.add_argument("--buckets", default="", help="only these bucket keys, e.g. b16xt2100")
     ap.add_argument("--no-refusal-check", action="store_true", help="skip opening a plan with the runtime")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
