@@ -1,7 +1,8 @@
 """Build an engine set: every (stage, mode) of a profile through one backend, into a folder with a manifest.
 
 Backends: `onnxruntime` (ONNX files; ORT picks its provider at load), `aoti` (AOTInductor `.pt2` packages, CPU or
-CUDA), `tensorrt` (ONNX → plans with one optimization profile per bucket; needs `tensorrt`). The AR LM runs in the
+CUDA), `tensorrt` (ONNX → plans with one optimization profile per bucket; needs `tensorrt`, or TensorRT for RTX, which
+also builds with --device cpu: see `tensorrt_build_device`). The AR LM runs in the
 runtime (static KV cache + CUDA graphs) for those backends; with `tensorrt` the merged-vocab HF checkpoint and the
 TensorRT-LLM build commands are written too (and run when `tensorrt_llm` is importable).
 
