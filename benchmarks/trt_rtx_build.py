@@ -72,8 +72,10 @@ def start(job, k: int, args):
     os.makedirs(d, exist_ok=True)
     yml = os.path.join(d, "profile.yaml")
     with open(yml, "w") as f:
-        yaml.safe_dump(job_profile(job["prof"], job["stage"], job["mode"], job["dtype"], job["buckets"],
-                                   _options(args, job["stage"], job["dtype"])), f)
+        prof = job_profile(job["prof"], job["stage"], job["mode"], job["dtype"], job["buckets"],
+                           _options(args, job["stage"], job["dtype"]))
+        yaml.safe_dump(prof, f)
+    job["workspace_gb"] = float(prof["stages"][job["stage"]]["options"].get("workspace_gb", 8))
     cmd = [sys.executable, "-m", "cosytrt.tools.trtbuild", "build", "--model", "random-full", "--profile", yml,
            "--backend", "tensorrt", "--device", args.device, "--onnx-dir", args.onnx_dir, "--out",
            os.path.join(d, "set"), "--quiet"]
@@ -96,7 +98,7 @@ def _options(args, stage: str, dtype: str) -> dict:
 
 def record(job, rc, args) -> dict:
     out = {k: job[k] for k in ("phase", "profile", "stage", "mode", "dtype")}
-    out.update(buckets=[b.key.split("/")[-1] for b in job["buckets"]], rc=rc,
+    out.update(buckets=[b.key.split("/")[-1] for b in job["buckets"]], rc=rc, workspace_gb=job.get("workspace_gb"),
                wall_s=round(time.time() - job["t0"], 1))
     mpath = os.path.join(job["dir"], "set", "manifest.json")
     m = json.load(open(mpath)) if rc == 0 and os.path.isfile(mpath) else None
