@@ -42,8 +42,8 @@ tensorrt --device cpu`, on the full-size HiFT and fp32 streaming DiT on a CPU-on
 - Builder: a profile whose scratch memory exceeds the WORKSPACE pool fails the whole build with "Error Code 2:
   OutOfMemory (Requested size was 9914508224 bytes.)" (the fp32 streaming DiT at b16 x t2100 under default.yaml's
   workspace_gb 8, on the H200 and on a CPU-only machine alike; it builds with 10 on the CPU, 12 on the H200; bf16
-  fits in 8). On a CPU-only machine the limit is checked, not allocated (that build peaked at ~6 GiB RSS). `build_plan` adds
-  the workspace_gb that would do to the error.
+  fits in 8). On a CPU-only machine the limit is checked, not allocated (that build peaked at ~6 GiB RSS).
+  `build_plan` adds the workspace_gb that would do to the error.
 """
 from __future__ import annotations
 
