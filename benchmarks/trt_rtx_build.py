@@ -107,7 +107,7 @@ def record(job, rc, args) -> dict:
     elif m is not None:
         e = m["engines"][0]
         x = e["extra"]
-        out.update(parse_ok=True, build_ok=True, parse_s=round(x["parse_seconds"], 2), workspace_gb=x.get("workspace_gb"),
+        out.update(parse_ok=True, build_ok=True, parse_s=round(x["parse_seconds"], 2),
                    build_s=round(x["seconds"], 1), plan_mib=round(x["plan_bytes"] / 2**20, 1),
                    library=f"{m['tensorrt_library']} {m['versions'].get('tensorrt')}",
                    runnable_here=x.get("runnable_here"), not_runnable_reason=x.get("not_runnable_reason"),

@@ -69,7 +69,8 @@ def main():
             err = r.get("error", "")
             status = "built" if r.get("build_ok") else f"FAILED: {err[err.find('Error Code'):][:220]}"
             rows.append(f"| {r['profile']} | {r['stage']}/{r['mode']} {r['dtype']} | {' '.join(r['buckets'])} | "
-                        f"{r.get('workspace_gb', '')} | {r.get('build_s', '')} | {r.get('plan_mib', '')} | {status} | {run} |")
+                        f"{r.get('workspace_gb', '')} | {r.get('build_s', '')} | {r.get('plan_mib', '')} | {status} | "
+                        f"{run} |")
     with open(os.path.join(HERE, "table.md"), "w") as f:
         f.write("# TensorRT-RTX 1.7.1.116 builds on a CPU-only machine (none has run)\n\n")
         f.write("## One plan per profile and stage (every bucket an optimization profile)\n\n")
