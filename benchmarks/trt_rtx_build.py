@@ -24,13 +24,16 @@ import yaml
 
 from cosytrt.runtime.stages.profile import load_profile
 
-GRAPHS = [("dit", "stream"), ("dit", "offline"), ("hift", "stream"), ("hift", "offline")]
+# what `trtbuild build` builds (build/engine_set.py EngineSetBuilder.BUILT): HiFT's stream buckets are CUDA graphs of
+# the conv stack, not engines, so a hift/stream job would build nothing
+GRAPHS = [("dit", "stream"), ("dit", "offline"), ("hift", "offline")]
 
 
-def job_profile(profile, stage: str, mode: str, dtype: str, buckets) -> dict:
+def job_profile(profile, stage: str, mode: str, dtype: str, buckets, options: dict | None = None) -> dict:
     sp = profile.stage(stage)
+    options = options or {}
     lk, mk = ("frames", "min_frames")
-    sd = {"dtype": dtype, "options": dict(sp.options), mode: {"buckets": []}}
+    sd = {"dtype": dtype, "options": {**sp.options, **options}, mode: {"buckets": []}}
     if stage == "hift" and dtype != "float32":
         sd["allow_reduced_precision"] = True
     for b in buckets:
@@ -45,14 +48,15 @@ def job_profile(profile, stage: str, mode: str, dtype: str, buckets) -> dict:
 def plan_jobs(args) -> list[dict]:
     profiles = [(p, load_profile(p)) for p in args.profiles.split(",")]
     dtypes = args.dtypes.split(",")
-    graphs = [(s, m, d) for s, m in GRAPHS for d in (dtypes if s == "dit" else ["float32"])]
+    only = [tuple(g.split("/")) for g in args.graphs.split(",")] if args.graphs else GRAPHS
+    graphs = [(s, m, d) for s, m in GRAPHS if (s, m) in only for d in (dtypes if s == "dit" else ["float32"])]
     jobs, rest = [], []
     for pi, (pname, prof) in enumerate(profiles):
         for s, m, d in graphs:
-            bks = prof.buckets(s, m)
+            bks = [b for b in prof.buckets(s, m) if not args.buckets or b.key.split("/")[-1] in args.buckets.split(",")]
             if not bks:
                 continue
-            ends = [bks[0], bks[-1]] if len(bks) > 1 else bks[:1]
+            ends = [bks[0], bks[-1]] if len(bks) > 1 and args.chunk > 1 else bks[:1]  # --chunk 1: one bucket a plan
             jobs.append(dict(phase=1 if pi == 0 else 2, profile=pname, stage=s, mode=m, dtype=d,
                              buckets=ends, prof=prof))
             middle = [b for b in bks if b not in ends]
@@ -68,22 +72,39 @@ def start(job, k: int, args):
     os.makedirs(d, exist_ok=True)
     yml = os.path.join(d, "profile.yaml")
     with open(yml, "w") as f:
-        yaml.safe_dump(job_profile(job["prof"], job["stage"], job["mode"], job["dtype"], job["buckets"]), f)
+        prof = job_profile(job["prof"], job["stage"], job["mode"], job["dtype"], job["buckets"],
+                           _options(args, job["stage"], job["dtype"]))
+        yaml.safe_dump(prof, f)
+    job["workspace_gb"] = float(prof["stages"][job["stage"]]["options"].get("workspace_gb", 8))
     cmd = [sys.executable, "-m", "cosytrt.tools.trtbuild", "build", "--model", "random-full", "--profile", yml,
-           "--backend", "tensorrt", "--device", "cuda", "--onnx-dir", args.onnx_dir, "--out",
+           "--backend", "tensorrt", "--device", args.device, "--onnx-dir", args.onnx_dir, "--out",
            os.path.join(d, "set"), "--quiet"]
     job.update(dir=d, cmd=" ".join(cmd), t0=time.time())
     log = open(os.path.join(d, "log.txt"), "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _options(args, stage: str, dtype: str) -> dict:
+    """Builder options over the profile's: --workspace-gb STAGE:DTYPE=GB (e.g. dit:float32=12), --max-threads."""
+    out = {}
+    for item in args.workspace_gb or []:
+        key, gb = item.split("=")
+        if key in (stage, f"{stage}:{dtype}"):
+            out["workspace_gb"] = float(gb)
+    if args.max_threads:
+        out["max_threads"] = args.max_threads
+    return out
+
+
 def record(job, rc, args) -> dict:
     out = {k: job[k] for k in ("phase", "profile", "stage", "mode", "dtype")}
-    out.update(buckets=[b.key.split("/")[-1] for b in job["buckets"]], rc=rc,
+    out.update(buckets=[b.key.split("/")[-1] for b in job["buckets"]], rc=rc, workspace_gb=job.get("workspace_gb"),
                wall_s=round(time.time() - job["t0"], 1))
     mpath = os.path.join(job["dir"], "set", "manifest.json")
-    if rc == 0 and os.path.isfile(mpath):
-        m = json.load(open(mpath))
+    m = json.load(open(mpath)) if rc == 0 and os.path.isfile(mpath) else None
+    if m is not None and not m["engines"]:
+        out.update(build_ok=None, error="nothing built (no engine of this stage/mode in trtbuild build)")
+    elif m is not None:
         e = m["engines"][0]
         x = e["extra"]
         out.update(parse_ok=True, build_ok=True, parse_s=round(x["parse_seconds"], 2),
@@ -122,6 +143,12 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=4)
     ap.add_argument("--deadline", type=float, default=420.0, help="seconds; unfinished jobs are killed")
     ap.add_argument("--keep-plans", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cpu: TensorRT-RTX builds ahead of time without a GPU")
+    ap.add_argument("--graphs", default="", help="subset of " + ",".join(f"{s}/{m}" for s, m in GRAPHS))
+    ap.add_argument("--workspace-gb", action="append", help="STAGE[:DTYPE]=GB over the profile's workspace_gb")
+    ap.add_argument("--max-threads", type=int, default=None, help="builder threads per job (default: every CPU)")
+    ap.add_argument("--buckets", default="", help="only these bucket keys, e.g. b16xt2100")
+    ap.add_argument("--no-refusal-check", action="store_true", help="skip opening a plan with the runtime")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t_end = time.time() + args.deadline
@@ -156,7 +183,7 @@ def main() -> int:
                 if res["phase"] == 1:  # later jobs of this graph need its export, not this job's build
                     stamp = os.path.join(args.onnx_dir, "{}_{}_{}.onnx.json".format(*key(res)))
                     (ready if os.path.isfile(stamp) else failed).add(key(res))
-                if refusal is None and res.get("build_ok"):
+                if refusal is None and res.get("build_ok") and not args.no_refusal_check:
                     refusal = refusal_check(res)
                     print("refusal check:", refusal, flush=True)
                 if not args.keep_plans and res.get("plan") and os.path.isfile(res["plan"]):

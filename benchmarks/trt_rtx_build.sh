@@ -10,6 +10,11 @@
 #   cat /tmp/rtx/part00 /tmp/rtx/part01 part02 > /tmp/rtx/tensorrt_rtx_cu13_libs-1.7.1.116-py3-none-manylinux_2_28_x86_64.whl
 #   pip install --no-index --no-deps --target /tmp/site /tmp/rtx/*.whl ./*.whl; export PYTHONPATH=/tmp/site
 #   python3 trt_rtx_build.py --out $OUT --deadline 290 --workers 14
+# CPU-only machine (no GPU needed: TensorRT-RTX builds ahead of time; run of 2026-12-03 in
+# benchmarks/2026-12-03-trt-rtx-cpu, whose README has every command): Python 3.11 with a cp311 bindings wheel,
+#   pip install --no-deps --target /tmp/rtx tensorrt-rtx-cu13-libs==1.7.1.116 tensorrt-rtx-cu13-bindings==1.7.1.116
+#   PYTHONPATH=/tmp/rtx:. python3 benchmarks/trt_rtx_build.py --out OUT --device cpu --no-refusal-check \
+#       --graphs hift/offline,dit/stream --dtypes float32 --chunk 1 --workers 2 --max-threads 1 --workspace-gb dit:float32=10
 set -euo pipefail
 OUT=${1:?usage: trt_rtx_build.sh OUT_DIR [args]}; shift
 if [ -n "${WHEELS:-}" ]; then

@@ -1,7 +1,8 @@
 """Build an engine set: every (stage, mode) of a profile through one backend, into a folder with a manifest.
 
 Backends: `onnxruntime` (ONNX files; ORT picks its provider at load), `aoti` (AOTInductor `.pt2` packages, CPU or
-CUDA), `tensorrt` (ONNX → plans with one optimization profile per bucket; needs `tensorrt`). The AR LM runs in the
+CUDA), `tensorrt` (ONNX → plans with one optimization profile per bucket; needs `tensorrt`, or TensorRT for RTX, which
+also builds with --device cpu: see `tensorrt_build_device`). The AR LM runs in the
 runtime (static KV cache + CUDA graphs) for those backends; with `tensorrt` the merged-vocab HF checkpoint and the
 TensorRT-LLM build commands are written too (and run when `tensorrt_llm` is importable).
 
@@ -51,6 +52,22 @@ def resolve_backend(backend: str, device: str) -> str:
     return "onnxruntime"
 
 
+def tensorrt_build_device(device: str) -> str:
+    """The device a `tensorrt` engine set is built for. TensorRT plans run on CUDA only, so the set's device is
+    "cuda"; `--device cpu` is allowed with TensorRT for RTX only, whose build is ahead of time and needs no GPU
+    (the ONNX exports run on the CPU, the plans target the GPUs TensorRT-RTX supports; see engines/tensorrt.py).
+    TensorRT 10/11 times kernels on the GPU it builds on: --device cuda."""
+    if device.startswith("cuda"):
+        return device
+    from ..engines.tensorrt import select_tensorrt
+
+    lib = select_tensorrt()[1]
+    if not lib.rtx:
+        raise EngineSetError(f"the tensorrt backend builds on --device cuda with {lib} (it times kernels on the GPU); "
+                             f"only TensorRT for RTX builds without one")
+    return "cuda"
+
+
 @dataclass
 class BuildResult:
     spec: EngineSpec
@@ -71,6 +88,7 @@ class EngineSetBuilder:
         self.onnx_dir = onnx_dir  # tensorrt: share ONNX exports between engine sets (<stage>_<mode>_<dtype>.onnx)
         self.profile = profile
         self.device = device
+        self.export_device = device  # where the models run for export (differs only for an ahead-of-time build)
         self.backend = resolve_backend(backend, device)
         self.out_dir = out_dir
         self.progress = progress
@@ -78,8 +96,7 @@ class EngineSetBuilder:
             from ..engines.tensorrt import import_tensorrt
 
             import_tensorrt()  # BackendUnavailableError naming the package when absent
-            if not device.startswith("cuda"):
-                raise EngineSetError("the tensorrt backend builds on --device cuda")
+            self.device = tensorrt_build_device(device)
         self.versions = backend_versions(self.backend)
         self.previous = self._previous_manifest()
 
@@ -212,11 +229,11 @@ class EngineSetBuilder:
         if stage == "dit":
             from .stage_exports import dit_export
 
-            exp = dit_export(self.models.flow.estimator, mode == "stream", dtype, self.device)
+            exp = dit_export(self.models.flow.estimator, mode == "stream", dtype, self.export_device)
         else:
             from .stage_exports import hift_export
 
-            exp = hift_export(self.models.hift, mode, self.device)
+            exp = hift_export(self.models.hift, mode, self.export_device)
         return (exp, buckets, max(b.batch for b in buckets), min(b.length_range[0] for b in buckets),
                 max(b.length for b in buckets))
 

@@ -142,7 +142,7 @@ def build_plan(onnx_path: str, plan_path: str, buckets: list[Bucket], input_shap
             f.write(config.get_timing_cache().serialize())
         os.replace(timing_cache + ".tmp", timing_cache)
     info = {"seconds": seconds, "parse_seconds": parse_seconds, "plan_bytes": os.path.getsize(plan_path),
-            "tensorrt_version": lib.version, "tensorrt_library": lib.library,
+            "tensorrt_version": lib.version, "tensorrt_library": lib.library, "workspace_gb": options.workspace_gb,
             "compute_capabilities": [getattr(t, "name", str(t)) for t in targets]}
     info.update(_profile_memory(trt, lib, plan, len(buckets)))
     return info

@@ -8,8 +8,8 @@ manifest (`tensorrt_library`, and `versions["tensorrt_library"]`), and an engine
 the other (`Manifest.check_compatible`).
 
 TensorRT-RTX differences from TensorRT 10/11 that cosytrt's code met (TensorRT-RTX 1.7.1.116 from PyPI; its ONNX
-parser and builder ran for real on the full-size DiT exports on an H200, and on the tiny DiT/HiFT on a CPU-only
-machine — see BENCHMARKS.md):
+parser and builder ran for real on the full-size DiT exports on an H200, and, through `trtbuild build --backend
+tensorrt --device cpu`, on the full-size HiFT and fp32 streaming DiT on a CPU-only machine — see BENCHMARKS.md):
 - Strong typing is always on; `NetworkDefinitionCreationFlag.STRONGLY_TYPED` exists but is deprecated and ignored
   (as in TensorRT 11). Versions are 1.x, so `network_flags` must not infer "TensorRT 10" from the major: it passes 0.
 - The build is ahead of time and hardware-agnostic: no kernel timing; a "compiler backend" compiles each
@@ -18,6 +18,12 @@ machine — see BENCHMARKS.md):
   fails). Targets: `IBuilderConfig.num_compute_capabilities` + `set_compute_capability(ComputeCapability.SM89, i)`;
   the enum lists SM75, SM80, SM86, SM89, SM120, SM121 and CURRENT; cosytrt sets them only when the profile's stage
   options name `compute_capabilities` (the library default was used on the H200).
+- No GPU is needed to build, so `trtbuild build --backend tensorrt --device cpu` is allowed with TensorRT-RTX only
+  (`build.engine_set.tensorrt_build_device`: the exports run on the CPU, the set's device is "cuda"; TensorRT 10/11
+  times kernels on its build GPU and keeps --device cuda). On a machine without a CUDA driver the builder logs
+  "Error reading CUDA GPU properties: In getCurrentCC ... (cudaError 35: CUDA driver version is insufficient for CUDA
+  runtime version)" and still builds; `get_engine_validity` then says INVALID (recorded as
+  `runnable_here: false`). A cp311 bindings wheel exists too (`tensorrt_rtx_cu13_bindings-...-cp311`).
 - No timing cache: the builder logs "The timing cache will not be used!" and a cache it serialized fails to load
   next time ("Failed to deserialize timing cache"), so `build_plan` uses none with TensorRT-RTX.
 - `Builder.max_threads` defaults to 1; `build_plan` sets it to the CPU count (no speed-up was measurable on 2 cores).
@@ -35,8 +41,9 @@ machine — see BENCHMARKS.md):
   f0 predictor of the HiFT export parses: no layer of the parsed network is DOUBLE (it is computed in float32).
 - Builder: a profile whose scratch memory exceeds the WORKSPACE pool fails the whole build with "Error Code 2:
   OutOfMemory (Requested size was 9914508224 bytes.)" (the fp32 streaming DiT at b16 x t2100 under default.yaml's
-  workspace_gb 8, on the H200 and on a CPU-only machine alike; it builds with 12; bf16 fits in 8). `build_plan` adds
-  the workspace_gb that would do to the error.
+  workspace_gb 8, on the H200 and on a CPU-only machine alike; it builds with 10 on the CPU, 12 on the H200; bf16
+  fits in 8). On a CPU-only machine the limit is checked, not allocated (that build peaked at ~6 GiB RSS).
+  `build_plan` adds the workspace_gb that would do to the error.
 """
 from __future__ import annotations
 

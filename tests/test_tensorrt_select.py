@@ -239,3 +239,16 @@ def test_workspace_hint_names_the_needed_size():
     hint = workspace_hint(err, TensorRTOptions(workspace_gb=8))
     assert "9.2 GiB" in hint and "{workspace_gb: 11}" in hint
     assert workspace_hint(err, TensorRTOptions(workspace_gb=12)) == "" and workspace_hint("parse error", TensorRTOptions()) == ""
+
+
+def test_tensorrt_build_device_cpu_only_with_rtx(monkeypatch):
+    """TensorRT-RTX builds ahead of time without a GPU: `--device cpu` exports on the CPU and the set targets CUDA;
+    TensorRT 10/11 (kernel timing on the build GPU) still needs --device cuda."""
+    from cosytrt.build.engine_set import tensorrt_build_device
+
+    assert tensorrt_build_device("cuda:1") == "cuda:1"
+    only(monkeypatch, tensorrt_rtx_bindings=fake_trt("tensorrt_rtx_bindings", "1.7.1.116"))
+    assert tensorrt_build_device("cpu") == "cuda"
+    only(monkeypatch, tensorrt=fake_trt("tensorrt", "10.13.3.9"))
+    with pytest.raises(EngineSetError, match="builds on --device cuda with TensorRT 10.13.3.9"):
+        tensorrt_build_device("cpu")
