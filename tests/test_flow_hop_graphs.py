@@ -70,6 +70,13 @@ def test_graph_buckets_equal_eager_and_whole_history(flow):
     assert any(k[0] == 1 and k[2] > 0 for k in graphs.entries)
 
 
+def test_static_buffers_allocated_with_the_first_bucket(flow):
+    graphs = graphs_for(flow)
+    assert graphs.static_bytes == 0  # a set whose cache stays off holds no buffers
+    graphs.entry((1, 64, 96))
+    assert graphs.static_bytes > 0
+
+
 def test_no_bucket_runs_eagerly_and_is_counted(flow):
     P = 20
     prompt, toks = make_prompt(flow, P, 5), make_tokens(flow, 300, 6)
@@ -82,4 +89,4 @@ def test_no_bucket_runs_eagerly_and_is_counted(flow):
     assert graphs.counts["misses"] >= 1
     s = graphs.stats()
     assert s["grid"] == {"batch": [1], "frames": [64], "prefix": [0, 96]} and s["graphs"] is False
-    assert s["static_bytes"] > 0
+    assert s["static_bytes"] == 0  # no bucket was ever used: no static buffers

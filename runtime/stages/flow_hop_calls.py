@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -179,30 +180,30 @@ class CachedHopGraphs:
         self.entries: dict = {}
         self.counts = dict(hits=0, misses=0, captured=0)
         self._lock = threading.Lock()
-        big = hop_shapes(dit, max(grid.batch), max(grid.frames), max(grid.prefix))
-        self._flat = {}
-        with torch.inference_mode():
-            for name, shape in big.items():
-                dt = torch.long if name == "offsets" else torch.bool if name == "prefix_valid" else self.dtype
-                numel = 1
-                for d in shape:
-                    numel *= d
-                self._flat[name] = torch.zeros(numel, device=self.device, dtype=dt)
+        self._flat: dict = {}  # the shared static buffers, allocated with the first bucket (none while unused)
+
+    def _buffers(self) -> dict:
+        if not self._flat:
+            big = hop_shapes(self.dit, max(self.grid.batch), max(self.grid.frames), max(self.grid.prefix))
+            with torch.inference_mode():
+                for name, shape in big.items():
+                    dt = torch.long if name == "offsets" else torch.bool if name == "prefix_valid" else self.dtype
+                    self._flat[name] = torch.zeros(math.prod(shape), device=self.device, dtype=dt)
+        return self._flat
 
     @property
     def static_bytes(self) -> int:
+        """Bytes of the shared static buffers (0 until the first bucket is used or captured)."""
         return sum(t.numel() * t.element_size() for t in self._flat.values())
 
     def _views(self, key: tuple) -> dict:
         b, n, p = key
+        flat = self._buffers()
         out = {}
         for name, shape in hop_shapes(self.dit, b, n, p).items():
             if name in ("kp", "vp", "prefix_valid") and p == 0:
                 continue
-            numel = 1
-            for d in shape:
-                numel *= d
-            out[name] = self._flat[name][:numel].view(shape)
+            out[name] = flat[name][:math.prod(shape)].view(shape)
         return out
 
     def _capture(self, key: tuple):
