@@ -27,7 +27,7 @@ reduction whose per-output order cannot depend on the batch / rung:
 
 Each is a torch custom op: torch.compile keeps them opaque (Inductor fuses only the elementwise work around them, and
 does not re-derive its own reduction strategy), so the eager, CUDA-graph and compiled paths run the same kernels.
-The LM uses them when `CosyVoice3LM.batch_invariant` is on (`SchedulerConfig.batch_invariant`, default on).
+The LM uses them when `CosyVoice3LM.batch_invariant` is on (`SchedulerConfig.batch_invariant`, default off).
 """
 import math
 from typing import Optional
