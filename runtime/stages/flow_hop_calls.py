@@ -92,8 +92,9 @@ class HopCall:
                     rows[:, b] = getattr(pre, name)[s]
 
     def run(self, s: int, hop_k: torch.Tensor, hop_v: torch.Tensor):  # pragma: no cover - interface
-        """One estimator call; this call's K/V land in hop_k[s] / hop_v[s] [depth, 2R, frames, D]. Returns
-        (velocity [2R, 80, N], in1, in2 [2R, K-1+N, D]) — borrowed until the next call."""
+        """One estimator call; the requests' K/V of this call land in hop_k[s] / hop_v[s] [depth, 2B, frames, D]
+        (B requests: conditional rows, then unconditional ones). Returns (velocity [2R, 80, N], in1, in2
+        [2R, K-1+N, D]) in the call's layout — borrowed until the next call."""
         raise NotImplementedError
 
 
@@ -156,9 +157,10 @@ class GraphHopCall(HopCall):
 
     def run(self, s, hop_k, hop_v):
         out = self._replay()
-        n = hop_k.shape[3]
-        hop_k[s].copy_(self.k_out[:, :, :n])
-        hop_v[s].copy_(self.v_out[:, :, :n])
+        b, n, R = hop_k.shape[2] // 2, hop_k.shape[3], self.rows
+        for dst, src in ((hop_k[s], self.k_out), (hop_v[s], self.v_out)):  # the requests' rows, not the padding
+            dst[:, :b].copy_(src[:, :b, :n])
+            dst[:, b:].copy_(src[:, R:R + b, :n])
         return out
 
 

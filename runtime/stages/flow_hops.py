@@ -235,7 +235,7 @@ def _solve_cached(flow, plans: list, hops) -> list:
     prefixes = [p.prefix for p in plans]
 
     cfg_rate = cfg.inference_cfg_rate
-    hop_k = torch.empty(S, L, 2 * R, N, Dkv, device=device, dtype=dtype)
+    hop_k = torch.empty(S, L, 2 * B, N, Dkv, device=device, dtype=dtype)  # the requests' rows only
     hop_v = torch.empty_like(hop_k)
     # conv input tails at each row's commit point (and at the prompt split), per step: [2B rows][S] -> [K1, Dm]
     new_t = {name: [[None] * S for _ in range(B)] for name in ("t1", "t2", "p1", "p2")}
@@ -268,12 +268,12 @@ def _solve_cached(flow, plans: list, hops) -> list:
         mels.append(torch.cat([s.mel for s in segs] + [x[b, :, :n[b]]], dim=1).unsqueeze(0).float())
     cond = call.cond[:B, :, :N]
     for b, p in enumerate(plans):
-        _commit(flow, p, b, R, hop_k, hop_v, x, cond, new_t)
+        _commit(flow, p, b, B, hop_k, hop_v, x, cond, new_t)
     return mels
 
 
-def _commit(flow, p: HopPlan, b: int, R: int, hop_k, hop_v, x, cond, new_t) -> None:
-    """Store what row b (its unconditional row at R + b of hop_k / hop_v) computed and the plan commits."""
+def _commit(flow, p: HopPlan, b: int, B: int, hop_k, hop_v, x, cond, new_t) -> None:
+    """Store what request b (its unconditional row at B + b of hop_k / hop_v) computed and the plan commits."""
     st, pool = p.state, p.state.pool
     if st.closed or st.prefix is not p.prefix:  # cancelled (or changed) while the hop ran
         _release_plan(p)
@@ -281,8 +281,8 @@ def _commit(flow, p: HopPlan, b: int, R: int, hop_k, hop_v, x, cond, new_t) -> N
 
     def segment(a: int, e: int) -> Segment:
         i, j = a - p.start, e - p.start
-        return Segment(a, torch.stack((hop_k[:, :, b, i:j], hop_k[:, :, R + b, i:j]), dim=2),
-                       torch.stack((hop_v[:, :, b, i:j], hop_v[:, :, R + b, i:j]), dim=2),
+        return Segment(a, torch.stack((hop_k[:, :, b, i:j], hop_k[:, :, B + b, i:j]), dim=2),
+                       torch.stack((hop_v[:, :, b, i:j], hop_v[:, :, B + b, i:j]), dim=2),
                        x[b, :, i:j].clone(), cond[b, :, i:j].clone())
 
     def tails(a: str, c: str):
