@@ -308,9 +308,11 @@ def test_cached_hop_graphs_in_scheduler(tts, speakers):
     reqs = [make_request("Graphed hops, first.", speaker=speakers[0], seed=31, stream=True, force_tokens=120),
             make_request("Graphed hops, second.", speaker=speakers[1], seed=32, stream=True, force_tokens=90)]
     refs = [reference(tts, r) for r in reqs]
+    flow.__dict__.pop("_cosytrt_fingerprint", None)  # as in a fresh process
     sched = Scheduler(tts.pipeline, SchedulerConfig(dit_max_requests=2, hift_max_batch=2), backends=backends)
     try:  # flow_prefix_cache=None (auto): on, because these backends have cached-hop graphs
         assert sched.flow_prefix_cache and graphs.counts["captured"] == len(graphs.grid.keys())
+        assert getattr(flow, "_cosytrt_fingerprint", None) is not None  # hashed at start, not in the first hop
         handles = [sched.submit(r) for r in reqs]
         outs = [list(h.chunks(timeout=120)) for h in handles]
         st = sched.stats()["dit"]
