@@ -24,8 +24,11 @@ class GraphCache:
     def __contains__(self, key) -> bool:
         return key in self.graphs
 
-    def capture(self, key, example_inputs: tuple) -> None:
-        static_in = static_copies(example_inputs)
+    def capture(self, key, example_inputs: tuple, static: bool = False, collect: bool = True) -> None:
+        """Capture `fn(*example_inputs)` under `key`. `static`: the example inputs ARE the static buffers (the caller
+        fills them and calls `run(key)` with no inputs; buffers shared by several keys) instead of being copied.
+        `collect`: a garbage collection before the capture (a caller capturing many graphs does one itself)."""
+        static_in = tuple(example_inputs) if static else static_copies(example_inputs)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -33,7 +36,8 @@ class GraphCache:
                 self.fn(*static_in)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        gc.collect()
+        if collect:
+            gc.collect()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, stream=stream):
             static_out = self.fn(*static_in)
         if self.pool is None:

@@ -16,7 +16,6 @@ keys are masked out of attention (exactness: tests/test_flow_hop_graphs.py).
 from __future__ import annotations
 
 import gc
-import logging
 import math
 import threading
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-log = logging.getLogger("cosytrt.flow_hops")
+from ...engines.cuda_graphs import GraphCache
 
 _INPUTS = ("x", "mask", "mu", "t", "spks", "cond", "offsets", "kp", "vp", "prefix_valid", "tail1", "tail2",
            "k_out", "v_out")
@@ -99,23 +98,18 @@ class HopCall:
 
 
 class EagerHopCall(HopCall):
-    """Fresh tensors of exactly the hop's size; `fn` = DiT.forward_cached (or its compiled form)."""
+    """Fresh tensors of exactly the hop's size; `fn` = DiT.forward_cached (or its compiled form). The call's K/V go
+    straight into the hop's hop_k / hop_v; a single request's prefix K/V are the cached tensors themselves."""
 
     def __init__(self, fn: Callable, shapes: dict, device, dtype, b: int, n: int, p: int):
         self.fn, self.rows, self.frames, self.prefix = fn, b, n, p
-        for name, shape in shapes.items():
-            if name in ("k_out", "v_out"):
-                continue
-            if name in ("kp", "vp", "prefix_valid") and p == 0:
-                setattr(self, name, None)
-                continue
-            dt = torch.long if name == "offsets" else torch.bool if name == "prefix_valid" else dtype
-            setattr(self, name, torch.zeros(shape, device=device, dtype=dt))
-        if self.rows == 1 and p:  # load_prefix points kp / vp at the cached tensors
-            self.kp = self.vp = None
+        own = set(shapes) - {"k_out", "v_out"} - ({"kp", "vp"} if b == 1 else set())
+        for name in _INPUTS:
+            setattr(self, name, torch.zeros(shapes[name], device=device, dtype=input_dtype(name, dtype))
+                    if name in own else None)
 
     def load_prefix(self, s, parts_k, parts_v):
-        if self.rows == 1 and parts_k[0] is not None and parts_k[0].shape[3] == self.prefix:
+        if self.rows == 1:
             self.kp, self.vp = parts_k[0][s], parts_v[0][s]  # [depth, 2, P, D]: the cached tensors, no copy
         else:
             super().load_prefix(s, parts_k, parts_v)
@@ -125,15 +119,25 @@ class EagerHopCall(HopCall):
                        self.prefix_valid, self.tail1, self.tail2, hop_k[s], hop_v[s])
 
 
+def input_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a cached-hop input: long offsets, a bool prefix mask, the model's dtype elsewhere."""
+    return torch.long if name == "offsets" else torch.bool if name == "prefix_valid" else dtype
+
+
 def hop_shapes(dit, b: int, n: int, p: int) -> dict:
-    """Input shapes of a cached-hop call of b requests (2b rows), n new frames, p prefix frames."""
+    """Input shapes of a cached-hop call of b requests (2b rows), n new frames, p prefix frames (p = 0: no prefix
+    inputs)."""
     c = dit.cfg
     D, K1 = c.heads * c.dim_head, dit.input_embed.conv_pos_embed.kernel_size - 1
     R = 2 * b
-    return {"x": (R, c.mel_dim, n), "mask": (R, 1, n), "mu": (R, c.mu_dim, n), "t": (R,), "spks": (R, c.spk_dim),
-            "cond": (R, c.mel_dim, n), "offsets": (R,), "kp": (c.depth, R, p, D), "vp": (c.depth, R, p, D),
-            "prefix_valid": (R, p), "tail1": (R, K1, c.dim), "tail2": (R, K1, c.dim),
-            "k_out": (c.depth, R, n, D), "v_out": (c.depth, R, n, D)}
+    shapes = {"x": (R, c.mel_dim, n), "mask": (R, 1, n), "mu": (R, c.mu_dim, n), "t": (R,), "spks": (R, c.spk_dim),
+              "cond": (R, c.mel_dim, n), "offsets": (R,), "kp": (c.depth, R, p, D), "vp": (c.depth, R, p, D),
+              "prefix_valid": (R, p), "tail1": (R, K1, c.dim), "tail2": (R, K1, c.dim),
+              "k_out": (c.depth, R, n, D), "v_out": (c.depth, R, n, D)}
+    if p == 0:
+        for name in ("kp", "vp", "prefix_valid"):
+            del shapes[name]
+    return shapes
 
 
 class EagerHops:
@@ -149,8 +153,8 @@ class EagerHops:
 class GraphHopCall(HopCall):
     """A bucket's static buffers (views of the shared ones) and its graph."""
 
-    def __init__(self, owner: "CachedHopGraphs", key: tuple, views: dict, replay: Callable):
-        self.owner, self.key, self._replay = owner, key, replay
+    def __init__(self, key: tuple, views: dict, replay: Callable):
+        self._replay = replay
         self.rows, self.frames, self.prefix = key
         for name in _INPUTS:
             setattr(self, name, views.get(name))
@@ -178,7 +182,7 @@ class CachedHopGraphs:
         self.device = torch.device(device)
         self.dtype = dtype or next(dit.parameters()).dtype
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        self.pool = None
+        self.cache = GraphCache(self.fn, self.device, warmup=1) if self.graphs else None
         self.entries: dict = {}
         self.counts = dict(hits=0, misses=0, captured=0)
         self._lock = threading.Lock()
@@ -189,8 +193,8 @@ class CachedHopGraphs:
             big = hop_shapes(self.dit, max(self.grid.batch), max(self.grid.frames), max(self.grid.prefix))
             with torch.inference_mode():
                 for name, shape in big.items():
-                    dt = torch.long if name == "offsets" else torch.bool if name == "prefix_valid" else self.dtype
-                    self._flat[name] = torch.zeros(math.prod(shape), device=self.device, dtype=dt)
+                    self._flat[name] = torch.zeros(math.prod(shape), device=self.device,
+                                                   dtype=input_dtype(name, self.dtype))
         return self._flat
 
     @property
@@ -201,38 +205,17 @@ class CachedHopGraphs:
     def _views(self, key: tuple) -> dict:
         b, n, p = key
         flat = self._buffers()
-        out = {}
-        for name, shape in hop_shapes(self.dit, b, n, p).items():
-            if name in ("kp", "vp", "prefix_valid") and p == 0:
-                continue
-            out[name] = flat[name][:math.prod(shape)].view(shape)
-        return out
+        shapes = hop_shapes(self.dit, b, n, p)
+        return {name: flat[name][:math.prod(shape)].view(shape) for name, shape in shapes.items()}
 
     def _capture(self, key: tuple):
+        """(the bucket's views, its replay): a CUDA graph over the views, or (without CUDA) the call itself."""
         views = self._views(key)
-        args = [views.get(n) for n in _INPUTS]
-
-        def call():
-            return self.fn(*args)
-
-        if not self.graphs:
-            return views, call
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream), torch.inference_mode():
-            call()  # lazy initialisation outside the capture
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            out = call()
-        if self.pool is None:
-            self.pool = graph.pool()
-
-        def replay():
-            graph.replay()
-            return out
-
-        return views, replay
+        args = tuple(views.get(n) for n in _INPUTS)
+        if self.cache is None:
+            return views, lambda: self.fn(*args)
+        self.cache.capture(key, args, static=True, collect=False)  # capture_all collects once
+        return views, lambda: self.cache.run(key)
 
     def entry(self, key: tuple):
         with self._lock:
@@ -259,7 +242,7 @@ class CachedHopGraphs:
             return None
         self.counts["hits"] += 1
         views, replay = self.entry(key)
-        return GraphHopCall(self, key, views, replay)
+        return GraphHopCall(key, views, replay)
 
     def stats(self) -> dict:
         return {**self.counts, "grid": self.grid.to_dict(), "graphs": self.graphs, "static_bytes": self.static_bytes}
@@ -267,4 +250,5 @@ class CachedHopGraphs:
     def close(self) -> None:
         self.entries.clear()
         self._flat.clear()
-        self.pool = None
+        if self.cache is not None:
+            self.cache = GraphCache(self.fn, self.device, warmup=1)  # the graphs and their pool go
