@@ -21,6 +21,7 @@ def cached_hop_check(pipe, n_tokens: int = 400, prompt_tokens: int = 75, seed: i
     from ...runtime.stages.flow_cache import FlowCachePool
     from ...runtime.stages.flow_hops import flow_rows, plan_hops, solve_cached
     from ...runtime.stages.hop_schedule import LOOKAHEAD, HopSchedule
+    from .timing import max_err
 
     flow, backends, device = pipe.models.flow, pipe.backends, pipe.device
     graphs = backends.dit_cached
@@ -62,8 +63,8 @@ def cached_hop_check(pipe, n_tokens: int = 400, prompt_tokens: int = 75, seed: i
                      "whole_ms": round(1e3 * t_whole, 2), "cached_graph_ms": round(1e3 * t_graph, 2),
                      "cached_eager_ms": round(1e3 * t_eager, 2), "graph_prepare_ms": round(1e3 * t_prep, 2),
                      "graph_plan_ms": round(1e3 * t_plan, 2), "graph_solve_ms": round(1e3 * t_solve, 2),
-                     "graph_vs_whole_max_abs": float((graph[0].float() - whole[0].float()).abs().max()),
-                     "graph_vs_eager_cached_max_abs": float((graph[0].float() - eager[0].float()).abs().max())})
+                     "graph_vs_whole_max_abs": max_err(graph[0], whole[0]),
+                     "graph_vs_eager_cached_max_abs": max_err(graph[0], eager[0])})
         if prof is not None:
             hops[-1]["profile"] = prof
     st_g.close()
