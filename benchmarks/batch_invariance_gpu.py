@@ -55,6 +55,8 @@ _import_this_checkout()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from cosytrt.runtime.models import batch_invariant as bi  # noqa: E402
+
 T0 = time.perf_counter()
 DEV = "cuda"      # --smoke: "cpu" (tiny model, eager only: checks this script's wiring, not the GPU)
 
@@ -87,14 +89,17 @@ def part_step(llm, res):
         slots = torch.arange(B, device=dev)
         pos = torch.full((B,), filled, device=dev, dtype=torch.long)
         row = {"batch": B}
-        for on in (False, True):
+        for tag, on, impl in MODES:
             llm.batch_invariant = on
-            tag = "on" if on else "off"
+            bi.ATTENTION_IMPL = impl
             with torch.inference_mode():
                 row[f"graph_ms_{tag}"], _ = graph_ms(lambda t, s, p: llm.decode(t, s, p, kv_len=kv_len),
                                                      (tokens, slots, pos))
+                if tag == "on torch-attention":
+                    continue  # the compiled step runs the same opaque op: the eager graph shows the difference
                 row[f"compiled_graph_ms_{tag}"], _ = graph_ms(lambda t, s, p: decode_c(t, s, p, kv_len=kv_len),
                                                               (tokens, slots, pos))
+        bi.ATTENTION_IMPL = "auto"
         for k in ("graph_ms", "compiled_graph_ms"):
             row[f"{k}_ratio"] = row[f"{k}_on"] / row[f"{k}_off"]
         log(f"decode B={B}: graph {row['graph_ms_off']:.3f} -> {row['graph_ms_on']:.3f} ms "
@@ -113,6 +118,11 @@ def part_step(llm, res):
         log(f"prefill {B}x{T}: eager {row['eager_ms_off']:.2f} -> {row['eager_ms_on']:.2f} ms")
         rows.append(row)
     res["step_ms"] = rows
+
+
+# (label, SchedulerConfig.batch_invariant, batch_invariant.ATTENTION_IMPL): "on" is what the scheduler runs (the
+# Triton attention on CUDA); "on torch-attention" is the torch form of the op that run 20 measured (7.8e-3 at 64 rows)
+MODES = (("off", False, "auto"), ("on", True, "auto"), ("on torch-attention", True, "torch"))
 
 
 def part_logits(llm, res):
@@ -142,9 +152,9 @@ def part_logits(llm, res):
         return tuple(torch.tensor(c, device=dev) for c in (t, s, p))
 
     out = {}
-    for on in (False, True):
+    for tag, on, impl in MODES[:3 if cuda else 2]:
         llm.batch_invariant = on
-        tag = "on" if on else "off"
+        bi.ATTENTION_IMPL = impl
         with torch.inference_mode():
             for name, fn in (("eager", llm.prefill), ("compiled", prefill_c))[:2 if cuda else 1]:
                 alone = prefill(fn, [5, 6])[0]  # compiled calls get >= 2 rows in the scheduler
@@ -165,6 +175,16 @@ def part_logits(llm, res):
                     out[f"decode {label} padded to 64 rows, {tag}"] = (call([5], 256, 64)[0] - alone).abs().max().item()
                     out[f"decode {label} KV rung 2048, {tag}"] = (call([5], 2048, 2)[0] - alone).abs().max().item()
         log(f"logits ({tag}): " + ", ".join(f"{k}: {v:.2e}" for k, v in out.items() if k.endswith(tag)))
+    if cuda:  # how far the Triton attention's logits are from the torch form's (accuracy, not invariance)
+        llm.batch_invariant = True
+        with torch.inference_mode():
+            got = {}
+            for impl in ("triton", "torch"):
+                bi.ATTENTION_IMPL = impl
+                got[impl] = llm.decode(*decode_args([5], 2), kv_len=256).float()[0]
+            res["triton_vs_torch_attention_logits"] = (got["triton"] - got["torch"]).abs().max().item()
+        log(f"decode logits, Triton vs torch attention: {res['triton_vs_torch_attention_logits']:.2e}")
+    bi.ATTENTION_IMPL = "auto"
     res["logits_max_abs_diff"] = out
 
 
@@ -216,16 +236,21 @@ def part_tokens(models, res, on: bool):
 
 def table(res) -> str:
     lines = ["## Batch invariance on the GPU (issue #20)", "", f"{res.get('meta')}", "",
-             "| decode batch | graph off ms | graph on ms | ratio | compiled+graph off ms | on ms | ratio |",
-             "|---|---|---|---|---|---|---|"]
+             "| decode batch | graph off ms | graph on ms | ratio | on, torch attention ms | compiled+graph off ms "
+             "| on ms | ratio |", "|---|---|---|---|---|---|---|---|"]
     for r in res.get("step_ms", []):
         if "batch" in r:
+            torch_attn = r.get("graph_ms_on torch-attention")
             lines.append(f"| {r['batch']} | {r['graph_ms_off']:.3f} | {r['graph_ms_on']:.3f} | {r['graph_ms_ratio']:.2f} "
+                         f"| {'' if torch_attn is None else f'{torch_attn:.3f}'} "
                          f"| {r['compiled_graph_ms_off']:.3f} | {r['compiled_graph_ms_on']:.3f} | "
                          f"{r['compiled_graph_ms_ratio']:.2f} |")
         else:
             lines.append(f"| prefill {r['prefill']} (eager) | {r['eager_ms_off']:.2f} | {r['eager_ms_on']:.2f} | "
-                         f"{r['eager_ms_ratio']:.2f} | | | |")
+                         f"{r['eager_ms_ratio']:.2f} | | | | |")
+    if "triton_vs_torch_attention_logits" in res:
+        lines.append(f"\nDecode logits, Triton vs torch form of the attention: max |diff| "
+                     f"{res['triton_vs_torch_attention_logits']:.3e}")
     if "logits_max_abs_diff" in res:
         lines += ["", "| logits, one row vs | max abs diff |", "|---|---|"]
         lines += [f"| {k} | {v:.3e} |" for k, v in res["logits_max_abs_diff"].items()]

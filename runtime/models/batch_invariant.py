@@ -23,23 +23,31 @@ reduction whose per-output order cannot depend on the batch / rung:
   each block's sums (sum p, p @ V) are reductions of a fixed size `block`, and the block partials are added left to
   right. Masked positions give p = exp(-inf) = 0 exactly, so a block past the row's last real position adds exactly
   0: the result is the same for every KV rung and padded length (no dependence on the padded KV length), and each
-  prefill row attends at its own length.
+  prefill row attends at its own length. On CUDA that torch form still hands cuBLAS batched matmuls whose batch count
+  (rows x kv heads x key blocks) depends on the other rows, and cuBLAS picks its kernel from it (a 64-row decode step
+  moved a row's logits by 7.8e-3 on the H200), so there the op runs `bi_attention_triton`'s kernel instead: one
+  program per (row, kv head, query), keys in fixed blocks up to the row's own length (`ATTENTION_IMPL`).
 
 Each is a torch custom op: torch.compile keeps them opaque (Inductor fuses only the elementwise work around them, and
 does not re-derive its own reduction strategy), so the eager, CUDA-graph and compiled paths run the same kernels.
 The LM uses them when `CosyVoice3LM.batch_invariant` is on (`SchedulerConfig.batch_invariant`, default off).
 """
 import math
+import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from . import bi_attention_triton as _triton_attn
 from .rope import apply_rope, rope_cos_sin
 
 DECODE_ROWS = 64      # rows per GEMM / norm call in decode steps and for the prefill's last-position logits
 PREFILL_ROWS = 256    # token rows per GEMM / norm call in prefill
 KV_BLOCK = 256        # keys per attention block (the scheduler's KV rungs are multiples of it)
+# "auto": the Triton kernel for CUDA tensors when Triton imports, else the torch form; "torch" / "triton" force one
+# (the GPU check compares them). Read when the op runs (also inside compiled graphs: the op is opaque).
+ATTENTION_IMPL = os.environ.get("COSYTRT_BI_ATTENTION", "auto")
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -96,6 +104,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     q [B, kvh, Q, G, hd] (Q query positions, G query heads per kv head), k / v [B, kvh, n, hd], q_pos [B, Q] (long:
     each query's position), kv_len [B] (long). Query (b, t) attends keys j <= q_pos[b, t] and j < kv_len[b] (key 0
     must be one of them). Returns [B, kvh, Q, G, hd] in q's dtype; computed in fp32."""
+    if ATTENTION_IMPL == "triton" or (ATTENTION_IMPL == "auto" and q.is_cuda and _triton_attn.available()):
+        return _triton_attn.attention(q, k, v, q_pos, kv_len)
     b, kvh, nq, g, hd = q.shape
     n = k.shape[2]
     nb = -(-n // block)
