@@ -172,10 +172,10 @@ def test_ras_select_both_resample_forms_match_the_reference():
     repeat_min = torch.tensor([[1.0, 2.0][i % 2] for i in range(B)])
     want = _ref_ras_select(scores, top_p, top_k, greedy, uniforms, window, repeat_min, 200)
     for repeated_only in (False, True):
-        got = ras_select(scores, top_p, top_k, greedy, uniforms, window, repeat_min, 200, True, repeated_only)
+        got = ras_select(scores, top_p, top_k, greedy, uniforms, window, repeat_min, 200, repeated_only=repeated_only)
         assert torch.equal(got, want), repeated_only
         no_greedy = torch.zeros_like(greedy)
-        got = ras_select(scores, top_p, top_k, no_greedy, uniforms, window, repeat_min, 200, False, repeated_only)
+        got = ras_select(scores, top_p, top_k, None, uniforms, window, repeat_min, 200, repeated_only=repeated_only)
         assert torch.equal(got, _ref_ras_select(scores, top_p, top_k, no_greedy, uniforms, window, repeat_min, 200))
     assert int((want != _ref_ras_select(scores, top_p, top_k, greedy, uniforms, window.fill_(-1), repeat_min,
                                         200)).sum()) > 0        # some rows did resample

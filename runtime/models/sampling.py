@@ -82,19 +82,23 @@ class SamplingParams:
 
 # ---------------------------------------------------------------- batched RAS on tensors (no host sync)
 
-_ARANGE: dict = {}
+_CONSTANTS: dict = {}
+
+
+def _constant(name: str, n: int, device: torch.device) -> torch.Tensor:
+    """Read-only tensors made once per (name, n, device): 'arange' = arange(n), 'zero' = a float32 0-dim zero. On
+    CUDA the first use waits for it once, so that other streams may read it later."""
+    t = _CONSTANTS.get((name, n, device))
+    if t is None:
+        t = torch.arange(n, device=device) if name == "arange" else torch.zeros((), device=device)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        _CONSTANTS[(name, n, device)] = t
+    return t
 
 
 def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """arange(n) on `device`, made once (read-only). On CUDA its first use waits for it once, so that other streams
-    may read it later."""
-    t = _ARANGE.get((n, device))
-    if t is None:
-        t = torch.arange(n, device=device)
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        _ARANGE[(n, device)] = t
-    return t
+    return _constant("arange", n, device)
 
 
 def sorted_head(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +120,7 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     row is all zeros). Returns [B, 1]."""
     cdf = weights.cumsum(dim=-1)
     total = cdf[:, -1:]
-    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, _constant("zero", 0, total.device)))
     return torch.searchsorted(cdf, target, right=True).clamp_(max=weights.shape[-1] - 1)
 
 
@@ -128,20 +132,20 @@ def nucleus_keep(sorted_probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.T
     return (before < top_p[:, None]) & (pos[None] < top_k[:, None])
 
 
-def ras_select(scores: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, greedy: torch.Tensor,
+def ras_select(scores: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, greedy: torch.Tensor | None,
                uniforms: torch.Tensor, window: torch.Tensor, repeat_min: torch.Tensor,
-               max_top_k: int | None = None, any_greedy: bool = True,
-               repeated_only: bool | None = None) -> torch.Tensor:
+               max_top_k: int | None = None, repeated_only: bool | None = None) -> torch.Tensor:
     """RAS for B rows at once, all tensors on one device, no host sync on CUDA. Returns the ids [B] (long).
 
-    scores [B, V] float32 (logits or log-probs, -inf = masked); top_p [B] float; top_k [B] long; greedy [B] bool;
-    uniforms [B, 2] in [0, 1) (column 0: nucleus draw, column 1: repeat resample); window [B, W] long (the row's last
-    win_size sampled ids, padded with -1); repeat_min [B]: the drawn id is resampled when it occurs >= repeat_min
-    times in the window; max_top_k: a bound on top_k (python int) so only that many sorted probs are found;
-    any_greedy=False: the caller knows no row is greedy (no argmax). Greedy rows take the argmax. Otherwise
-    inverse-CDF nucleus sampling; a repeated id is masked and an id is drawn from the full softmax of what is left
-    (upstream `ras_sampling`). `repeated_only` (default: on the CPU) computes that softmax for the repeated rows
-    only (row-wise ops: the same values as for every row; it costs a host sync, nothing on the CPU)."""
+    scores [B, V] float32 (logits or log-probs, -inf = masked); top_p [B] float; top_k [B] (long, or float32 holding
+    ints: compared exactly); greedy [B] bool, or None when no row is greedy (no argmax); uniforms [B, 2] in [0, 1)
+    (column 0: nucleus draw, column 1: repeat resample); window [B, W] (long, or float32 holding ids < 2**24): the
+    row's last win_size sampled ids, padded with -1; repeat_min [B]: the drawn id is resampled when it occurs
+    >= repeat_min times in the window; max_top_k: a bound on top_k (python int) so only that many sorted probs are
+    found. Greedy rows take the argmax. Otherwise inverse-CDF nucleus sampling; a repeated id is masked and an id is
+    drawn from the full softmax of what is left (upstream `ras_sampling`). `repeated_only` (default: on the CPU)
+    computes that softmax for the repeated rows only (row-wise ops: the same values as for every row; it costs a
+    host sync, which is nothing on the CPU)."""
     probs = scores.softmax(dim=-1)
     n = probs.shape[-1]
     head, head_idx = sorted_head(probs, n if max_top_k is None else min(max_top_k, n))
@@ -158,7 +162,7 @@ def ras_select(scores: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, g
     else:
         rest = scores.scatter(1, nucleus_id, float("-inf")).softmax(dim=-1)
         ids = torch.where(repeated, _inverse_cdf(rest, uniforms[:, 1]), nucleus_id)
-    if any_greedy:
+    if greedy is not None:
         ids = torch.where(greedy[:, None], scores.argmax(dim=-1, keepdim=True), ids)
     return ids[:, 0]
 
@@ -185,9 +189,8 @@ def _upload(flat: list[float], rows: int, device: torch.device) -> torch.Tensor:
 
 def _select(scores: torch.Tensor, rows: torch.Tensor, max_top_k: int, any_greedy: bool = True) -> torch.Tensor:
     """`ras_select` with its inputs read from the uploaded row tensor."""
-    return ras_select(scores, rows[:, _TOP_P], rows[:, _TOP_K].long(), rows[:, _GREEDY] > 0,
-                      rows[:, _U_NUCLEUS:_U_RESAMPLE + 1], rows[:, _WINDOW:].long(), rows[:, _REPEAT_MIN], max_top_k,
-                      any_greedy)
+    return ras_select(scores, rows[:, _TOP_P], rows[:, _TOP_K], rows[:, _GREEDY] > 0 if any_greedy else None,
+                      rows[:, _U_NUCLEUS:_U_RESAMPLE + 1], rows[:, _WINDOW:], rows[:, _REPEAT_MIN], max_top_k)
 
 
 def ras_sample(logits: torch.Tensor, history: list[int], params: SamplingParams, generator: torch.Generator) -> int:
