@@ -97,3 +97,11 @@ def test_failing_sample_row_fails_alone():
     assert rows[1] not in w.running and rows[1].slot is None
     for i in (0, 2, 3):
         assert rows[i].tokens == ref[i] and rows[i].policy.num_sampled == 8, i
+
+
+def test_ar_step_bench_table_runs():
+    """tools/bench/ar_step (host µs per decode step) keeps working; its numbers are not checked."""
+    from cosytrt.tools.bench.ar_step import table
+
+    (row,) = table(batches=(2,), steps=2, repeats=1)
+    assert row["batch"] == 2 and row["fixed_us"] > 0 and row["tiny_us"] > 0 and row["fixed_ops"] > 10

@@ -7,8 +7,8 @@ requests, default sampling parameters, one seed per row, with two runners:
 - `fixed`: a runner that returns the same logits every step (speech-vocab width, stop ids at -inf so no row ends):
   the worker's own host time per step, the LM left out;
 - `tiny`: `TorchARRunner` over the tiny CosyVoice3 LM (seeded random weights, eager, fp32): the whole step.
-Prints microseconds per step (median of `repeats` blocks of `steps` steps), and for `tiny` the part spent outside
-`runner.decode`. No GPU, no timing assertions anywhere: a measuring tool.
+Prints microseconds per step (median of `repeats` blocks of `steps` steps), for `fixed` the aten ops per step that
+are not views (about the kernel launches of a GPU step), and for `tiny` the part spent outside `runner.decode`. No GPU, no timing assertions anywhere: a measuring tool.
 """
 from __future__ import annotations
 
@@ -129,13 +129,40 @@ def time_steps(worker, steps: int, repeats: int, timed: _TimedRunner | None = No
     return statistics.median(per), statistics.median(outside)
 
 
+_VIEWS = frozenset({"slice", "select", "view", "unsqueeze", "squeeze", "as_strided", "alias", "_unsafe_view", "expand",
+                    "t", "transpose", "detach", "detach_", "lift_fresh", "resolve_conj", "resolve_neg"})
+
+
+def ops_per_step(worker, steps: int = 20) -> float:
+    """Dispatched aten ops per decode step that are not views (on a GPU each is about one kernel launch; here the
+    CPU form of the sampler, which differs from the CUDA form in the repeat resample only)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket.__name__ not in _VIEWS
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode():
+        worker._decode()
+        with Count() as c:
+            for _ in range(steps):
+                worker._decode()
+    return c.n / steps
+
+
 def table(batches=(1, 8, 32), steps: int = 100, repeats: int = 5) -> list[dict]:
     rows = []
     for b in batches:
-        fixed_us, _ = time_steps(worker_for(FixedRunner(b), b), steps, repeats)
+        fixed = worker_for(FixedRunner(b), b)
+        fixed_us, _ = time_steps(fixed, steps, repeats)
+        ops = ops_per_step(fixed)
         timed = _TimedRunner(tiny_runner(b))
         tiny_us, tiny_out_us = time_steps(worker_for(timed, b), max(10, steps // 2), repeats, timed)
-        rows.append({"batch": b, "fixed_us": fixed_us, "tiny_us": tiny_us, "tiny_outside_decode_us": tiny_out_us})
+        rows.append({"batch": b, "fixed_us": fixed_us, "fixed_ops": ops, "tiny_us": tiny_us,
+                     "tiny_outside_decode_us": tiny_out_us})
     return rows
 
 
@@ -149,10 +176,12 @@ def main(argv=None) -> None:
     torch.set_num_threads(a.threads)
     rows = table(tuple(int(x) for x in a.batches.split(",")), a.steps, a.repeats)
     print(f"AR worker decode step, CPU, torch {torch.__version__}, {a.threads} thread(s); µs per step (median)")
-    print("| batch | fixed logits: worker host µs | tiny LM: whole step µs | tiny LM: outside runner.decode µs |")
-    print("|---|---|---|---|")
+    print("| batch | fixed logits: worker host µs | its aten ops (not views) | tiny LM: whole step µs "
+          "| tiny LM: outside runner.decode µs |")
+    print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['fixed_us']:.0f} | {r['tiny_us']:.0f} | {r['tiny_outside_decode_us']:.0f} |")
+        print(f"| {r['batch']} | {r['fixed_us']:.0f} | {r['fixed_ops']:.0f} | {r['tiny_us']:.0f} "
+              f"| {r['tiny_outside_decode_us']:.0f} |")
 
 
 if __name__ == "__main__":
