@@ -66,9 +66,9 @@ def _ref_sample_ids(logits, policies, gens):
     width = max(p.params.win_size for p in policies)
     uniforms = torch.stack([torch.rand(2, generator=gens[id(p)]) for p in policies])
     rows = torch.cat([uniforms, torch.tensor([_ref_row_params(p.params, p.history, p.stop_mask_mode(), width)
-                                              for p in policies], dtype=torch.float32)], dim=1)
+                                              for p in policies], dtype=torch.float32)], dim=1).to(logits.device)
     mode = rows[:, 6:7]
-    col = torch.arange(logits.shape[1])[None]
+    col = torch.arange(logits.shape[1], device=logits.device)[None]
     masked = ((mode == 2) & (col >= stop)) | ((mode == 1) & (col == stop))
     scores = logits.float().masked_fill(masked, float("-inf"))
     return _ref_ras_select(scores, rows[:, 2], rows[:, 3].long(), rows[:, 5] > 0, rows[:, 0:2], rows[:, 7:].long(),
@@ -129,8 +129,13 @@ def _policies(n: int) -> list[TokenPolicy]:
     return out
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_same_ids_as_the_reference_in_changing_batches(seed):
+def test_same_ids_as_the_reference_in_changing_batches(seed, device):
+    """On CUDA (where a GPU is) the sampler takes its CUDA form: the resample of every row, pinned uploads."""
     rng = random.Random(seed)
     n = 22
     new, ref = _policies(n), _policies(n)
@@ -143,7 +148,7 @@ def test_same_ids_as_the_reference_in_changing_batches(seed):
         if not live:
             break
         batch = rng.sample(live, rng.randint(1, len(live)))        # a changing subset, in a changing order
-        logits = torch.stack([_logits(i, steps[i]) for i in batch])
+        logits = torch.stack([_logits(i, steps[i]) for i in batch]).to(device)
         before = logits.clone()
         got = sample_batch(logits, [new[i] for i in batch])
         assert torch.equal(logits, before)                          # the caller's logits are not changed
