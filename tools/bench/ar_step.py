@@ -1,14 +1,17 @@
-"""Host time of one AR worker decode step (issue #18: the AR thread's per-step overhead), on the CPU.
+"""Host time of one AR worker decode step (issue #18: the AR thread's per-step overhead).
 
-    PYTHONPATH=.shim python -m cosytrt.tools.bench.ar_step [--batches 1,8,32] [--steps 200] [--threads 1]
+    PYTHONPATH=.shim python -m cosytrt.tools.bench.ar_step [--batches 1,8,32] [--steps 100] [--device cpu|cuda]
 
 Drives `ARWorker._decode` (decode inputs -> runner.decode -> `sample_batch` -> bookkeeping -> sink) for B running
 requests, default sampling parameters, one seed per row, with two runners:
 - `fixed`: a runner that returns the same logits every step (speech-vocab width, stop ids at -inf so no row ends):
-  the worker's own host time per step, the LM left out;
-- `tiny`: `TorchARRunner` over the tiny CosyVoice3 LM (seeded random weights, eager, fp32): the whole step.
+  the worker's own time per step, the LM left out;
+- `tiny`: `TorchARRunner` over the tiny CosyVoice3 LM (seeded random weights, fp32; on CUDA in its decode graphs):
+  the whole step.
 Prints microseconds per step (median of `repeats` blocks of `steps` steps), for `fixed` the aten ops per step that
-are not views (about the kernel launches of a GPU step), and for `tiny` the part spent outside `runner.decode`. No GPU, no timing assertions anywhere: a measuring tool.
+are not views (about the kernel launches of a GPU step), and for `tiny` the part spent outside `runner.decode` (on
+CUDA that includes waiting for the GPU: the decode is only launched). On CUDA every step ends in the sampling's host
+sync, so a `fixed` step is host time plus the sampling kernels. A measuring tool: no test checks its numbers.
 """
 from __future__ import annotations
 
@@ -25,11 +28,12 @@ V_STOP = 6561
 class FixedRunner:
     """An `ARRunner` whose decode returns fixed logits [B, V]: measures the worker around the LM."""
 
-    def __init__(self, max_batch: int, vocab: int = 6761, seed: int = 0):
+    def __init__(self, max_batch: int, vocab: int = 6761, seed: int = 0, device: str = "cpu"):
         self.max_batch, self.max_len = max_batch, 1 << 30
         g = torch.Generator().manual_seed(seed)
         self.logits = torch.randn(max_batch, vocab, generator=g) * 3.0
         self.logits[:, V_STOP:] = float("-inf")
+        self.logits = self.logits.to(device)
         self._free = list(range(max_batch - 1, -1, -1))
 
     def allocate(self):
@@ -80,21 +84,22 @@ class _TimedRunner:
         return out
 
 
-def tiny_runner(max_batch: int, max_len: int = 4096):
+def tiny_runner(max_batch: int, max_len: int = 1024, device: str = "cpu"):
+    """TorchARRunner over the tiny LM (fp32); on CUDA with its decode graphs."""
     from ...runtime.models.config import tiny_config
     from ...runtime.models.loading import build_modules
     from ...runtime.stages.ar_runner import TorchARRunner
 
     torch.manual_seed(0)
-    llm = build_modules(tiny_config(), device="cpu")[0].eval()
-    return TorchARRunner(llm, max_batch, max_len, "cpu", cuda_graphs=False)
+    llm = build_modules(tiny_config(), device=device)[0].eval()
+    return TorchARRunner(llm, max_batch, max_len, device, cuda_graphs=device.startswith("cuda"))
 
 
 def _reraise(r, e: BaseException) -> None:
     raise e
 
 
-def worker_for(runner, batch: int, start_pos: int = 64):
+def worker_for(runner, batch: int, start_pos: int = 64, device: str = "cpu"):
     """An ARWorker over `runner` with `batch` running rows (seeds 0..batch-1, default top_p / top_k / RAS window;
     every stop id masked, so no row ends)."""
     from ...runtime.models.sampling import SamplingParams, TokenPolicy
@@ -102,7 +107,7 @@ def worker_for(runner, batch: int, start_pos: int = 64):
     from ...runtime.scheduling.config import SchedulerConfig
     from ...runtime.scheduling.stage_clock import StageClock
 
-    w = ARWorker(runner, SchedulerConfig(), _NullSink(), _reraise, StageClock(False), "cpu")
+    w = ARWorker(runner, SchedulerConfig(), _NullSink(), _reraise, StageClock(False), device)
     for i in range(batch):
         pol = TokenPolicy(1, SamplingParams(seed=i, min_tokens=1 << 20, max_tokens=1 << 20),
                           mask_all_stops_before_min=True)   # no row ends
@@ -153,14 +158,14 @@ def ops_per_step(worker, steps: int = 20) -> float:
     return c.n / steps
 
 
-def table(batches=(1, 8, 32), steps: int = 100, repeats: int = 5) -> list[dict]:
+def table(batches=(1, 8, 32), steps: int = 100, repeats: int = 5, device: str = "cpu") -> list[dict]:
     rows = []
     for b in batches:
-        fixed = worker_for(FixedRunner(b), b)
+        fixed = worker_for(FixedRunner(b, device=device), b, device=device)
         fixed_us, _ = time_steps(fixed, steps, repeats)
         ops = ops_per_step(fixed)
-        timed = _TimedRunner(tiny_runner(b))
-        tiny_us, tiny_out_us = time_steps(worker_for(timed, b), max(10, steps // 2), repeats, timed)
+        timed = _TimedRunner(tiny_runner(b, device=device))
+        tiny_us, tiny_out_us = time_steps(worker_for(timed, b, device=device), max(10, steps // 2), repeats, timed)
         rows.append({"batch": b, "fixed_us": fixed_us, "fixed_ops": ops, "tiny_us": tiny_us,
                      "tiny_outside_decode_us": tiny_out_us})
     return rows
@@ -172,10 +177,12 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the same loop on the GPU (each step ends in the "
+                   "sampling's host sync, so µs = host time + what the GPU adds; tiny LM in decode graphs)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    rows = table(tuple(int(x) for x in a.batches.split(",")), a.steps, a.repeats)
-    print(f"AR worker decode step, CPU, torch {torch.__version__}, {a.threads} thread(s); µs per step (median)")
+    rows = table(tuple(int(x) for x in a.batches.split(",")), a.steps, a.repeats, a.device)
+    print(f"AR worker decode step, {a.device}, torch {torch.__version__}, {a.threads} thread(s); µs per step (median)")
     print("| batch | fixed logits: worker host µs | its aten ops (not views) | tiny LM: whole step µs "
           "| tiny LM: outside runner.decode µs |")
     print("|---|---|---|---|---|")
