@@ -63,3 +63,18 @@ def test_decode_graphs_pad_rows_into_scratch_slot(lm):
         out = dg(tokens, slots, pos, need_kv=71)  # 3 rows -> batch 4, 71 positions -> rung 128
     assert out.shape == ref.shape and (out - ref).abs().max() <= ATOL
     assert dg.fits(4, 128) and not dg.fits(5, 10) and not dg.fits(2, 129)
+
+
+def test_decode_graphs_run_host_is_the_device_call(lm):
+    """`run_host` (the runner's per-step path: one padded [3, B] host tensor into the static inputs) feeds the graph
+    what `__call__` does: the same bucket, scratch-slot padding and logits."""
+    dg = DecodeGraphs(lm.decode, [2, 4], [64, 128], 4, "cpu")
+    seen = []
+    for key, cache in dg.graphs.items():
+        run = cache.run
+        cache.run = lambda B, *x, run=run, key=key: seen.append((key, B, [c.tolist() for c in x])) or run(B, *x)
+    with torch.inference_mode():
+        ref = dg(torch.tensor([5, 9, 11]), torch.tensor([0, 1, 2]), torch.tensor([3, 70, 8]), need_kv=71)
+        out = dg.run_host([5, 9, 11], [0, 1, 2], [3, 70, 8], need_kv=71)
+    assert torch.equal(out, ref) and dg.replays == 2
+    assert seen[0] == seen[1] == (128, 4, [[5, 9, 11, 0], [0, 1, 2, 4], [3, 70, 8, 0]])

@@ -7,7 +7,7 @@ import torch
 
 from cosytrt.runtime.models.config import SILENT_TOKENS
 from cosytrt.engines.errors import InputError
-from cosytrt.runtime.models.sampling import (MAX_SILENT_RUN, SamplingParams, TokenPolicy, generate, nucleus_keep, ras_sample,
+from cosytrt.runtime.models.sampling import (DRAW_BLOCK, MAX_SILENT_RUN, SamplingParams, TokenPolicy, generate, nucleus_keep, ras_sample,
                                       sample_batch, sample_ids)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
@@ -93,13 +93,16 @@ def test_repeat_resample_frequencies():
 
 
 def test_two_uniforms_per_step_from_the_request_generator():
+    """Two uniforms per step from the request's own stream, drawn DRAW_BLOCK steps at a time: after 7 steps the
+    generator has given one block and 14 of its numbers are used (test_sampling_exact: the same ids as drawing two
+    per step)."""
     pol = TokenPolicy(5, SamplingParams(seed=42, min_tokens=0))
     for s in range(7):
         pol.step(torch.randn(V, generator=torch.Generator().manual_seed(s)))
     ref = torch.Generator().manual_seed(42)
-    for _ in range(7):
-        torch.rand(2, generator=ref)
+    block = torch.rand(2 * DRAW_BLOCK, generator=ref)
     assert torch.equal(pol.generator.get_state(), ref.get_state())
+    assert pol.draw() == block[14:16].tolist()
 
 
 def test_nucleus_keeps_top_p_and_top_k():
@@ -311,11 +314,12 @@ def test_one_host_sync_per_batch(monkeypatch):
             calls[name] = calls.get(name, 0) + 1
             return orig(self, *a, **k)
         monkeypatch.setattr(torch.Tensor, name, wrapper)
-    for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu"):
-        counting(name)
     pols = [TokenPolicy(**kw) for kw in MIXED]
     for p in pols:
         p.history = [42, 7, 42]
+        p.draw()       # each policy's block of uniforms (host numbers, once per DRAW_BLOCK steps) before counting
+    for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu"):
+        counting(name)
     out = sample_batch(torch.stack([_mixed_logits(i, 20) for i in range(len(pols))]), pols)
     assert len(out) == 6
     assert calls == {"tolist": 1}

@@ -20,6 +20,11 @@ single-request loop (`generate`) and the scheduler give the same tokens. Draws a
 row per step (nucleus draw, repeat resample) from the request's own CPU `torch.Generator` (seeded by
 `SamplingParams.seed`): a request's random stream does not depend on the rows batched with it. The draws differ from
 upstream's `torch.multinomial` stream; the distribution and the RAS semantics are upstream's.
+
+Host cost per step (issue #18): the nucleus's sorted head comes from one topk over unique keys (`sorted_head`,
+exactly the stable sort's first top_k), not a sort of the whole vocab; a policy draws its uniforms DRAW_BLOCK steps
+at a time; the host values go up as one flat float32 tensor. tests/test_sampling_exact.py keeps the previous form
+as the reference: same ids for every seed / parameter mix / batch composition tried, ties included.
 """
 from __future__ import annotations
 
@@ -77,47 +82,88 @@ class SamplingParams:
 
 # ---------------------------------------------------------------- batched RAS on tensors (no host sync)
 
+_CONSTANTS: dict = {}
+
+
+def _constant(name: str, n: int, device: torch.device) -> torch.Tensor:
+    """Read-only tensors made once per (name, n, device): 'arange' = arange(n), 'zero' = a float32 0-dim zero. On
+    CUDA the first use waits for it once, so that other streams may read it later."""
+    t = _CONSTANTS.get((name, n, device))
+    if t is None:
+        t = torch.arange(n, device=device) if name == "arange" else torch.zeros((), device=device)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        _CONSTANTS[(name, n, device)] = t
+    return t
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    return _constant("arange", n, device)
+
+
+def sorted_head(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `k` columns of `probs.sort(dim=-1, descending=True, stable=True)` ([B, N] float32 >= 0): (values,
+    indices), each [B, k]. One smallest-k over unique int64 keys `column - bits(prob) * 2**s` (2**s > N) instead of
+    a sort of all N: a non-negative float32's bits order as its value does, so the keys order by prob descending,
+    then by column ascending, exactly as the stable sort puts equal probs (ties included); the key's low s bits are
+    the column (two's complement)."""
+    n = probs.shape[-1]
+    shift = max(1, (n - 1).bit_length())
+    key = torch.add(_arange(n, probs.device), probs.contiguous().view(torch.int32), alpha=-(1 << shift))
+    idx = key.topk(k, dim=-1, largest=False).values.bitwise_and_((1 << shift) - 1)
+    return probs.gather(1, idx), idx
+
+
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row of `weights` [B, N] (>= 0, unnormalised) the index i with cdf[i-1] <= u * total < cdf[i], for
     uniforms `u` [B] in [0, 1): a draw proportional to the weights. Zero-weight entries are never picked (unless a
     row is all zeros). Returns [B, 1]."""
     cdf = weights.cumsum(dim=-1)
     total = cdf[:, -1:]
-    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, _constant("zero", 0, total.device)))
     return torch.searchsorted(cdf, target, right=True).clamp_(max=weights.shape[-1] - 1)
 
 
 def nucleus_keep(sorted_probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Which of the descending probs [B, N] upstream keeps: position i while the cumulative probability BEFORE it is
     < top_p and i < top_k (`top_p`, `top_k` [B]). Bool [B, N]; position 0 is always kept."""
-    cum = sorted_probs.cumsum(dim=-1)
-    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
-    pos = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)
+    before = torch.nn.functional.pad(sorted_probs.cumsum(dim=-1)[:, :-1], (1, 0))
+    pos = _arange(sorted_probs.shape[-1], sorted_probs.device)
     return (before < top_p[:, None]) & (pos[None] < top_k[:, None])
 
 
-def ras_select(scores: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, greedy: torch.Tensor,
+def ras_select(scores: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, greedy: torch.Tensor | None,
                uniforms: torch.Tensor, window: torch.Tensor, repeat_min: torch.Tensor,
-               max_top_k: int | None = None) -> torch.Tensor:
-    """RAS for B rows at once, all tensors on one device, no host sync. Returns the ids [B] (long).
+               max_top_k: int | None = None, repeated_only: bool | None = None) -> torch.Tensor:
+    """RAS for B rows at once, all tensors on one device, no host sync on CUDA. Returns the ids [B] (long).
 
-    scores [B, V] float (logits or log-probs, -inf = masked); top_p [B] float; top_k [B] long; greedy [B] bool;
-    uniforms [B, 2] in [0, 1) (column 0: nucleus draw, column 1: repeat resample); window [B, W] long (the row's last
-    win_size sampled ids, padded with -1); repeat_min [B]: the drawn id is resampled when it occurs >= repeat_min
-    times in the window; max_top_k: a bound on top_k (python int) so only that many sorted probs are scanned.
-    Greedy rows take the argmax. Otherwise inverse-CDF nucleus sampling; a repeated id is masked and an id is drawn
-    from the full softmax of what is left (upstream `ras_sampling`)."""
+    scores [B, V] float32 (logits or log-probs, -inf = masked); top_p [B] float; top_k [B] (long, or float32 holding
+    ints: compared exactly); greedy [B] bool, or None when no row is greedy (no argmax); uniforms [B, 2] in [0, 1)
+    (column 0: nucleus draw, column 1: repeat resample); window [B, W] (long, or float32 holding ids < 2**24): the
+    row's last win_size sampled ids, padded with -1; repeat_min [B]: the drawn id is resampled when it occurs
+    >= repeat_min times in the window; max_top_k: a bound on top_k (python int) so only that many sorted probs are
+    found. Greedy rows take the argmax. Otherwise inverse-CDF nucleus sampling; a repeated id is masked and an id is
+    drawn from the full softmax of what is left (upstream `ras_sampling`). `repeated_only` (default: on the CPU)
+    computes that softmax for the repeated rows only (row-wise ops: the same values as for every row; it costs a
+    host sync, which is nothing on the CPU)."""
     probs = scores.softmax(dim=-1)
-    sorted_p, sorted_idx = probs.sort(dim=-1, descending=True, stable=True)
-    k = sorted_p.shape[-1] if max_top_k is None else min(max_top_k, sorted_p.shape[-1])
-    head = sorted_p[:, :k]
+    n = probs.shape[-1]
+    head, head_idx = sorted_head(probs, n if max_top_k is None else min(max_top_k, n))
     head = head * nucleus_keep(head, top_p, top_k)
-    nucleus_id = sorted_idx.gather(1, _inverse_cdf(head, uniforms[:, 0]))                       # [B, 1]
+    nucleus_id = head_idx.gather(1, _inverse_cdf(head, uniforms[:, 0]))                          # [B, 1]
     repeated = (window == nucleus_id).sum(dim=-1, keepdim=True) >= repeat_min[:, None]
-    rest = scores.scatter(1, nucleus_id, float("-inf")).softmax(dim=-1)
-    resample_id = _inverse_cdf(rest, uniforms[:, 1])
-    ids = torch.where(repeated, resample_id, nucleus_id)
-    ids = torch.where(greedy[:, None], scores.argmax(dim=-1, keepdim=True), ids)
+    if repeated_only if repeated_only is not None else scores.device.type == "cpu":
+        ids = nucleus_id
+        rows = repeated[:, 0].nonzero()[:, 0]
+        if rows.numel():
+            ids = nucleus_id.clone()
+            rest = scores[rows].scatter(1, nucleus_id[rows], float("-inf")).softmax(dim=-1)
+            ids[rows] = _inverse_cdf(rest, uniforms[rows, 1])
+    else:
+        rest = scores.scatter(1, nucleus_id, float("-inf")).softmax(dim=-1)
+        ids = torch.where(repeated, _inverse_cdf(rest, uniforms[:, 1]), nucleus_id)
+    if greedy is not None:
+        ids = torch.where(greedy[:, None], scores.argmax(dim=-1, keepdim=True), ids)
     return ids[:, 0]
 
 
@@ -126,43 +172,35 @@ def _repeat_min(params: SamplingParams) -> int:
     return math.ceil(params.win_size * params.tau_r)
 
 
-def _draw_uniforms(generator: torch.Generator) -> torch.Tensor:
-    """The two uniforms [2] one sampling step takes from a request's stream (drawn for greedy rows too)."""
-    return torch.rand(2, generator=generator, device=generator.device).to("cpu")
+DRAW_BLOCK = 32   # sampling steps of uniforms a policy draws from its generator at once
 
 
 # Host-side inputs of one row, uploaded as one float32 tensor [B, _WINDOW + W] (ids < 2**24 are exact in float32).
 _U_NUCLEUS, _U_RESAMPLE, _TOP_P, _TOP_K, _REPEAT_MIN, _GREEDY, _STOP_MODE, _WINDOW = range(8)
 
 
-def _row_params(params: SamplingParams, history: list[int], stop_mode: int, width: int) -> list[float]:
-    """Columns _TOP_P.._STOP_MODE and the RAS window (the last win_size ids, left-padded with -1 to `width`)."""
-    window = history[-params.win_size:]
-    return ([params.top_p, params.top_k, _repeat_min(params), params.greedy, stop_mode]
-            + [-1] * (width - len(window)) + window)
-
-
-def _upload_rows(uniforms: torch.Tensor, params_rows: list[list[float]], device: torch.device) -> torch.Tensor:
-    """[B, 2] uniforms + per-row params → one device tensor, without a host sync (pinned + non-blocking on CUDA)."""
-    host = torch.cat([uniforms, torch.tensor(params_rows, dtype=torch.float32)], dim=1)
+def _upload(flat: list[float], rows: int, device: torch.device) -> torch.Tensor:
+    """The row-major host values -> one float32 [rows, C] tensor on `device`, without a host sync (pinned and
+    non-blocking on CUDA; the pinned block goes back to torch's caching host allocator once the copy is done)."""
     if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+        return torch.tensor(flat, dtype=torch.float32, pin_memory=True).view(rows, -1).to(device, non_blocking=True)
+    return torch.tensor(flat, dtype=torch.float32, device=device).view(rows, -1)
 
 
-def _select(scores: torch.Tensor, rows: torch.Tensor, max_top_k: int) -> torch.Tensor:
+def _select(scores: torch.Tensor, rows: torch.Tensor, max_top_k: int, any_greedy: bool = True) -> torch.Tensor:
     """`ras_select` with its inputs read from the uploaded row tensor."""
-    return ras_select(scores, rows[:, _TOP_P], rows[:, _TOP_K].long(), rows[:, _GREEDY] > 0,
-                      rows[:, _U_NUCLEUS:_U_RESAMPLE + 1], rows[:, _WINDOW:].long(), rows[:, _REPEAT_MIN], max_top_k)
+    return ras_select(scores, rows[:, _TOP_P], rows[:, _TOP_K], rows[:, _GREEDY] > 0 if any_greedy else None,
+                      rows[:, _U_NUCLEUS:_U_RESAMPLE + 1], rows[:, _WINDOW:], rows[:, _REPEAT_MIN], max_top_k)
 
 
 def ras_sample(logits: torch.Tensor, history: list[int], params: SamplingParams, generator: torch.Generator) -> int:
     """One id from `logits` [V] (logits or log-probs; -inf = masked): `ras_select` for one row, taking two uniforms
     from `generator`. Greedy: argmax (the uniforms are still drawn)."""
     scores = logits.float()[None]
-    rows = _upload_rows(_draw_uniforms(generator)[None], [_row_params(params, history, 0, params.win_size)],
-                        scores.device)
-    return int(_select(scores, rows, params.top_k)[0])
+    u = torch.rand(2, generator=generator, device=generator.device).tolist()
+    window = history[-params.win_size:]
+    flat = u + [params.top_p, params.top_k, _repeat_min(params), params.greedy, 0] + window
+    return int(_select(scores, _upload(flat, 1, scores.device), params.top_k)[0])
 
 
 # ---------------------------------------------------------------- per-request policy
@@ -200,6 +238,7 @@ class TokenPolicy:
         self.finished = False
         self.next_input: int | None = None
         self.generator: torch.Generator | None = None   # CPU, created on the first draw
+        self._uniforms: list[float] = []                 # drawn, not yet used (DRAW_BLOCK steps at a time)
 
     @property
     def num_sampled(self) -> int:
@@ -209,6 +248,14 @@ class TokenPolicy:
         if self.generator is None:
             self.generator = self.params.make_generator("cpu")
         return self.generator
+
+    def draw(self) -> list[float]:
+        """The two uniforms of this step [nucleus, resample]: the next two of the request's stream, which is drawn
+        2 * DRAW_BLOCK at a time (the CPU generator gives the same numbers for one draw of 2n as for n draws of 2;
+        the exactness test checks it)."""
+        if not self._uniforms:
+            self._uniforms = torch.rand(2 * DRAW_BLOCK, generator=self._generator()).tolist()[::-1]
+        return [self._uniforms.pop(), self._uniforms.pop()]
 
     def stop_mask_mode(self) -> int:
         """0: no stop id masked; 1: only `speech_token_size` (upstream ignore_eos quirk); 2: every stop id."""
@@ -267,28 +314,56 @@ class TokenPolicy:
 
 def sample_ids(logits: torch.Tensor, policies: list[TokenPolicy]) -> list[int]:
     """The next id of every row of `logits` [B, V] (row i belongs to `policies[i]`): stop masks, RAS with each row's
-    own top_p / top_k / greedy / window and two uniforms from its own generator, in one set of tensor ops and ONE
-    host sync (the final `.tolist()`). Does not touch the policies' bookkeeping (that is `TokenPolicy.accept`)."""
+    own top_p / top_k / greedy / window and two uniforms from its own generator, in one set of tensor ops, one
+    upload of the host values and ONE host sync (the final `.tolist()`). Does not touch the policies' bookkeeping
+    (that is `TokenPolicy.accept`)."""
     _check_batch("sample_ids", logits, policies)
     if not policies:
         return []
+    vocab, stop = logits.shape[1], policies[0].speech_token_size
+    width = max_top_k = 0
     for p in policies:
         if p.finished:
             raise InputError("TokenPolicy: sampling requested after the request finished")
-        p._check_logits(logits.shape[1])
-    stop = policies[0].speech_token_size
-    if any(p.speech_token_size != stop for p in policies):
-        raise InputError(f"sample_ids: policies disagree on speech_token_size "
-                         f"{sorted({p.speech_token_size for p in policies})}")
-    width = max(p.params.win_size for p in policies)
-    uniforms = torch.stack([_draw_uniforms(p._generator()) for p in policies])
-    dev = logits.device
-    rows = _upload_rows(uniforms, [_row_params(p.params, p.history, p.stop_mask_mode(), width) for p in policies], dev)
+        p._check_logits(vocab)
+        if p.speech_token_size != stop:
+            raise InputError(f"sample_ids: policies disagree on speech_token_size "
+                             f"{sorted({p.speech_token_size for p in policies})}")
+        width, max_top_k = max(width, p.params.win_size), max(max_top_k, p.params.top_k)
+    flat: list[float] = []
+    modes: set[int] = set()
+    any_greedy = False
+    for p in policies:
+        params, mode = p.params, p.stop_mask_mode()
+        modes.add(mode)
+        any_greedy |= params.greedy
+        window = p.history[-params.win_size:]
+        flat += p.draw()
+        flat += (params.top_p, params.top_k, _repeat_min(params), params.greedy, mode)
+        if len(window) < width:
+            flat += [-1] * (width - len(window))
+        flat += window
+    rows = _upload(flat, len(policies), logits.device)
+    return _select(_masked_scores(logits, rows, modes, stop), rows, max_top_k, any_greedy).tolist()
+
+
+def _masked_scores(logits: torch.Tensor, rows: torch.Tensor, modes: set[int], stop: int) -> torch.Tensor:
+    """float32 scores with each row's stop ids at -inf (mode 1: id `stop`, mode 2: ids >= `stop`); `logits` itself
+    is not changed. One fill when every row has the same mode; the rows' mode column (on the device) otherwise."""
+    if modes == {_NO_STOP_MASK} or stop >= logits.shape[1]:
+        return logits.float()
+    scores = logits.to(torch.float32, copy=True)
+    if len(modes) == 1:
+        if _MASK_ALL_STOPS in modes:
+            scores[:, stop:] = float("-inf")
+        else:
+            scores[:, stop] = float("-inf")
+        return scores
     mode = rows[:, _STOP_MODE:_STOP_MODE + 1]
-    col = torch.arange(logits.shape[1], device=dev)[None]
-    masked = ((mode == _MASK_ALL_STOPS) & (col >= stop)) | ((mode == _MASK_FIRST_STOP) & (col == stop))
-    scores = logits.float().masked_fill(masked, float("-inf"))
-    return _select(scores, rows, max(p.params.top_k for p in policies)).tolist()
+    tail = scores[:, stop:]
+    first = _arange(tail.shape[1], tail.device)[None] == 0
+    tail.masked_fill_((mode == _MASK_ALL_STOPS) | ((mode == _MASK_FIRST_STOP) & first), float("-inf"))
+    return scores
 
 
 def sample_batch(logits: torch.Tensor, policies: list[TokenPolicy]) -> list[tuple[int | None, bool]]:

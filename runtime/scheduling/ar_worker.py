@@ -20,7 +20,7 @@ from ..stages.ar_runner import ARRunner, PrefillRow
 from .config import SchedulerConfig
 from .policies import admit
 from .stage_clock import StageClock
-from .state import RequestState, run_rows
+from .state import RequestState
 from .stats import ARCounters
 
 
@@ -126,9 +126,24 @@ class ARWorker:
             self.running.remove(r)
         self.fail(r, e)
 
-    def _logits(self, call, rows: list[RequestState]) -> list[tuple[RequestState, torch.Tensor]]:
-        # a graph's output buffer is reused by the next call: clone the rows run alone
-        return run_rows(call, rows, self._fail, single=lambda r: call([r])[0].clone())
+    def _logits(self, call, rows: list[RequestState]) -> tuple[list[RequestState], torch.Tensor | None]:
+        """`call(rows)` -> (rows, their logits [B, V]) as one batch; if it raises, row by row, so only the failing
+        rows fail: (the rows that did not, their logits stacked). The batch's logits go to the sampling as they are
+        (no per-row split and re-stack)."""
+        try:
+            return rows, call(rows)
+        except Exception as e:
+            if len(rows) == 1:
+                self._fail(rows[0], e)
+                return [], None
+        ok, logits = [], []
+        for r in rows:
+            try:
+                logits.append(call([r])[0].clone())   # a graph's output buffer is reused by the next call
+                ok.append(r)
+            except Exception as e:
+                self._fail(r, e)
+        return ok, torch.stack(logits) if logits else None
 
     def _prefill(self, rows: list[RequestState]) -> None:
         t0 = time.perf_counter()
@@ -137,40 +152,51 @@ class ARWorker:
                 torch.cuda.current_stream().wait_event(r.inputs_ready)
         for r in rows:
             r.metrics.t_queue = max(0.0, t0 - r.metrics.t_submit - r.metrics.t_tokenizer)
-        results = self._logits(lambda rs: self.runner.prefill([PrefillRow(r.slot, r.lm_input, r.lm_ids) for r in rs]), rows)
-        for r, _ in results:
+        rows_ok, logits = self._logits(
+            lambda rs: self.runner.prefill([PrefillRow(r.slot, r.lm_input, r.lm_ids) for r in rs]), rows)
+        for r in rows_ok:
             r.pos = r.lm_input.shape[0]
             self.running.append(r)
-        self._sample(results, t0)
+        self._sample(rows_ok, logits, t0)
         self.counters.prefill(len(rows))
 
     def _decode(self) -> None:
         rows = list(self.running)
         t0 = time.perf_counter()
-        results = self._logits(lambda rs: self.runner.decode([r.policy.next_input for r in rs], [r.slot for r in rs],
-                                                             [r.pos for r in rs]), rows)
-        for r, _ in results:
+        rows_ok, logits = self._logits(lambda rs: self.runner.decode([r.policy.next_input for r in rs],
+                                                                     [r.slot for r in rs], [r.pos for r in rs]), rows)
+        for r in rows_ok:
             r.pos += 1
-        self._sample(results, t0)
+        self._sample(rows_ok, logits, t0)
         self.counters.decode(len(rows))
 
-    def _sample(self, results: list[tuple[RequestState, torch.Tensor]], t0: float) -> None:
+    def _sample(self, rows: list[RequestState], logits: torch.Tensor | None, t0: float) -> None:
         """One `sample_batch` for all rows (one host sync; `TokenPolicy.step` row by row if it raises); append the
         tokens, free the slots of finished rows, hand the rows to the sink."""
-        if not results:
+        if not rows:
             return
-        steps = run_rows(lambda res: sample_batch(torch.stack([lg for _, lg in res]), [r.policy for r, _ in res]),
-                         results, lambda row, e: self._fail(row[0], e), single=lambda row: row[0].policy.step(row[1]))
-        for (r, _), (tok, done) in steps:
+        try:
+            steps = list(zip(rows, sample_batch(logits, [r.policy for r in rows])))
+        except Exception:
+            steps = []
+            for r, lg in zip(rows, logits):
+                try:
+                    steps.append((r, r.policy.step(lg)))
+                except Exception as e:
+                    self._fail(r, e)
+        finished = False
+        for r, (tok, done) in steps:
             try:
                 if tok is not None:
                     r.tokens.append(tok)
                 if done:
                     self._release(r)
-                    self.running.remove(r)
+                    finished = True
                 self.sink.tokens(r, done)
             except Exception as e:
                 self._fail(r, e)
-        share = (time.perf_counter() - t0) / len(results)
-        for r, _ in results:
+        if finished:
+            self.running = [r for r in self.running if r.slot is not None]
+        share = (time.perf_counter() - t0) / len(rows)
+        for r in rows:
             r.metrics.t_ar += share

@@ -47,6 +47,19 @@ class DecodeGraphs:
         self.replays += 1
         return self.graphs[kv].run(B, tokens, slots, positions)[:b]
 
+    def run_host(self, tokens: list[int], slots: list[int], positions: list[int], need_kv: int) -> torch.Tensor:
+        """`__call__` from host lists (the AR worker's per-step inputs): the padded columns are ONE [3, B] int64
+        host tensor (pinned on CUDA) whose rows the graph cache copies straight into its static inputs
+        (non-blocking): no per-column upload with its host sync, no device-side padding kernels."""
+        b = len(tokens)
+        B = self.batches[bisect.bisect_left(self.batches, b)]
+        kv = self.kv_lens[bisect.bisect_left(self.kv_lens, need_kv)]
+        pad = B - b
+        host = torch.tensor([tokens + [0] * pad, slots + [self.scratch] * pad, positions + [0] * pad],
+                            dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.replays += 1
+        return self.graphs[kv].run(B, host[0], host[1], host[2])[:b]
+
 
 class PrefillGraphs:
     """CUDA graphs for the AR prefill: one graph per (batch bucket, padded length), replayed for every admission.

@@ -127,8 +127,7 @@ class TorchARRunner:
         self.slots.install()
         need = max(positions) + 1
         if self.decode_graphs is not None and self.decode_graphs.fits(len(tokens), need):
-            return self.decode_graphs(*(torch.tensor(c, device=self.device) for c in (tokens, slots, positions)),
-                                      need)
+            return self.decode_graphs.run_host(tokens, slots, positions, need)
         kv_len = min(self.max_len, -(-need // KV_LEN_STEP) * KV_LEN_STEP)
         t, s, p = self._padded([tokens, slots, positions], [0, self.slots.scratch_slot, 0])
         return self._decode(t, s, p, kv_len=kv_len)[:len(tokens)]
@@ -150,8 +149,12 @@ class TorchARRunner:
 
     def _padded(self, values: list[list[int]], pad: list[int]) -> list[torch.Tensor]:
         """Per-row int columns as device tensors; a compiled LM gets padding rows (`pad`: their values; the slot
-        column pads with the scratch slot) up to MIN_COMPILED_ROWS."""
+        column pads with the scratch slot) up to MIN_COMPILED_ROWS. On CUDA each goes up from pinned memory without
+        a host sync."""
         extra = max(0, MIN_COMPILED_ROWS - len(values[0])) if self.compiled else 0
+        if self.device.type == "cuda":
+            return [torch.tensor(col + [p] * extra, pin_memory=True).to(self.device, non_blocking=True)
+                    for col, p in zip(values, pad)]
         return [torch.tensor(col + [p] * extra, device=self.device) for col, p in zip(values, pad)]
 
     def _warm_compiled(self) -> None:

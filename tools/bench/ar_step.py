@@ -1,0 +1,195 @@
+"""Host time of one AR worker decode step (issue #18: the AR thread's per-step overhead).
+
+    PYTHONPATH=.shim python -m cosytrt.tools.bench.ar_step [--batches 1,8,32] [--steps 100] [--device cpu|cuda]
+
+Drives `ARWorker._decode` (decode inputs -> runner.decode -> `sample_batch` -> bookkeeping -> sink) for B running
+requests, default sampling parameters, one seed per row, with two runners:
+- `fixed`: a runner that returns the same logits every step (speech-vocab width, stop ids at -inf so no row ends):
+  the worker's own time per step, the LM left out;
+- `tiny`: `TorchARRunner` over the tiny CosyVoice3 LM (seeded random weights, fp32; on CUDA in its decode graphs):
+  the whole step.
+Prints microseconds per step (median of `repeats` blocks of `steps` steps), for `fixed` the aten ops per step that
+are not views (about the kernel launches of a GPU step), and for `tiny` the part spent outside `runner.decode` (on
+CUDA that includes waiting for the GPU: the decode is only launched). On CUDA every step ends in the sampling's host
+sync, so a `fixed` step is host time plus the sampling kernels. A measuring tool: no test checks its numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+V_STOP = 6561
+
+
+class FixedRunner:
+    """An `ARRunner` whose decode returns fixed logits [B, V]: measures the worker around the LM."""
+
+    def __init__(self, max_batch: int, vocab: int = 6761, seed: int = 0, device: str = "cpu"):
+        self.max_batch, self.max_len = max_batch, 1 << 30
+        g = torch.Generator().manual_seed(seed)
+        self.logits = torch.randn(max_batch, vocab, generator=g) * 3.0
+        self.logits[:, V_STOP:] = float("-inf")
+        self.logits = self.logits.to(device)
+        self._free = list(range(max_batch - 1, -1, -1))
+
+    def allocate(self):
+        return self._free.pop() if self._free else None
+
+    def release(self, slot):
+        self._free.append(slot)
+
+    def decode(self, tokens, slots, positions):
+        return self.logits[:len(tokens)]
+
+    def close(self):
+        pass
+
+
+class _NullSink:
+    def tokens(self, r, done):
+        pass
+
+    def flush(self):
+        pass
+
+
+class _Row:
+    """The fields of `RequestState` that the AR worker's decode step touches."""
+
+    def __init__(self, policy, slot: int, pos: int):
+        self.policy, self.slot, self.pos = policy, slot, pos
+        self.tokens: list[int] = []
+        self.metrics = SimpleNamespace(t_ar=0.0)
+        self.dead = False
+
+
+class _TimedRunner:
+    """Wraps a runner; adds up the seconds spent in `decode`."""
+
+    def __init__(self, runner):
+        self.runner, self.seconds = runner, 0.0
+        self.max_batch, self.max_len = runner.max_batch, runner.max_len
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def decode(self, tokens, slots, positions):
+        t0 = time.perf_counter()
+        out = self.runner.decode(tokens, slots, positions)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def tiny_runner(max_batch: int, max_len: int = 1024, device: str = "cpu"):
+    """TorchARRunner over the tiny LM (fp32); on CUDA with its decode graphs."""
+    from ...runtime.models.config import tiny_config
+    from ...runtime.models.loading import build_modules
+    from ...runtime.stages.ar_runner import TorchARRunner
+
+    torch.manual_seed(0)
+    llm = build_modules(tiny_config(), device=device)[0].eval()
+    return TorchARRunner(llm, max_batch, max_len, device, cuda_graphs=device.startswith("cuda"))
+
+
+def _reraise(r, e: BaseException) -> None:
+    raise e
+
+
+def worker_for(runner, batch: int, start_pos: int = 64, device: str = "cpu"):
+    """An ARWorker over `runner` with `batch` running rows (seeds 0..batch-1, default top_p / top_k / RAS window;
+    every stop id masked, so no row ends)."""
+    from ...runtime.models.sampling import SamplingParams, TokenPolicy
+    from ...runtime.scheduling.ar_worker import ARWorker
+    from ...runtime.scheduling.config import SchedulerConfig
+    from ...runtime.scheduling.stage_clock import StageClock
+
+    w = ARWorker(runner, SchedulerConfig(), _NullSink(), _reraise, StageClock(False), device)
+    for i in range(batch):
+        pol = TokenPolicy(1, SamplingParams(seed=i, min_tokens=1 << 20, max_tokens=1 << 20),
+                          mask_all_stops_before_min=True)   # no row ends
+        pol.next_input = i
+        w.running.append(_Row(pol, runner.allocate(), start_pos))
+    return w
+
+
+def time_steps(worker, steps: int, repeats: int, timed: _TimedRunner | None = None) -> tuple[float, float]:
+    """(median µs per step, median µs per step outside runner.decode) over `repeats` blocks of `steps` steps."""
+    per, outside = [], []
+    with torch.inference_mode():
+        for _ in range(5):
+            worker._decode()
+        for _ in range(repeats):
+            if timed is not None:
+                timed.seconds = 0.0
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                worker._decode()
+            dt = time.perf_counter() - t0
+            per.append(dt / steps * 1e6)
+            outside.append((dt - (timed.seconds if timed is not None else 0.0)) / steps * 1e6)
+    return statistics.median(per), statistics.median(outside)
+
+
+_VIEWS = frozenset({"slice", "select", "view", "unsqueeze", "squeeze", "as_strided", "alias", "_unsafe_view", "expand",
+                    "t", "transpose", "detach", "detach_", "lift_fresh", "resolve_conj", "resolve_neg"})
+
+
+def ops_per_step(worker, steps: int = 20) -> float:
+    """Dispatched aten ops per decode step that are not views (on a GPU each is about one kernel launch; here the
+    CPU form of the sampler, which differs from the CUDA form in the repeat resample only)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket.__name__ not in _VIEWS
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode():
+        worker._decode()
+        with Count() as c:
+            for _ in range(steps):
+                worker._decode()
+    return c.n / steps
+
+
+def table(batches=(1, 8, 32), steps: int = 100, repeats: int = 5, device: str = "cpu") -> list[dict]:
+    rows = []
+    for b in batches:
+        fixed = worker_for(FixedRunner(b, device=device), b, device=device)
+        fixed_us, _ = time_steps(fixed, steps, repeats)
+        ops = ops_per_step(fixed)
+        timed = _TimedRunner(tiny_runner(b, device=device))
+        tiny_us, tiny_out_us = time_steps(worker_for(timed, b, device=device), max(10, steps // 2), repeats, timed)
+        rows.append({"batch": b, "fixed_us": fixed_us, "fixed_ops": ops, "tiny_us": tiny_us,
+                     "tiny_outside_decode_us": tiny_out_us})
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the same loop on the GPU (each step ends in the "
+                   "sampling's host sync, so µs = host time + what the GPU adds; tiny LM in decode graphs)")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    rows = table(tuple(int(x) for x in a.batches.split(",")), a.steps, a.repeats, a.device)
+    print(f"AR worker decode step, {a.device}, torch {torch.__version__}, {a.threads} thread(s); µs per step (median)")
+    print("| batch | fixed logits: worker host µs | its aten ops (not views) | tiny LM: whole step µs "
+          "| tiny LM: outside runner.decode µs |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['fixed_us']:.0f} | {r['fixed_ops']:.0f} | {r['tiny_us']:.0f} "
+              f"| {r['tiny_outside_decode_us']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
