@@ -42,9 +42,10 @@ stash_parts() {
 
 py_env() {
   # the source tree as the `cosytrt` package (no wheel needed), carried wheels, onnxruntime-gpu first on the path
+  cp cosytrt/*.py /tmp/cosytrt_src/cosytrt/ 2>/dev/null || true
   if [ ! -d /tmp/cosytrt_src/cosytrt ]; then
     mkdir -p /tmp/cosytrt_src/cosytrt
-    cp cosytrt/__init__.py /tmp/cosytrt_src/cosytrt/
+    cp cosytrt/*.py /tmp/cosytrt_src/cosytrt/
     for d in */; do d=${d%/}
       case "$d" in tests|benchmarks|cosytrt) continue;; esac
       [ -f "$d/__init__.py" ] && ln -sfn "$REPO/$d" "/tmp/cosytrt_src/cosytrt/$d"
