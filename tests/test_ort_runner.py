@@ -34,6 +34,9 @@ def test_provider_plan_cpu_and_cuda():
     plan, _ = provider_plan("cuda", ALL, True, cuda_graph=True, options=OrtOptions(tensorrt=False))
     assert _names(plan) == ["CUDAExecutionProvider", "CPUExecutionProvider"]
     assert plan[0][1]["enable_cuda_graph"] == "1"
+    assert plan[0][1]["use_tf32"] == "0"  # fp32 parity (run 23: TF32 on was 3e-3 off the fp32 model)
+    plan, _ = provider_plan("cuda", ALL, False, options=OrtOptions.from_dict({"tf32": True}))
+    assert plan[0][1]["use_tf32"] == "1"
     with pytest.raises(BackendUnavailableError, match="onnxruntime-gpu"):
         provider_plan("cuda", ["CPUExecutionProvider"], False)
     with pytest.raises(BackendUnavailableError):
