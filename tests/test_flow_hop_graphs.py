@@ -90,3 +90,35 @@ def test_no_bucket_runs_eagerly_and_is_counted(flow):
     s = graphs.stats()
     assert s["grid"] == {"batch": [1], "frames": [64], "prefix": [0, 96]} and s["graphs"] is False
     assert s["static_bytes"] == 0  # no bucket was ever used: no static buffers
+
+
+def test_compiled_forward_cached_buckets_equal_eager(flow):
+    """The compiled variant's cached hops (`GraphedEagerSet(compile=True)` hands CachedHopGraphs the torch.compile'd
+    forward_cached): the same hops through the compiled function, bucket after bucket of different (rows, frames,
+    prefix) sizes, equal the eager cached hops; dynamic shapes, so new buckets do not recompile each time."""
+    import torch._dynamo
+
+    from cosytrt.runtime.stages.compiled import compile_fn
+
+    specs = [(20, 8, 250), (33, 9, 250)]
+    prompts = [make_prompt(flow, P, s) for P, s, _ in specs]
+    tokens = [make_tokens(flow, n, s + 100) for _, s, n in specs]
+    ends = [hop_ends(P, n) for P, _, n in specs]
+    grid = CachedGrid((1, 2), (64, 128, 256, 512), (0, 96, 200, 400, 800))
+    compiled = CachedHopGraphs(flow.estimator, grid, "cpu", fn=compile_fn(flow.estimator.forward_cached), graphs=False)
+    pool_c, pool_e = FlowCachePool(BIG), FlowCachePool(BIG)
+    sc = [pool_c.new_state() for _ in specs]
+    se = [pool_e.new_state() for _ in specs]
+    torch._dynamo.utils.counters.clear()
+    rounds = min(len(e) for e in ends)
+    for rnd in range(rounds):
+        rows = [0, 1] if rnd % 2 == 0 else [1]  # 2-row and 1-row buckets, prefix growing
+        got = flow_rows(flow, [FlowInput(tokens[i][:ends[i][rnd] + LOOKAHEAD], *prompts[i], False, sc[i])
+                               for i in rows], True, hops=compiled)
+        eager = flow_rows(flow, [FlowInput(tokens[i][:ends[i][rnd] + LOOKAHEAD], *prompts[i], False, se[i])
+                                 for i in rows], True)
+        for a, b in zip(got, eager):
+            assert max_err(a, b) <= BATCH_TOL, rnd
+    assert compiled.counts["misses"] == 0 and compiled.counts["hits"] >= 2, compiled.counts
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 1 <= frames <= 3, f"{frames} graphs compiled for {rounds} hops of different buckets"
