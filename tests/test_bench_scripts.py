@@ -39,3 +39,21 @@ def test_budget_skips_parts_and_bad_arguments_fail(tmp_path):
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
 def test_the_one_command_wrapper_is_valid_bash():
     assert subprocess.run(["bash", "-n", os.path.join(ROOT, "benchmarks", "batch_invariance_run.sh")]).returncode == 0
+
+
+def test_dit_shapes_smoke_and_conv_variants_equal(tmp_path):
+    """tools/bench/dit_shapes.py on the CPU (tiny model, eager): every convolution variant it times computes the
+    model's convolution (max |diff| to F.conv1d within fp32 rounding), and the report files are written."""
+    import json
+
+    from cosytrt.tools.bench import dit_shapes
+
+    assert dit_shapes.main(["--out", str(tmp_path), "--smoke", "--lengths", "40", "--reps", "1",
+                            "--modes", "stream"]) == 0
+    res = json.loads((tmp_path / "dit_shapes.json").read_text())
+    row = res["rows"][0]
+    for name in dit_shapes.VARIANTS:
+        assert row[name] is not None, row.get(f"{name}_error")
+    for name in dit_shapes.VARIANTS[1:]:
+        assert row[f"{name}_err"] < 1e-4
+    assert (tmp_path / "dit_shapes.md").read_text().count("| stream | 40 |") == 1

@@ -11,6 +11,7 @@ Modules, each importing only the ones listed before it:
 - timing.py     CUDA-event timing, CUDA-graph replay timing, max abs error, per-kernel profile
 - aoti.py       the AOTInductor DiT, built and timed in a child process
 - micro.py      AR / DiT / HiFT micro-benchmarks with rooflines, CUDA-graph parity, c1 end to end
+- dit_shapes.py DiT call ms per length x convolution implementation, CUDA graphs + kernel profile (standalone)
 - ar_step.py    host µs per AR worker decode step on the CPU (`python -m cosytrt.tools.bench.ar_step`; standalone)
 - serving.py    the serving matrix and the scheduler-feature comparison (waves of requests)
 - open_loop.py  open-loop cells: a rate sweep until saturation, A/B over SchedulerConfig fields

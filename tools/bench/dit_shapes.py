@@ -1,0 +1,188 @@
+"""DiT call time across lengths and convolution implementations (one GPU call; issue #18's first-hop latency).
+
+Why: on the H200 one streaming DiT call at T = 200 frames took 92–107 ms (eager and compiled CUDA graphs, fp32, batch
+2 and 8) against 13–46 ms at T = 450 (BENCHMARKS run 23), and run 18's whole-history hop at 200 frames took longer
+than at 300. A stream's first hop is about that long (prompt + first chunk), so a slow shape there is TTFA. The
+suspect is the conv position embedding's grouped convolutions (kernel 31, 16 groups, 1024 channels): cuDNN picks
+its algorithm from the shape. This tool times the streaming (and offline) DiT call per length T, for each way of
+running those convolutions, each captured in a CUDA graph, and profiles the slowest and a fast length so the kernel
+that takes the time is named:
+
+  cudnn              F.conv1d as the model runs it today
+  cudnn_benchmark    the same with torch.backends.cudnn.benchmark (cuDNN times its algorithms per shape)
+  conv2d_nhwc        the convolution as conv2d on a channels-last [B, C, 1, T] tensor (other cuDNN kernels)
+  unfold_matmul      im2col: x.unfold over time and one grouped batched matmul (no cuDNN)
+
+    python -m cosytrt.tools.bench.dit_shapes --out OUT [--lengths 100,150,...] [--batch 2] [--dtype bf16]
+    python -m cosytrt.tools.bench.dit_shapes --out OUT --smoke     # CPU, tiny model, eager (checks the wiring)
+
+Writes OUT/dit_shapes.json and OUT/dit_shapes.md (ms per call per T and variant, max |diff| to `cudnn`, the top
+kernels of the profiled lengths). Exactness of a variant is reported, not assumed: a variant that would be adopted
+still has to pass the golden and cached-hop tests.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+VARIANTS = ("cudnn", "cudnn_benchmark", "conv2d_nhwc", "unfold_matmul")
+
+
+def _conv2d_nhwc(conv, x):
+    w = conv.weight.unsqueeze(2)                                          # [Cout, Cin/g, 1, K]
+    x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)     # [B, C, 1, T]
+    return F.conv2d(x4, w, conv.bias, groups=conv.groups).squeeze(2)
+
+
+def _unfold_matmul(conv, x):
+    b, c, length = x.shape
+    g = conv.groups
+    cout, cin_g, k = conv.weight.shape
+    t = length - k + 1
+    cols = x.unfold(2, k, 1)                                              # [B, C, T, K]
+    cols = cols.reshape(b, g, cin_g, t, k).permute(0, 1, 3, 2, 4).reshape(b, g, t, cin_g * k)
+    w = conv.weight.reshape(g, cout // g, cin_g * k).transpose(1, 2)      # [G, Cin/g*K, Cout/g]
+    y = torch.matmul(cols, w)                                             # [B, G, T, Cout/g]
+    y = y.permute(0, 1, 3, 2).reshape(b, cout, t)
+    return y + conv.bias[None, :, None] if conv.bias is not None else y
+
+
+@contextlib.contextmanager
+def conv_variant(name: str):
+    """Run the DiT's `_conv1d` as `name` inside the block (module attribute swap: the model looks it up per call)."""
+    from ...runtime.models import dit as dit_mod
+
+    original, bench = dit_mod._conv1d, torch.backends.cudnn.benchmark
+    impl = {"conv2d_nhwc": _conv2d_nhwc, "unfold_matmul": _unfold_matmul}.get(name)
+    if name not in VARIANTS:
+        raise ValueError(f"unknown conv variant {name!r}: {VARIANTS}")
+    try:
+        if impl is not None:
+            dit_mod._conv1d = impl
+        torch.backends.cudnn.benchmark = name == "cudnn_benchmark"
+        yield
+    finally:
+        dit_mod._conv1d, torch.backends.cudnn.benchmark = original, bench
+
+
+def _inputs(dit, batch: int, length: int, device, dtype):
+    g = torch.Generator().manual_seed(length)
+    c = dit.cfg
+    ins = (torch.randn(batch, c.mel_dim, length, generator=g), torch.ones(batch, 1, length),
+           torch.randn(batch, c.mu_dim, length, generator=g), torch.rand(batch, generator=g),
+           torch.randn(batch, c.spk_dim, generator=g), torch.randn(batch, c.mel_dim, length, generator=g))
+    return tuple(t.to(device, dtype) for t in ins)
+
+
+def _time(fn, args, cuda: bool, reps: int) -> tuple[float, torch.Tensor]:
+    """(ms per call: a CUDA-graph replay on CUDA, an eager call on CPU; the output)."""
+    if not cuda:
+        t = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        return (time.perf_counter() - t) * 1e3 / reps, out
+    from ...engines.cuda_graphs import GraphCache
+    from .timing import time_cuda
+
+    gc = GraphCache(fn, torch.device("cuda"))
+    gc.capture(0, args)
+    out = gc.run(0, *args).clone()
+    return time_cuda(lambda: gc.run(0, *args), reps=reps), out
+
+
+def _top_kernels(fn, args, n: int = 8) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, "device_time_total", 0.0), reverse=True)[:n]
+    return [{"name": e.key[:90], "calls": e.count, "ms": round(getattr(e, "device_time_total", 0.0) / 1e3, 3)}
+            for e in rows]
+
+
+def run(out_dir: str, lengths, batch: int, dtype: torch.dtype, modes, reps: int, profile_lengths, smoke: bool) -> dict:
+    from ...runtime.models.dit import FixedModeDiT
+    from .common import full_models
+
+    device = "cpu" if smoke else "cuda"
+    _, _, flow, _ = full_models(device, dtype, "tiny" if smoke else "full")
+    dit = flow.estimator
+    res = {"meta": {"device": torch.cuda.get_device_name(0) if not smoke else "cpu (smoke)", "torch": torch.__version__,
+                    "batch": batch, "dtype": str(dtype), "commit": os.environ.get("COSYTRT_COMMIT", "unknown"),
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, "rows": [], "profiles": []}
+    for mode in modes:
+        fn = FixedModeDiT(dit, mode == "stream")
+        for length in lengths:
+            args = _inputs(dit, batch, length, device, dtype)
+            row = {"mode": mode, "T": length}
+            ref = None
+            for name in VARIANTS:
+                try:
+                    with conv_variant(name), torch.inference_mode():
+                        ms, out = _time(fn, args, not smoke, reps)
+                    row[name] = round(ms, 3)
+                    if ref is None:
+                        ref = out.float()
+                    else:
+                        row[f"{name}_err"] = float((out.float() - ref).abs().max())
+                except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+                    row[name] = None
+                    row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            if not smoke and length in profile_lengths:
+                for name in ("cudnn", "unfold_matmul"):
+                    with conv_variant(name), torch.inference_mode():
+                        res["profiles"].append({"mode": mode, "T": length, "variant": name,
+                                                "top": _top_kernels(fn, args)})
+            _save(out_dir, res)
+    return res
+
+
+def _save(out_dir: str, res: dict) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "dit_shapes.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    lines = [f"## DiT call ms per length and convolution implementation ({res['meta']})", "",
+             "| mode | T | " + " | ".join(VARIANTS) + " | max err vs cudnn (others) |",
+             "|---|---|" + "---|" * (len(VARIANTS) + 1)]
+    for r in res["rows"]:
+        errs = ", ".join(f"{r[k]:.1e}" for k in (f"{v}_err" for v in VARIANTS[1:]) if r.get(k) is not None)
+        lines.append(f"| {r['mode']} | {r['T']} | " + " | ".join("fail" if r.get(v) is None else f"{r[v]:.2f}"
+                                                                 for v in VARIANTS) + f" | {errs} |")
+    for p in res["profiles"]:
+        lines += ["", f"{p['mode']} T={p['T']} {p['variant']}: " + "; ".join(f"{k['name']} x{k['calls']} {k['ms']} ms"
+                                                                            for k in p["top"])]
+    with open(os.path.join(out_dir, "dit_shapes.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cosytrt.tools.bench.dit_shapes", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--lengths", default="100,150,200,230,250,300,350,400,450,500")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--modes", default="stream,offline")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--profile-lengths", default="200,450")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager: checks the wiring only")
+    a = ap.parse_args(argv)
+    lengths = [int(x) for x in a.lengths.split(",") if x]
+    dtype = torch.bfloat16 if a.dtype == "bf16" and not a.smoke else torch.float32
+    run(a.out, lengths, a.batch, dtype, [m for m in a.modes.split(",") if m], a.reps,
+        {int(x) for x in a.profile_lengths.split(",") if x}, a.smoke)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
