@@ -12,6 +12,9 @@ that takes the time is named:
   cudnn_benchmark    the same with torch.backends.cudnn.benchmark (cuDNN times its algorithms per shape)
   conv2d_nhwc        the convolution as conv2d on a channels-last [B, C, 1, T] tensor (other cuDNN kernels)
   unfold_matmul      im2col: x.unfold over time and one grouped batched matmul (no cuDNN)
+  sdpa_efficient     convolutions as today, the attention limited to the memory-efficient SDPA kernel (then math)
+  sdpa_cudnn         convolutions as today, the attention limited to cuDNN's SDPA (the other suspect: torch may
+                     pick cuDNN attention for some lengths, as the LM prefill once did, `llm.PREFILL_SDPA_BACKENDS`)
 
     python -m cosytrt.tools.bench.dit_shapes --out OUT [--lengths 100,150,...] [--batch 2] [--dtype bf16]
     python -m cosytrt.tools.bench.dit_shapes --out OUT --smoke     # CPU, tiny model, eager (checks the wiring)
@@ -31,7 +34,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-VARIANTS = ("cudnn", "cudnn_benchmark", "conv2d_nhwc", "unfold_matmul")
+VARIANTS = ("cudnn", "cudnn_benchmark", "conv2d_nhwc", "unfold_matmul", "sdpa_efficient", "sdpa_cudnn")
+CUDA_ONLY = ("sdpa_cudnn",)  # skipped by --smoke
 
 
 def _conv2d_nhwc(conv, x):
@@ -62,11 +66,16 @@ def conv_variant(name: str):
     impl = {"conv2d_nhwc": _conv2d_nhwc, "unfold_matmul": _unfold_matmul}.get(name)
     if name not in VARIANTS:
         raise ValueError(f"unknown conv variant {name!r}: {VARIANTS}")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"sdpa_efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+                "sdpa_cudnn": [SDPBackend.CUDNN_ATTENTION]}.get(name)
     try:
         if impl is not None:
             dit_mod._conv1d = impl
         torch.backends.cudnn.benchmark = name == "cudnn_benchmark"
-        yield
+        with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+            yield
     finally:
         dit_mod._conv1d, torch.backends.cudnn.benchmark = original, bench
 
@@ -126,6 +135,10 @@ def run(out_dir: str, lengths, batch: int, dtype: torch.dtype, modes, reps: int,
             row = {"mode": mode, "T": length}
             ref = None
             for name in VARIANTS:
+                if smoke and name in CUDA_ONLY:
+                    row[name] = None
+                    row[f"{name}_error"] = "CUDA only"
+                    continue
                 try:
                     with conv_variant(name), torch.inference_mode():
                         ms, out = _time(fn, args, not smoke, reps)
