@@ -331,3 +331,13 @@ def test_report_plots_name_engines_commit_gpu_and_keep_legends_off_the_data(tmp_
         assert all(lg is None for lg in legends) and fig_legends == 1, name
     _, _, labels, ticks, _ = seen["bench_serving.png"]
     assert labels[0] == ["1", "8", "32"] and ticks[0] == [0, 1, 2]
+
+
+def test_graphs_ar_variant_compiles_only_the_ar():
+    """`--variants graphs_ar`: eager DiT / HiFT in CUDA graphs, the AR compiled (SchedulerConfig.compile)."""
+    from cosytrt.tools.bench.common import VARIANTS, scheduler_config
+
+    assert "graphs_ar" in VARIANTS
+    cfg = scheduler_config("graphs_ar")
+    assert cfg.compile and cfg.cuda_graphs
+    assert not scheduler_config("graphs").compile and scheduler_config("compiled").compile
