@@ -43,7 +43,8 @@ def test_the_one_command_wrapper_is_valid_bash():
 
 def test_dit_shapes_smoke_and_conv_variants_equal(tmp_path):
     """tools/bench/dit_shapes.py on the CPU (tiny model, eager): every convolution variant it times computes the
-    model's convolution (max |diff| to F.conv1d within fp32 rounding), and the report files are written."""
+    model's convolution (max |diff| to F.conv1d within fp32 rounding), and the report files are written. The
+    implementations are runtime/models/dit_conv.py's (tests/test_flow.py checks them inside the DiT)."""
     import json
 
     from cosytrt.tools.bench import dit_shapes

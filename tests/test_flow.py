@@ -258,3 +258,23 @@ def test_half_precision_keeps_rope_float32(tiny_cfg):
     assert f.estimator.rotary_embed.inv_freq.dtype == torch.float32
     assert f.estimator.proj_out.weight.dtype == torch.float16
     assert f.rand_noise.dtype == torch.float16
+
+
+@pytest.mark.parametrize("conv, sdpa", [("unfold", ""), ("nhwc", ""), ("cudnn", "efficient"), ("cudnn", "no_cudnn")])
+def test_dit_conv_and_attention_choices_compute_the_same(flow, monkeypatch, conv, sdpa):
+    """COSYTRT_DIT_CONV / COSYTRT_DIT_SDPA (runtime/models/dit_conv.py, for GPU A/B runs) change how the DiT's grouped
+    convolutions and attention run, not what they compute: streaming and offline velocity equal the default's."""
+    from cosytrt.runtime.models import dit_conv
+
+    g = torch.Generator().manual_seed(3)
+    c = flow.estimator.cfg
+    T = 130
+    args = (torch.randn(2, c.mel_dim, T, generator=g), torch.ones(2, 1, T), torch.randn(2, c.mu_dim, T, generator=g),
+            torch.rand(2, generator=g), torch.randn(2, c.spk_dim, generator=g), torch.randn(2, c.mel_dim, T, generator=g))
+    with torch.inference_mode():
+        ref = [flow.estimator(*args, streaming=s) for s in (False, True)]
+        monkeypatch.setattr(dit_conv, "CONV", conv)
+        monkeypatch.setattr(dit_conv, "SDPA", sdpa)
+        got = [flow.estimator(*args, streaming=s) for s in (False, True)]
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import dit_conv
 from .config import DiTConfig
 
 
@@ -66,11 +67,24 @@ def _(x, weight, bias, groups):
     return x.new_empty(x.shape[0], weight.shape[0], x.shape[2] - weight.shape[2] + 1)
 
 
+def _sdpa(q, k, v, attn_mask):
+    backends = dit_conv.SDPA_BACKENDS[dit_conv.SDPA]
+    if backends is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(backends):  # COSYTRT_DIT_SDPA (dit_conv.py)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+
+
 def _conv1d(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     """`conv(x)` (no padding, stride 1). Under torch.compile the convolution is an opaque op: the framework's own
     shape propagation for convolutions picks a backend from the (symbolic) batch size and so guards on it (seen:
     `batch >= 16`), which costs a second full compile of the DiT per mode. Export (ONNX, AOTInductor) and eager
     see the plain convolution."""
+    impl = dit_conv.CONV_IMPLS[dit_conv.CONV]
+    if impl is not None:  # COSYTRT_DIT_CONV (dit_conv.py): an A/B choice for the GPU runs
+        return impl(conv, x)
     if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
         return _opaque_conv1d(x, conv.weight, conv.bias, conv.groups)
     return conv(x)
@@ -233,7 +247,7 @@ class Attention(nn.Module):
         k = apply_rotary(self.to_k(x), cos, sin)
         v = self.to_v(x)
         q, k, v = (z.view(B, T, self.heads, self.dim_head).transpose(1, 2) for z in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        out = _sdpa(q, k, v, attn_mask)
         out = self.to_out[0](out.transpose(1, 2).reshape(B, T, self.heads * self.dim_head))
         return out.masked_fill(~key_valid, 0.0)
 
@@ -254,7 +268,7 @@ class Attention(nn.Module):
         Tk = k.shape[1]
         q = q.view(B, T, self.heads, self.dim_head).transpose(1, 2)
         k, v = (z.view(B, Tk, self.heads, self.dim_head).transpose(1, 2) for z in (k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        out = _sdpa(q, k, v, attn_mask)
         out = self.to_out[0](out.transpose(1, 2).reshape(B, T, self.heads * self.dim_head))
         return out.masked_fill(~key_valid, 0.0)
 

@@ -32,29 +32,9 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 
 VARIANTS = ("cudnn", "cudnn_benchmark", "conv2d_nhwc", "unfold_matmul", "sdpa_efficient", "sdpa_cudnn")
 CUDA_ONLY = ("sdpa_cudnn",)  # skipped by --smoke
-
-
-def _conv2d_nhwc(conv, x):
-    w = conv.weight.unsqueeze(2)                                          # [Cout, Cin/g, 1, K]
-    x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)     # [B, C, 1, T]
-    return F.conv2d(x4, w, conv.bias, groups=conv.groups).squeeze(2)
-
-
-def _unfold_matmul(conv, x):
-    b, c, length = x.shape
-    g = conv.groups
-    cout, cin_g, k = conv.weight.shape
-    t = length - k + 1
-    cols = x.unfold(2, k, 1)                                              # [B, C, T, K]
-    cols = cols.reshape(b, g, cin_g, t, k).permute(0, 1, 3, 2, 4).reshape(b, g, t, cin_g * k)
-    w = conv.weight.reshape(g, cout // g, cin_g * k).transpose(1, 2)      # [G, Cin/g*K, Cout/g]
-    y = torch.matmul(cols, w)                                             # [B, G, T, Cout/g]
-    y = y.permute(0, 1, 3, 2).reshape(b, cout, t)
-    return y + conv.bias[None, :, None] if conv.bias is not None else y
 
 
 @contextlib.contextmanager
@@ -63,12 +43,14 @@ def conv_variant(name: str):
     from ...runtime.models import dit as dit_mod
 
     original, bench = dit_mod._conv1d, torch.backends.cudnn.benchmark
-    impl = {"conv2d_nhwc": _conv2d_nhwc, "unfold_matmul": _unfold_matmul}.get(name)
+    from ...runtime.models import dit_conv
+
+    impl = {"conv2d_nhwc": dit_conv.conv2d_nhwc, "unfold_matmul": dit_conv.unfold_matmul}.get(name)
     if name not in VARIANTS:
         raise ValueError(f"unknown conv variant {name!r}: {VARIANTS}")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backends = {"sdpa_efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    backends = {"sdpa_efficient": dit_conv.SDPA_BACKENDS["efficient"],
                 "sdpa_cudnn": [SDPBackend.CUDNN_ATTENTION]}.get(name)
     try:
         if impl is not None:
