@@ -32,6 +32,8 @@ Each is a torch custom op: torch.compile keeps them opaque (Inductor fuses only 
 does not re-derive its own reduction strategy), so the eager, CUDA-graph and compiled paths run the same kernels.
 The LM uses them when `CosyVoice3LM.batch_invariant` is on (`SchedulerConfig.batch_invariant`, default off).
 """
+import functools
+import logging
 import math
 import os
 from typing import Optional
@@ -104,8 +106,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     q [B, kvh, Q, G, hd] (Q query positions, G query heads per kv head), k / v [B, kvh, n, hd], q_pos [B, Q] (long:
     each query's position), kv_len [B] (long). Query (b, t) attends keys j <= q_pos[b, t] and j < kv_len[b] (key 0
     must be one of them). Returns [B, kvh, Q, G, hd] in q's dtype; computed in fp32."""
-    if ATTENTION_IMPL == "triton" or (ATTENTION_IMPL == "auto" and q.is_cuda and _triton_attn.available()):
+    if ATTENTION_IMPL == "triton" or (ATTENTION_IMPL == "auto" and _triton_attn.supports(q, k, v)
+                                       and _triton_attn.available()):
         return _triton_attn.attention(q, k, v, q_pos, kv_len)
+    if q.is_cuda:
+        _warn_torch_form_on_cuda()
     b, kvh, nq, g, hd = q.shape
     n = k.shape[2]
     nb = -(-n // block)
@@ -128,6 +133,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         total = total + sums[..., i]
         out = out + outs[:, :, i]
     return (out / total[..., None]).view(b, kvh, nq, g, hd).to(q.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_torch_form_on_cuda() -> None:
+    logging.getLogger(__name__).warning(
+        "batch-invariant attention: the Triton kernel is not available here (Triton missing or an unsupported head "
+        "dim), so CUDA runs the torch form, whose batched matmuls cuBLAS may run differently per batch size (a "
+        "64-row decode step moved logits by 7.8e-3 on the H200): tokens may depend on the batch")
 
 
 @attention.register_fake

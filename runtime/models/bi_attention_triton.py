@@ -75,6 +75,13 @@ def _kernel():
     return bi_attention_kernel
 
 
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel takes these tensors: CUDA, a power-of-two head dim with unit stride."""
+    hd = q.shape[-1]
+    return (q.is_cuda and hd >= 2 and not hd & (hd - 1)
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor
               ) -> torch.Tensor:
     """Same contract as `batch_invariant.attention` (q [B, kvh, Q, G, hd]; k / v [B, kvh, n, hd]; q_pos [B, Q];
