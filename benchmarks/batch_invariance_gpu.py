@@ -89,9 +89,9 @@ def part_step(llm, res):
         slots = torch.arange(B, device=dev)
         pos = torch.full((B,), filled, device=dev, dtype=torch.long)
         row = {"batch": B}
-        for tag, on, impl in MODES:
+        for tag, on, impl, norm in MODES:
             llm.batch_invariant = on
-            bi.ATTENTION_IMPL = impl
+            bi.ATTENTION_IMPL, bi.NORM_IMPL = impl, norm
             with torch.inference_mode():
                 row[f"graph_ms_{tag}"], _ = graph_ms(lambda t, s, p: llm.decode(t, s, p, kv_len=kv_len),
                                                      (tokens, slots, pos))
@@ -99,7 +99,7 @@ def part_step(llm, res):
                     continue  # the compiled step runs the same opaque op: the eager graph shows the difference
                 row[f"compiled_graph_ms_{tag}"], _ = graph_ms(lambda t, s, p: decode_c(t, s, p, kv_len=kv_len),
                                                               (tokens, slots, pos))
-        bi.ATTENTION_IMPL = "auto"
+        bi.ATTENTION_IMPL, bi.NORM_IMPL = "auto", "torch"
         for k in ("graph_ms", "compiled_graph_ms"):
             row[f"{k}_ratio"] = row[f"{k}_on"] / row[f"{k}_off"]
         log(f"decode B={B}: graph {row['graph_ms_off']:.3f} -> {row['graph_ms_on']:.3f} ms "
@@ -122,7 +122,10 @@ def part_step(llm, res):
 
 # (label, SchedulerConfig.batch_invariant, batch_invariant.ATTENTION_IMPL): "on" is what the scheduler runs (the
 # Triton attention on CUDA); "on torch-attention" is the torch form of the op that run 20 measured (7.8e-3 at 64 rows)
-MODES = (("off", False, "auto"), ("on", True, "auto"), ("on torch-attention", True, "torch"))
+# "on triton-norm": also rms_norm and the SiLU gate as one Triton kernel each (bi_norm_triton.py, NORM_IMPL; off by
+# default until this run shows it invariant and cheaper)
+MODES = (("off", False, "auto", "torch"), ("on", True, "auto", "torch"),
+         ("on torch-attention", True, "torch", "torch"), ("on triton-norm", True, "auto", "auto"))
 
 
 def part_logits(llm, res):
@@ -152,9 +155,9 @@ def part_logits(llm, res):
         return tuple(torch.tensor(c, device=dev) for c in (t, s, p))
 
     out = {}
-    for tag, on, impl in MODES[:3 if cuda else 2]:
+    for tag, on, impl, norm in MODES if cuda else MODES[:2]:
         llm.batch_invariant = on
-        bi.ATTENTION_IMPL = impl
+        bi.ATTENTION_IMPL, bi.NORM_IMPL = impl, norm
         with torch.inference_mode():
             for name, fn in (("eager", llm.prefill), ("compiled", prefill_c))[:2 if cuda else 1]:
                 alone = prefill(fn, [5, 6])[0]  # compiled calls get >= 2 rows in the scheduler
@@ -184,7 +187,7 @@ def part_logits(llm, res):
                 got[impl] = llm.decode(*decode_args([5], 2), kv_len=256).float()[0]
             res["triton_vs_torch_attention_logits"] = (got["triton"] - got["torch"]).abs().max().item()
         log(f"decode logits, Triton vs torch attention: {res['triton_vs_torch_attention_logits']:.2e}")
-    bi.ATTENTION_IMPL = "auto"
+    bi.ATTENTION_IMPL, bi.NORM_IMPL = "auto", "torch"
     res["logits_max_abs_diff"] = out
 
 
@@ -236,18 +239,20 @@ def part_tokens(models, res, on: bool):
 
 def table(res) -> str:
     lines = ["## Batch invariance on the GPU (issue #20)", "", f"{res.get('meta')}", "",
-             "| decode batch | graph off ms | graph on ms | ratio | on, torch attention ms | compiled+graph off ms "
-             "| on ms | ratio |", "|---|---|---|---|---|---|---|---|"]
+             "| decode batch | graph off ms | graph on ms | ratio | on, torch attention ms | on, Triton norm ms "
+             "| compiled+graph off ms | on ms | ratio | on, Triton norm ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res.get("step_ms", []):
         if "batch" in r:
-            torch_attn = r.get("graph_ms_on torch-attention")
+            def ms(key):
+                return "" if r.get(key) is None else f"{r[key]:.3f}"
+
             lines.append(f"| {r['batch']} | {r['graph_ms_off']:.3f} | {r['graph_ms_on']:.3f} | {r['graph_ms_ratio']:.2f} "
-                         f"| {'' if torch_attn is None else f'{torch_attn:.3f}'} "
+                         f"| {ms('graph_ms_on torch-attention')} | {ms('graph_ms_on triton-norm')} "
                          f"| {r['compiled_graph_ms_off']:.3f} | {r['compiled_graph_ms_on']:.3f} | "
-                         f"{r['compiled_graph_ms_ratio']:.2f} |")
+                         f"{r['compiled_graph_ms_ratio']:.2f} | {ms('compiled_graph_ms_on triton-norm')} |")
         else:
             lines.append(f"| prefill {r['prefill']} (eager) | {r['eager_ms_off']:.2f} | {r['eager_ms_on']:.2f} | "
-                         f"{r['eager_ms_ratio']:.2f} | | | | |")
+                         f"{r['eager_ms_ratio']:.2f} | | | | | | |")
     if "triton_vs_torch_attention_logits" in res:
         lines.append(f"\nDecode logits, Triton vs torch form of the attention: max |diff| "
                      f"{res['triton_vs_torch_attention_logits']:.3e}")
@@ -293,6 +298,9 @@ def summary(res) -> dict:
         out["logits_on_max_abs_diff"] = max(on) if on else None      # 0.0: invariant on every path measured
         out["logits_on_invariant"] = bool(on) and max(on) == 0.0
         out["logits_off_max_abs_diff"] = max(off) if off else None
+        tn = [v for k, v in lg.items() if k.endswith(", on triton-norm")]
+        if tn:
+            out["logits_on_triton_norm_invariant"] = max(tn) == 0.0
     steps = [r for r in res.get("step_ms", []) if "batch" in r]
     if steps:
         out["decode_ratio_on_off"] = {str(r["batch"]): {"graph": round(r["graph_ms_ratio"], 3),

@@ -61,3 +61,23 @@ def test_dispatch_uses_triton_when_forced(monkeypatch):
     q_pos, kv_len = torch.tensor([[39], [12]]), torch.tensor([40, 13])
     monkeypatch.setattr(bi, "ATTENTION_IMPL", "triton")
     assert torch.equal(bi.attention(q, k, v, q_pos, kv_len, 64), tri.attention(q, k, v, q_pos, kv_len))
+
+
+# ------------------------------------------------------------------ rms_norm / silu_mul (bi_norm_triton.py)
+
+def test_triton_rms_norm_and_silu_mul_match_torch_forms_and_rows_are_independent(monkeypatch):
+    from cosytrt.runtime.models import bi_norm_triton as trn
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(70, 96, generator=g)
+    w = torch.randn(96, generator=g)
+    monkeypatch.setattr(bi, "NORM_IMPL", "torch")
+    ref = bi.rms_norm(x, w, 1e-6, 64)
+    got = trn.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(trn.rms_norm(x[5:6], w, 1e-6)[0], got[5])          # a row alone = the row among 70
+    gate, up = torch.randn(3, 5, 200, generator=g), torch.randn(3, 5, 200, generator=g)
+    torch.testing.assert_close(trn.silu_mul(gate, up), bi.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(bi, "NORM_IMPL", "triton")
+    assert torch.equal(bi.rms_norm(x, w, 1e-6, 64), got)
+    assert torch.equal(bi.silu_mul(gate, up), trn.silu_mul(gate, up))

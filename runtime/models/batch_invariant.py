@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from . import bi_attention_triton as _triton_attn
+from . import bi_norm_triton as _triton_norm
 from .rope import apply_rope, rope_cos_sin
 
 DECODE_ROWS = 64      # rows per GEMM / norm call in decode steps and for the prefill's last-position logits
@@ -50,6 +51,9 @@ KV_BLOCK = 256        # keys per attention block (the scheduler's KV rungs are m
 # "auto": the Triton kernel for CUDA tensors when Triton imports, else the torch form; "torch" / "triton" force one
 # (the GPU check compares them). Read when the op runs (also inside compiled graphs: the op is opaque).
 ATTENTION_IMPL = os.environ.get("COSYTRT_BI_ATTENTION", "auto")
+# "torch" (default until a GPU run has checked them) / "triton" / "auto": `rms_norm` and the SiLU gate as one Triton
+# kernel each on CUDA (bi_norm_triton.py: ~20 fewer kernels per layer, the switch's price in the eager graphs)
+NORM_IMPL = os.environ.get("COSYTRT_BI_NORM", "torch")
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -76,6 +80,8 @@ def _(x, weight, bias, rows):
 @torch.library.custom_op("cosytrt::bi_rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int) -> torch.Tensor:
     """`llm.RMSNorm` (fp32 statistics) with the mean of squares taken per tile of `rows` rows."""
+    if _use_triton_norm(x):
+        return _triton_norm.rms_norm(x, weight, eps)
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     n = flat.shape[0]
@@ -90,6 +96,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int) -> to
 @rms_norm.register_fake
 def _(x, weight, eps, rows):
     return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+def _use_triton_norm(x: torch.Tensor) -> bool:
+    return NORM_IMPL == "triton" or (NORM_IMPL == "auto" and x.is_cuda and _triton_attn.available())
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up: plain ops (which torch.compile fuses) with NORM_IMPL "torch", else an opaque op that runs one
+    Triton kernel on CUDA (elementwise either way: no batch dependence)."""
+    if NORM_IMPL == "torch":
+        return silu(gate) * up
+    return _silu_mul_op(gate, up)
+
+
+@torch.library.custom_op("cosytrt::bi_silu_mul", mutates_args=())
+def _silu_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if _use_triton_norm(gate):
+        return _triton_norm.silu_mul(gate, up)
+    return silu(gate) * up
+
+
+@_silu_mul_op.register_fake
+def _(gate, up):
+    return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +199,7 @@ def _layer(layer, x, cos, sin, rows, write, read, q_pos, kv_len):
     x = x + linear(out, attn.o_proj.weight, None, rows)
     h = rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, rows)
     gate, up = linear(h, mlp.gate_up_proj.weight, None, rows).split(mlp.gate_up_proj.split_sizes, dim=-1)
-    return x + linear(silu(gate) * up, mlp.down_proj.weight, None, rows)
+    return x + linear(silu_mul(gate, up), mlp.down_proj.weight, None, rows)
 
 
 def prefill(lm, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
