@@ -4,7 +4,9 @@ longer than at T = 450 on the H200 (BENCHMARKS run 23). `python -m cosytrt.tools
 length; the environment picks one for a whole process (read at import, for A/B runs on the GPU machine):
 
   COSYTRT_DIT_CONV = cudnn (default: F.conv1d) | nhwc (conv2d on a channels-last [B, C, 1, T] tensor) |
-                     unfold (im2col over time + one grouped batched matmul: no cuDNN)
+                     unfold (im2col over time + one grouped batched matmul: no cuDNN) |
+                     benchmark (F.conv1d with torch.backends.cudnn.benchmark on for the whole process: cuDNN times
+                     its algorithms per new shape, during the warm-ups before each CUDA-graph capture)
   COSYTRT_DIT_SDPA = "" (default: torch's choice) | efficient (memory-efficient kernel, then math) | no_cudnn (any
                      but cuDNN attention)
 
@@ -38,7 +40,7 @@ def unfold_matmul(conv, x: torch.Tensor) -> torch.Tensor:
     return y if conv.bias is None else y + conv.bias[None, :, None]
 
 
-CONV_IMPLS = {"cudnn": None, "nhwc": conv2d_nhwc, "unfold": unfold_matmul}
+CONV_IMPLS = {"cudnn": None, "benchmark": None, "nhwc": conv2d_nhwc, "unfold": unfold_matmul}
 SDPA_BACKENDS = {"": None,
                  "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
                  "no_cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}
@@ -53,3 +55,5 @@ def _from_env(name: str, table: dict):
 
 CONV = _from_env("COSYTRT_DIT_CONV", {**CONV_IMPLS, "": None}) or "cudnn"
 SDPA = _from_env("COSYTRT_DIT_SDPA", SDPA_BACKENDS)
+if CONV == "benchmark":
+    torch.backends.cudnn.benchmark = True
