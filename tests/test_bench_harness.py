@@ -150,3 +150,26 @@ def test_hift_micro_rows_and_report(tiny_tts, monkeypatch, tmp_path):
     rows[2].update(compiled_graph_ms=1.0, compiled_max_abs_err=3e-6)
     md = bench_report.tables({"hift": rows})
     assert "| compiled + graph ms |" in md and "| 8 | 500 | 2 | 2 | 1 |" in md.replace(".0 |", " |")
+
+
+def test_engines_variant_serves_from_an_engine_set_of_the_same_weights(tmp_path, one_torch_thread):
+    """`--variants engines --engines DIR`: the serving cells run the DiT / HiFT through an engine set built from the
+    bench's own seeded weights (here an ONNX Runtime set of the tiny bench model on the CPU; on the GPU machine one
+    built with `trtbuild build --model random-full --backend onnxruntime --device cuda`); without --engines, an error."""
+    import torch
+
+    from cosytrt.build.engine_set import build_engine_set
+    from cosytrt.runtime.stages.profile import load_profile
+    from cosytrt.tools.bench.common import full_models, random_models
+
+    es = tmp_path / "es"
+    build_engine_set(random_models(*full_models("cpu", torch.float32, "tiny"), "tiny"), load_profile("tiny"),
+                     "onnxruntime", "cpu", str(es), progress=False)
+    out = tmp_path / "out"
+    assert main(["bench", "--device", "cpu", "--model", "tiny", "--dtype", "float32", "--suite", "serving",
+                 "--cells", "smoke", "--variants", "engines", "--engines", str(es), "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    cells = res["serving"]["cells"]
+    assert cells and all(c["variant"] == "engines" and "error" not in c for c in cells), res["serving"]
+    assert main(["bench", "--device", "cpu", "--model", "tiny", "--suite", "serving", "--variants", "engines",
+                 "--out", str(tmp_path / "x")]) == 2

@@ -27,6 +27,9 @@ def add_arguments(p) -> None:
                    help="serving cell set (default: full, or quick with --quick; smoke: a CPU check of the harness)")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop starting new sections after this many seconds")
     p.add_argument("--graph-profile", default="h200-graphs", help="bucket profile of the CUDA graphs (serving)")
+    p.add_argument("--engines", default=None,
+                   help="engine set for the 'engines' serving variant (built from the same seeded weights: "
+                        "trtbuild build --model random-full, or the tiny bench weights)")
     p.add_argument("--variants", default="compiled,graphs,eager",
                    help="serving variants (the first runs the whole matrix, the others the comparison cells); "
                         "open_loop runs on the first")
@@ -87,7 +90,9 @@ def run(args) -> int:
     variants = args.variants.split(",")
     bad = set(variants) - set(VARIANTS)
     if bad:
-        raise InputError(f"unknown serving variant(s) {sorted(bad)}: use compiled, graphs, eager")
+        raise InputError(f"unknown serving variant(s) {sorted(bad)}: use {', '.join(VARIANTS)}")
+    if "engines" in variants and not args.engines:
+        raise InputError("--variants engines needs --engines DIR")
     open_loop = _open_loop_spec(args) if "open_loop" in suites else None
     cells = args.cells or ("quick" if args.quick else "full")
     dtype = DTYPES[args.dtype]

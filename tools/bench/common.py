@@ -18,7 +18,9 @@ H200_BF16_FLOPS = 790e12
 # graphs_ar: the graphs variant with the AR prefill / decode compiled (SchedulerConfig.compile), DiT and HiFT eager in
 # graphs: about a minute of compile instead of the compiled variant's 4-9, and the graphs variant's bottleneck (the
 # eager AR step, busy 0.96 at 4 req/s in run 24) gone
-VARIANTS = ("compiled", "graphs", "eager", "graphs_ar")
+# engines: the DiT / HiFT of an engine set (`--engines DIR`, e.g. ONNX Runtime on CUDA; built with
+# `trtbuild build --model random-full`), the AR in torch with its decode graphs
+VARIANTS = ("compiled", "graphs", "eager", "graphs_ar", "engines")
 
 
 def log(msg: str) -> None:
@@ -41,10 +43,12 @@ def full_models(device: str, dtype: torch.dtype, which: str = "full"):
     return cfg, llm.eval(), flow.eval(), hift.eval()
 
 
-def random_models(cfg, llm, flow, hift):
+def random_models(cfg, llm, flow, hift, which: str = "full"):
+    """`full_models`' modules as CosyVoice3Models, labelled as `trtbuild build --model random-full` labels the same
+    seeded weights ("random-full-seed0"), so an engine set built that way opens against them (`--variants engines`)."""
     from ...runtime.models.loading import CosyVoice3Models
 
-    return CosyVoice3Models(cfg, llm, flow, hift, "random-full", "", "random")
+    return CosyVoice3Models(cfg, llm, flow, hift, f"random-{which}", "", f"random-{which}-seed0")
 
 
 class Bench:
@@ -128,14 +132,21 @@ def scheduler_config(variant: str, **overrides):
                                      ar_max_len=2048), **overrides})
 
 
-def make_pipeline(models, variant: str, graph_profile: str):
+def make_pipeline(models, variant: str, graph_profile: str, engines: str | None = None):
     """The variant's pipeline: eager modules, or their CUDA graphs per bucket of `graph_profile` (compiled first for
-    the compiled variant; on the CPU the compiled variant runs the compiled modules without graphs)."""
-    from ...runtime.stages.engine_set import attach_cuda_graphs
+    the compiled variant; on the CPU the compiled variant runs the compiled modules without graphs), or the engine
+    set `engines` (variant "engines")."""
+    from ...runtime.stages.engine_set import attach_cuda_graphs, attach_engine_set
     from ...runtime.stages.profile import load_profile
 
     pipe = pipeline_with_random_frontend(models)
     if variant == "eager":
+        return pipe
+    if variant == "engines":
+        if not engines:
+            raise InputError("the 'engines' serving variant needs --engines DIR (an engine set of these weights: "
+                             "trtbuild build --model random-full ...)")
+        attach_engine_set(pipe, engines)
         return pipe
     if pipe.device.type == "cuda":
         attach_cuda_graphs(pipe, load_profile(graph_profile), compile=variant == "compiled")

@@ -137,7 +137,7 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
     pipeline, the feature off/on comparison (results under "features"), before the rest of the matrix.
     Ratio-critical cells come first, so a run cut short by --budget-s keeps them."""
     from ...runtime.stages.request import default_voice_wav
-    models = random_models(cfg, llm, flow, hift)
+    models = random_models(cfg, llm, flow, hift, getattr(bench.args, "model", "full"))
     prompt = default_voice_wav(16000, 3.0)
     out: dict = {"cells": []}
     bench.results["serving"] = out
@@ -150,7 +150,7 @@ def bench_serving(cfg, llm, flow, hift, device, bench, variants=VARIANTS, cells:
         t = time.perf_counter()
         compiles = compiled_graph_count()
         try:
-            pipe = make_pipeline(models, variant, bench.args.graph_profile)
+            pipe = make_pipeline(models, variant, bench.args.graph_profile, getattr(bench.args, "engines", None))
             t_pipe = time.perf_counter() - t
             tts = _start(pipe, scheduler_config(variant))
         except Exception as e:  # noqa: BLE001
