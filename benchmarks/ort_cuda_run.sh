@@ -18,6 +18,9 @@
 #   compiled-build  trtbuild build --backend compiled (the cold compile = the cold set-up), empty Inductor caches
 #   compiled-load   TTS.load(engines=<that set>) in a fresh process with empty Inductor caches (a new machine)
 #   graphs-load     TTS.load without compile (eager + CUDA graphs), the no-compile baseline
+#   quick           `trtbuild build --model random-full --profile $QUICK_PROFILE (h200-graphs) --backend onnxruntime`,
+#                   then the serving quick matrix with it (`bench --variants engines,graphs --engines ...`; set
+#                   QUICK_VARIANTS=engines,compiled for the compiled variant: minutes of compile without a cache)
 #   serve           offline requests at concurrency 1 and 8 through TTS.load with the ORT set (fp16 if built) vs
 #                   eager + graphs (SERVE_VARIANTS=ort,graphs,compiled adds the compiled variant: minutes of compile)
 #
@@ -175,6 +178,17 @@ step_serve() {
     $( [ -f /tmp/cc.bin ] && echo --compile-cache /tmp/cc.bin )
 }
 
+step_quick() {  # the serving quick matrix through an ORT set of the bench's own weights, beside torch variants
+  local es=/tmp/es_quick
+  if [ ! -f $es/manifest.json ]; then
+    cd /tmp && time timeout "$STEP_TIMEOUT" python3 -X faulthandler -m cosytrt.tools.trtbuild build --model random-full \
+      --profile "${QUICK_PROFILE:-h200-graphs}" --backend onnxruntime --device cuda --out $es --quiet || return 1
+  fi
+  cd /tmp && timeout "$STEP_TIMEOUT" python3 -X faulthandler -m cosytrt.tools.bench --suite serving --cells quick \
+    --variants "${QUICK_VARIANTS:-engines,graphs}" --engines $es --out "$OUT/quick" --budget-s $((STEP_TIMEOUT - 30)) \
+    $( [ -f /tmp/cc.bin ] && echo --compile-cache /tmp/cc.bin )
+}
+
 step_graphs_load() {
   ( fresh_caches; cd /tmp && timeout "$STEP_TIMEOUT" python3 -X faulthandler "$REPO/benchmarks/ort_cuda_bench.py" \
       setup --mode graphs \
@@ -199,6 +213,7 @@ run_step() {
     compiled-load) step_compiled_load; rc=$? ;;
     graphs-load) step_graphs_load; rc=$? ;;
     serve) step_serve; rc=$? ;;
+    quick) step_quick; rc=$? ;;
     *) echo "unknown step $s"; rc=2 ;;
   esac
   echo "=== step $s exit $rc $(date -u +%T)"
