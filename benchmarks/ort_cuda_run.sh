@@ -18,7 +18,8 @@
 #   compiled-build  trtbuild build --backend compiled (the cold compile = the cold set-up), empty Inductor caches
 #   compiled-load   TTS.load(engines=<that set>) in a fresh process with empty Inductor caches (a new machine)
 #   graphs-load     TTS.load without compile (eager + CUDA graphs), the no-compile baseline
-#   quick           `trtbuild build --model random-full --profile $QUICK_PROFILE (h200-graphs) --backend onnxruntime`,
+#   quick           `trtbuild build --model random-full --profile $QUICK_PROFILE (default: the fp16 profile above;
+#                   a profile with the quick matrix's shapes avoids its eager fallbacks) --backend onnxruntime`,
 #                   then the serving quick matrix with it (`bench --variants engines,graphs --engines ...`; set
 #                   QUICK_VARIANTS=engines,compiled for the compiled variant: minutes of compile without a cache)
 #   serve           offline requests at concurrency 1 and 8 through TTS.load with the ORT set (fp16 if built) vs
@@ -181,8 +182,10 @@ step_serve() {
 step_quick() {  # the serving quick matrix through an ORT set of the bench's own weights, beside torch variants
   local es=/tmp/es_quick
   if [ ! -f $es/manifest.json ]; then
+    local prof=${QUICK_PROFILE:-}
+    if [ -z "$prof" ]; then write_profile float16; prof=$PROFILE_ORT; fi  # ORT's CUDA EP lacks many bf16 kernels
     cd /tmp && time timeout "$STEP_TIMEOUT" python3 -X faulthandler -m cosytrt.tools.trtbuild build --model random-full \
-      --profile "${QUICK_PROFILE:-h200-graphs}" --backend onnxruntime --device cuda --out $es --quiet || return 1
+      --profile "$prof" --backend onnxruntime --device cuda --out $es --quiet || return 1
   fi
   cd /tmp && timeout "$STEP_TIMEOUT" python3 -X faulthandler -m cosytrt.tools.bench --suite serving --cells quick \
     --variants "${QUICK_VARIANTS:-engines,graphs}" --engines $es --out "$OUT/quick" --budget-s $((STEP_TIMEOUT - 30)) \
