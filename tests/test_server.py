@@ -269,6 +269,7 @@ def test_metrics_exposition(client):
     client.post("/v1/audio/speech", json={"model": "x", "input": "hi", "voice": "default", "speed": 9})
     text = client.get("/metrics").text
     after = parse_metrics(text)
+    assert "# TYPE cosytrt_inter_chunk_seconds histogram" in text
     for h in ("t_tokenizer_seconds", "t_ar_seconds", "t_dit_seconds", "t_vocoder_seconds", "t_queue_seconds",
               "time_to_first_audio_seconds", "rtf"):
         name = f"cosytrt_{h}"

@@ -217,11 +217,17 @@ def test_runtime_counters_from_tts_metrics(tmp_path):
     assert m['cosytrt_eager_fallbacks_total{stage="hift/offline"}'] == 1
     assert m["cosytrt_runtime_requests_in_flight"] == 2 and m["cosytrt_queue_depth"] == 3
     assert m['cosytrt_runtime_queue_depth{queue="ar_waiting"}'] == 2
-    fake.stats = {"bucket_hits": 7, "scheduler": {"eager_fallbacks": {"llm": 2}}}
+    assert m['cosytrt_dit_frames_total{kind="computed"}'] == 0 and m["cosytrt_flow_cache_fallbacks_total"] == 0
+    fake.stats = {"bucket_hits": 7, "scheduler": {"eager_fallbacks": {"llm": 2}, "busy_s": {"ar": 1.5, "dit": 2.0},
+                                                  "dit": {"frames_computed": 900, "frames_reused": 400,
+                                                          "cache_fallbacks": 3}}}
     with client:
         m = parse_metrics(client.get("/metrics").text)
     assert m["cosytrt_bucket_hits_total"] == 7 and m["cosytrt_bucket_pads_total"] == 0
     assert m['cosytrt_eager_fallbacks_total{stage="llm"}'] == 2
+    assert m['cosytrt_dit_frames_total{kind="computed"}'] == 900 and m['cosytrt_dit_frames_total{kind="reused"}'] == 400
+    assert m["cosytrt_flow_cache_fallbacks_total"] == 3
+    assert m['cosytrt_stage_busy_seconds_total{stage="dit"}'] == 2.0
 
 
 def test_internal_error_is_openai_shaped_500(tmp_path):
@@ -269,3 +275,17 @@ def test_settings_validation():
     assert ServerSettings().host == "127.0.0.1"
 
 
+
+
+def test_inter_chunk_gaps_are_observed_per_gap():
+    """/metrics' cosytrt_inter_chunk_seconds: one observation per gap between a streaming request's chunks."""
+    from types import SimpleNamespace
+
+    from cosytrt.runtime.serving.metrics import ServerMetrics
+
+    sm = ServerMetrics()
+    sm.finish("ok", SimpleNamespace(inter_chunk=[0.1, 0.4, float("nan")], audio_seconds=2.0, tokens=50))
+    sm.finish("error", SimpleNamespace(inter_chunk=[9.0]))  # failed requests are not observed
+    m = parse_metrics(sm.render(in_flight=0, queued=0, ready=True, runtime_stats=None))
+    assert m["cosytrt_inter_chunk_seconds_count"] == 2
+    assert m['cosytrt_inter_chunk_seconds_bucket{le="0.25"}'] == 1

@@ -54,7 +54,11 @@ def runtime_view(stats: dict | None) -> dict:
                 v[sm] = (st.get("hits", 0) if key == "bucket_hits" else st.get("fallbacks", 0)
                          if key == "eager_fallbacks" else sum(1 for w in samples if w > 1 + 1e-9))
         counters[key] = v
-    return {"in_flight": _number(sched.get("in_flight")), "queues": sched.get("queues", {}), "counters": counters}
+    dit = next((d for d in dicts if "frames_computed" in d), {})
+    busy = next((d["busy_s"] for d in dicts if isinstance(d.get("busy_s"), dict)), {})
+    return {"in_flight": _number(sched.get("in_flight")), "queues": sched.get("queues", {}), "counters": counters,
+            "dit_frames": {k: _number(dit.get(f"frames_{k}")) for k in ("computed", "reused")},
+            "cache_fallbacks": _number(dit.get("cache_fallbacks")), "busy_s": busy}
 
 
 def _number(v) -> float | None:
@@ -80,6 +84,9 @@ class ServerMetrics:
             self.outcomes.labels(outcome)
         self.audio_seconds = Counter("cosytrt_audio_seconds", "Seconds of audio synthesized", registry=self.registry)
         self.speech_tokens = Counter("cosytrt_speech_tokens", "Speech tokens generated", registry=self.registry)
+        self.inter_chunk = Histogram("cosytrt_inter_chunk_seconds", "Gap between consecutive audio chunks of a "
+                                     "streaming request (a playback stall needs a gap longer than the audio before "
+                                     "it)", buckets=TIME_BUCKETS, registry=self.registry)
 
     def count_http(self, method: str, route: str, status: int) -> None:
         self.http.labels(method, route, str(int(status))).inc()
@@ -97,6 +104,9 @@ class ServerMetrics:
                 self.histograms[name].observe(v)
         self.audio_seconds.inc(max(0.0, float(getattr(m, "audio_seconds", 0.0) or 0.0)))
         self.speech_tokens.inc(max(0, int(getattr(m, "tokens", 0) or 0)))
+        for gap in getattr(m, "inter_chunk", None) or ():
+            if _number(gap) is not None:
+                self.inter_chunk.observe(gap)
 
     def render(self, *, in_flight: int, queued: int, ready: bool, runtime_stats: dict | None) -> str:
         from prometheus_client import generate_latest
@@ -130,6 +140,17 @@ class ServerMetrics:
                 lines.extend(f"{name}{_labels(stage=k)} {x!r}" for k, x in per_stage)
             else:
                 lines.append(f"{name} {_number(v) or 0.0!r}")
+        head("cosytrt_dit_frames_total", "counter", "DiT mel frames computed, and reused from the flow prefix cache "
+             "by streaming hops")
+        for k, x in view["dit_frames"].items():
+            lines.append(f"cosytrt_dit_frames_total{_labels(kind=k)} {x or 0.0!r}")
+        head("cosytrt_flow_cache_fallbacks_total", "counter",
+             "Streaming hops that ran over the whole history because the prefix cache pool was full")
+        lines.append(f"cosytrt_flow_cache_fallbacks_total {view['cache_fallbacks'] or 0.0!r}")
+        head("cosytrt_stage_busy_seconds_total", "counter", "Seconds each runtime stage spent running batches")
+        for k, x in sorted(view["busy_s"].items()):
+            if _number(x) is not None:
+                lines.append(f"cosytrt_stage_busy_seconds_total{_labels(stage=k)} {_number(x)!r}")
         return "\n".join(lines) + "\n"
 
 
