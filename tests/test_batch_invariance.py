@@ -5,6 +5,7 @@ alone within AUDIO_ATOL (DiT / HiFT batching). CPU, tiny model."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -225,3 +226,31 @@ def test_16_concurrent_requests_match_each_alone_server(bi_tts, tmp_path, one_to
     for s, (na, wa), (nb, wb) in zip(specs, alone, together):
         assert na == nb and wa.shape == wb.shape, f"{s['text']!r} seed {s['seed']}: {na} tokens alone, {nb} beside 15"
         assert np.abs(wa - wb).max() <= AUDIO_ATOL * 32768 + 1, s  # 16-bit PCM: the bound plus one rounding step
+
+
+def test_runner_self_check_at_start(golden_lm, one_torch_thread, caplog):
+    """TorchARRunner.check_batch_invariance (run by make_ar_runner with SchedulerConfig.batch_invariant): with the
+    switch on, a row's decode logits are the same alone and as one of 16 rows, and stats() says so; with the plain
+    kernels the same check finds the difference on this CPU and warns (skipped where they happen to agree)."""
+    import logging
+
+    from cosytrt.runtime.scheduling.config import SchedulerConfig
+    from cosytrt.runtime.scheduling.scheduler import make_ar_runner
+    from cosytrt.runtime.stages.ar_runner import TorchARRunner
+
+    models = SimpleNamespace(llm=golden_lm)
+    try:
+        runner = make_ar_runner(models, SchedulerConfig(batch_invariant=True, ar_max_batch=16, ar_max_len=256),
+                                "cpu")
+        check = runner.stats()["batch_invariance_check"]
+        assert check["checked"] and check["invariant"] and check["rows"] == 16, check
+        assert runner.free == 16  # its slot went back
+        golden_lm.batch_invariant = False
+        plain = TorchARRunner(golden_lm, 16, 256, "cpu")
+        with caplog.at_level(logging.WARNING):
+            result = plain.check_batch_invariance()
+        if result["invariant"]:
+            pytest.skip("the plain kernels happen to be batch-invariant on this CPU")
+        assert result["max_abs_diff"] > 0 and "tokens may depend on the batch" in caplog.text
+    finally:
+        golden_lm.batch_invariant = False

@@ -55,11 +55,14 @@ def make_ar_runner(models, config: SchedulerConfig, device, engine_set=None) -> 
             return TrtllmARRunner.from_engine_set(engine_set.folder, engine_set.manifest, cfg.ar_max_batch,
                                                   cfg.ar_max_len or default_max_len(models), device)
     models.llm.batch_invariant = cfg.batch_invariant  # before any compile / graph capture of its calls
-    return TorchARRunner(models.llm, cfg.ar_max_batch, cfg.ar_max_len or default_max_len(models), device,
-                         cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, graph_batches=cfg.ar_graph_batches,
-                         prefill_graph_batches=cfg.ar_prefill_graph_batches,
-                         prefill_graph_lengths=cfg.ar_prefill_graph_lengths,
-                         max_prefill_tokens=cfg.ar_max_prefill_tokens)
+    runner = TorchARRunner(models.llm, cfg.ar_max_batch, cfg.ar_max_len or default_max_len(models), device,
+                           cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, graph_batches=cfg.ar_graph_batches,
+                           prefill_graph_batches=cfg.ar_prefill_graph_batches,
+                           prefill_graph_lengths=cfg.ar_prefill_graph_lengths,
+                           max_prefill_tokens=cfg.ar_max_prefill_tokens)
+    if cfg.batch_invariant:  # the promise checked on this device and these graphs (a warning if it fails)
+        runner.check_batch_invariance()
+    return runner
 
 
 def start_workers(loops: list[tuple[str, Callable[[], None]]], lifecycle: Lifecycle) -> list[threading.Thread]:

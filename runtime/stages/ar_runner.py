@@ -7,6 +7,7 @@ padding rows the compiled path needs. Another engine (TensorRT-LLM) implements t
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -79,6 +80,7 @@ class TorchARRunner:
 
             self._decode, self._prefill = compile_fn(lm.decode), compile_fn(lm.prefill)
         self.decode_graphs = self.prefill_graphs = None
+        self.invariance_check: dict | None = None
         if use_graphs:
             from .ar_graphs import DecodeGraphs, PrefillGraphs
 
@@ -132,6 +134,36 @@ class TorchARRunner:
         t, s, p = self._padded([tokens, slots, positions], [0, self.slots.scratch_slot, 0])
         return self._decode(t, s, p, kv_len=kv_len)[:len(tokens)]
 
+    def check_batch_invariance(self, rows: int = 64) -> dict:
+        """On this device, with this runner's graphs / compiled functions: does a row's decode logits stay the same
+        bits alone and as one of `rows` rows (another graph bucket)? A short random prompt is prefilled into a free
+        slot, then the same step is decoded once alone and once repeated over `rows` rows (every row the same slot,
+        position and token, so every row writes the same K/V). Logged as a warning when it does not hold; the
+        result stays in `stats()["batch_invariance_check"]`. The scheduler runs it at start with
+        SchedulerConfig.batch_invariant (a few forward passes)."""
+        slot = self.allocate()
+        if slot is None:
+            return {"checked": False, "why": "no free KV slot"}
+        try:
+            g = torch.Generator().manual_seed(0)
+            n = 12
+            embeds = torch.randn(n, self.lm.config.qwen.hidden_size, generator=g).to(self.device, self.lm.dtype)
+            with torch.inference_mode():
+                self.prefill([PrefillRow(slot, embeds)])
+                alone = self.decode([7], [slot], [n])[0].float().clone()
+                rows = max(2, min(rows, self.max_batch))
+                many = self.decode([7] * rows, [slot] * rows, [n] * rows)[0].float().clone()
+            diff = float((alone - many).abs().max())
+            out = {"checked": True, "rows": rows, "invariant": diff == 0.0, "max_abs_diff": diff}
+        finally:
+            self.release(slot)
+        if not out["invariant"]:
+            logging.getLogger(__name__).warning(
+                "batch_invariant: on this device a row's decode logits differ by %.3g between 1 and %d rows: tokens "
+                "may depend on the batch here", diff, rows)
+        self.invariance_check = out
+        return out
+
     def close(self) -> None:
         """Drop the graphs (their memory pools) and the KV cache references."""
         self.decode_graphs = self.prefill_graphs = None
@@ -145,7 +177,8 @@ class TorchARRunner:
         return {"slots": self.slots.slots, "free_slots": self.slots.free, "max_len": self.max_len,
                 "decode_graph_replays": self.decode_graphs.replays if self.decode_graphs else 0,
                 "prefill_graph_replays": self.prefill_graphs.replays if self.prefill_graphs else 0,
-                "slot_allocations": self.slots.allocations}
+                "slot_allocations": self.slots.allocations,
+                **({"batch_invariance_check": self.invariance_check} if self.invariance_check else {})}
 
     def _padded(self, values: list[list[int]], pad: list[int]) -> list[torch.Tensor]:
         """Per-row int columns as device tensors; a compiled LM gets padding rows (`pad`: their values; the slot
