@@ -42,20 +42,22 @@ def test_the_one_command_wrapper_is_valid_bash():
 
 
 def test_dit_shapes_smoke_and_conv_variants_equal(tmp_path):
-    """tools/bench/dit_shapes.py on the CPU (tiny model, eager): every convolution variant it times computes the
-    model's convolution (max |diff| to F.conv1d within fp32 rounding), and the report files are written. The
-    implementations are runtime/models/dit_conv.py's (tests/test_flow.py checks them inside the DiT)."""
+    """tools/bench/dit_shapes.py on the CPU (tiny model, eager), whole streaming calls and a prefix-cached hop: every
+    convolution variant it times computes the model's convolution (max |diff| to F.conv1d within fp32 rounding), and
+    the report files are written. The implementations are runtime/models/dit_conv.py's (tests/test_flow.py checks
+    them inside the DiT)."""
     import json
 
     from cosytrt.tools.bench import dit_shapes
 
     assert dit_shapes.main(["--out", str(tmp_path), "--smoke", "--lengths", "40", "--reps", "1",
-                            "--modes", "stream"]) == 0
+                            "--modes", "stream,cached", "--cached-shapes", "50:100"]) == 0
     res = json.loads((tmp_path / "dit_shapes.json").read_text())
-    row = res["rows"][0]
+    assert [(r["mode"], r["T"]) for r in res["rows"]] == [("stream", 40), ("cached", "50+100")]
     cpu = [n for n in dit_shapes.VARIANTS if n not in dit_shapes.CUDA_ONLY]
-    for name in cpu:
-        assert row[name] is not None, row.get(f"{name}_error")
-    for name in cpu[1:]:
-        assert row[f"{name}_err"] < 1e-4
+    for row in res["rows"]:
+        for name in cpu:
+            assert row[name] is not None, (row["mode"], row.get(f"{name}_error"))
+        for name in cpu[1:]:
+            assert row[f"{name}_err"] < 1e-4, (row["mode"], name)
     assert (tmp_path / "dit_shapes.md").read_text().count("| stream | 40 |") == 1

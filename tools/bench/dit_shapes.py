@@ -19,6 +19,9 @@ that takes the time is named:
     python -m cosytrt.tools.bench.dit_shapes --out OUT [--lengths 100,150,...] [--batch 2] [--dtype bf16]
     python -m cosytrt.tools.bench.dit_shapes --out OUT --smoke     # CPU, tiny model, eager (checks the wiring)
 
+`--modes cached` also times prefix-cached hops (DiT.forward_cached, one request = 2 CFG rows, NEW:PREFIX frames from
+`--cached-shapes`): run 18 found their solve at ~4–5 ms per Euler step whatever the new frames, the same question.
+
 Writes OUT/dit_shapes.json and OUT/dit_shapes.md (ms per call per T and variant, max |diff| to `cudnn`, the top
 kernels of the profiled lengths). Exactness of a variant is reported, not assumed: a variant that would be adopted
 still has to pass the golden and cached-hop tests.
@@ -71,6 +74,30 @@ def _inputs(dit, batch: int, length: int, device, dtype):
     return tuple(t.to(device, dtype) for t in ins)
 
 
+def _cached_inputs(dit, n: int, p: int, device, dtype):
+    """A prefix-cached hop of one request (2 CFG rows): n new frames after p cached frames (DiT.forward_cached's
+    inputs, shaped by the cached-hop graphs' `hop_shapes`)."""
+    from ...runtime.stages.flow_hop_calls import _INPUTS, hop_shapes, input_dtype
+
+    g = torch.Generator().manual_seed(n * 10007 + p)
+    shapes = hop_shapes(dit, 1, n, p)
+    args = []
+    for name in _INPUTS:
+        if name not in shapes:
+            args.append(None)
+        elif name == "offsets":
+            args.append(torch.full(shapes[name], p, dtype=torch.long))
+        elif name in ("mask", "prefix_valid"):
+            args.append(torch.ones(shapes[name], dtype=input_dtype(name, dtype)))
+        elif name in ("k_out", "v_out"):
+            args.append(torch.zeros(shapes[name], dtype=dtype))
+        else:
+            args.append(torch.rand(shapes[name], generator=g) if name == "t" else
+                        torch.randn(shapes[name], generator=g) * (0.1 if name in ("kp", "vp") else 1.0))
+    return tuple(None if a is None else a.to(device, a.dtype if a.dtype in (torch.long, torch.bool) else dtype)
+                 for a in args)
+
+
 def _time(fn, args, cuda: bool, reps: int) -> tuple[float, torch.Tensor]:
     """(ms per call: a CUDA-graph replay on CUDA, an eager call on CPU; the output)."""
     if not cuda:
@@ -100,7 +127,8 @@ def _top_kernels(fn, args, n: int = 8) -> list[dict]:
             for e in rows]
 
 
-def run(out_dir: str, lengths, batch: int, dtype: torch.dtype, modes, reps: int, profile_lengths, smoke: bool) -> dict:
+def run(out_dir: str, lengths, batch: int, dtype: torch.dtype, modes, reps: int, profile_lengths, smoke: bool,
+        cached_shapes=((50, 150), (50, 400), (100, 1000))) -> dict:
     from ...runtime.models.dit import FixedModeDiT
     from .common import full_models
 
@@ -110,36 +138,41 @@ def run(out_dir: str, lengths, batch: int, dtype: torch.dtype, modes, reps: int,
     res = {"meta": {"device": torch.cuda.get_device_name(0) if not smoke else "cpu (smoke)", "torch": torch.__version__,
                     "batch": batch, "dtype": str(dtype), "commit": os.environ.get("COSYTRT_COMMIT", "unknown"),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, "rows": [], "profiles": []}
+    cases = []
     for mode in modes:
-        fn = FixedModeDiT(dit, mode == "stream")
-        for length in lengths:
-            args = _inputs(dit, batch, length, device, dtype)
-            row = {"mode": mode, "T": length}
-            ref = None
-            for name in VARIANTS:
-                if smoke and name in CUDA_ONLY:
-                    row[name] = None
-                    row[f"{name}_error"] = "CUDA only"
-                    continue
-                try:
-                    with conv_variant(name), torch.inference_mode():
-                        ms, out = _time(fn, args, not smoke, reps)
-                    row[name] = round(ms, 3)
-                    if ref is None:
-                        ref = out.float()
-                    else:
-                        row[f"{name}_err"] = float((out.float() - ref).abs().max())
-                except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
-                    row[name] = None
-                    row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
-            res["rows"].append(row)
-            print(json.dumps(row), flush=True)
-            if not smoke and length in profile_lengths:
-                for name in ("cudnn", "unfold_matmul"):
-                    with conv_variant(name), torch.inference_mode():
-                        res["profiles"].append({"mode": mode, "T": length, "variant": name,
-                                                "top": _top_kernels(fn, args)})
-            _save(out_dir, res)
+        if mode == "cached":  # a stream's prefix-cached hops: "T" = new frames + cached prefix frames
+            cases += [(mode, f"{n}+{p}", lambda *a: dit.forward_cached(*a)[0], _cached_inputs(dit, n, p, device, dtype))
+                      for n, p in cached_shapes]
+        else:
+            fn = FixedModeDiT(dit, mode == "stream")
+            cases += [(mode, length, fn, _inputs(dit, batch, length, device, dtype)) for length in lengths]
+    for mode, length, fn, args in cases:
+        row = {"mode": mode, "T": length}
+        ref = None
+        for name in VARIANTS:
+            if smoke and name in CUDA_ONLY:
+                row[name] = None
+                row[f"{name}_error"] = "CUDA only"
+                continue
+            try:
+                with conv_variant(name), torch.inference_mode():
+                    ms, out = _time(fn, args, not smoke, reps)
+                row[name] = round(ms, 3)
+                if ref is None:
+                    ref = out.float()
+                else:
+                    row[f"{name}_err"] = float((out.float() - ref).abs().max())
+            except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+                row[name] = None
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+        res["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        if not smoke and (length in profile_lengths or mode == "cached"):
+            for name in ("cudnn", "unfold_matmul"):
+                with conv_variant(name), torch.inference_mode():
+                    res["profiles"].append({"mode": mode, "T": length, "variant": name,
+                                            "top": _top_kernels(fn, args)})
+        _save(out_dir, res)
     return res
 
 
@@ -167,15 +200,19 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="100,150,200,230,250,300,350,400,450,500")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    ap.add_argument("--modes", default="stream,offline")
+    ap.add_argument("--modes", default="stream,offline,cached", help="stream, offline (whole calls of T frames), "
+                    "cached (prefix-cached hops of --cached-shapes)")
+    ap.add_argument("--cached-shapes", default="50:150,50:400,100:1000,200:1000",
+                    help="NEW:PREFIX frames of the cached hops timed (one request = 2 CFG rows)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile-lengths", default="200,450")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager: checks the wiring only")
     a = ap.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",") if x]
     dtype = torch.bfloat16 if a.dtype == "bf16" and not a.smoke else torch.float32
+    cached = [tuple(int(v) for v in x.split(":")) for x in a.cached_shapes.split(",") if x]
     run(a.out, lengths, a.batch, dtype, [m for m in a.modes.split(",") if m], a.reps,
-        {int(x) for x in a.profile_lengths.split(",") if x}, a.smoke)
+        {int(x) for x in a.profile_lengths.split(",") if x}, a.smoke, cached)
     return 0
 
 
