@@ -35,10 +35,14 @@ class DecodeGraphs:
     def fits(self, b: int, kv_len: int) -> bool:
         return b <= self.batches[-1] and kv_len <= self.kv_lens[-1]
 
+    def _bucket(self, b: int, need_kv: int) -> tuple[int, int]:
+        """(batch bucket, KV rung) of a call of b rows attending need_kv positions (`fits` first)."""
+        return (self.batches[bisect.bisect_left(self.batches, b)],
+                self.kv_lens[bisect.bisect_left(self.kv_lens, need_kv)])
+
     def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, need_kv: int):
         b = tokens.shape[0]
-        B = self.batches[bisect.bisect_left(self.batches, b)]
-        kv = self.kv_lens[bisect.bisect_left(self.kv_lens, need_kv)]
+        B, kv = self._bucket(b, need_kv)
         if B > b:
             pad = B - b
             tokens = torch.cat([tokens, tokens.new_zeros(pad)])
@@ -52,8 +56,7 @@ class DecodeGraphs:
         host tensor (pinned on CUDA) whose rows the graph cache copies straight into its static inputs
         (non-blocking): no per-column upload with its host sync, no device-side padding kernels."""
         b = len(tokens)
-        B = self.batches[bisect.bisect_left(self.batches, b)]
-        kv = self.kv_lens[bisect.bisect_left(self.kv_lens, need_kv)]
+        B, kv = self._bucket(b, need_kv)
         pad = B - b
         host = torch.tensor([tokens + [0] * pad, slots + [self.scratch] * pad, positions + [0] * pad],
                             dtype=torch.long, pin_memory=self.device.type == "cuda")

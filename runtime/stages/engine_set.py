@@ -210,14 +210,13 @@ class GraphedEagerSet:
         dit_profile = profile.stage("dit")
         if dit_profile is not None and dit_profile.cached is not None:
             from .flow_hop_calls import CachedHopGraphs
-
-            from .compiled import compile_fn
+            from .flow_hops import cached_dit_fn
 
             # compiled variant: the graphs replay the compiled forward_cached (dynamic shapes: one compile for every
             # bucket), as its whole-history calls replay the compiled DiT; eager hops are launch-bound (~1000
             # kernels per Euler step)
             self.cached_hops = CachedHopGraphs(dit, dit_profile.cached, device, dtype,
-                                               fn=compile_fn(dit.forward_cached) if compile else None)
+                                               fn=cached_dit_fn(flow, self.compiled_dit))
         self.hift_variants = {"eager": (lambda mel: hift.inference(mel, finalize=True)[0],
                                         lambda m, src: hift.decode(m, src, finalize=False))}
         if compile:
