@@ -196,13 +196,8 @@ def _time_bucket(row, runner, spec, b, mods, compiled_m, dit_m, args) -> None:
     if spec.stage == "dit":
         dit = mods.flow.estimator
         dt = next(dit.parameters()).dtype
-        g = torch.Generator().manual_seed(0)
-        c = dit.cfg
-        T, B = b.length, b.batch
-        ins = {"x": torch.randn(B, c.mel_dim, T, generator=g), "mask": torch.ones(B, 1, T),
-               "mu": torch.randn(B, c.mu_dim, T, generator=g), "t": torch.rand(B, generator=g),
-               "spks": torch.randn(B, c.spk_dim, generator=g), "cond": torch.randn(B, c.mel_dim, T, generator=g)}
-        ins = {k: v.to(dev, dt) for k, v in ins.items()}
+        example = _imp("cosytrt.build.export_dit").example_inputs(dit, b.batch, b.length, dt, torch.device(dev))
+        ins = dict(zip(("x", "mask", "mu", "t", "spks", "cond"), example))
         streaming = spec.mode == "stream"
         eager = dit_m.FixedModeDiT(dit, streaming)
         args_t = tuple(ins[n] for n in spec.input_names)

@@ -88,18 +88,13 @@ def select_stages(profile, stages: list[str]):
     return dataclasses.replace(profile, stages={k: v for k, v in profile.stages.items() if k in stages})
 
 
-def random_full_models(device: str, seed: int = 0):
-    """The full-size CosyVoice3 architecture with seeded random weights (as `trtbuild bench` makes it), folded HiFT."""
+def random_full_models(device: str):
+    """The full-size CosyVoice3 architecture with the bench's seeded random weights (folded HiFT): one recipe and one
+    label ("random-full-seed0") with `trtbuild bench`, so a set built from them opens against the bench's models."""
     import torch
 
-    from ..runtime.models.config import full_config
-    from ..runtime.models.loading import CosyVoice3Models, build_modules, check_device
+    from ..runtime.models.loading import check_device
+    from .bench.common import full_models, random_models
 
     check_device(device)
-    cfg = full_config()
-    torch.manual_seed(seed)
-    llm, flow, hift = build_modules(cfg, device=device)
-    with torch.no_grad():
-        hift.f0_predictor.classifier.bias.fill_(180.0)
-    hift.fold_weight_norm()
-    return CosyVoice3Models(cfg, llm.eval(), flow.eval(), hift.eval(), "random-full", "", f"random-full-seed{seed}")
+    return random_models(*full_models(device, torch.float32, "full"))

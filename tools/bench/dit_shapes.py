@@ -22,7 +22,7 @@ that takes the time is named:
 `--modes cached` also times prefix-cached hops (DiT.forward_cached, one request = 2 CFG rows, NEW:PREFIX frames from
 `--cached-shapes`): run 18 found their solve at ~4–5 ms per Euler step whatever the new frames, the same question.
 
-Writes OUT/dit_shapes.json and OUT/dit_shapes.md (ms per call per T and variant, max |diff| to `cudnn`, the top
+Writes OUT/dit_shapes.json and OUT/dit_shapes.md (ms per call per T and variant, max |diff| to the eager model as it runs today, the top
 kernels of the profiled lengths). Exactness of a variant is reported, not assumed: a variant that would be adopted
 still has to pass the golden and cached-hop tests.
 """
@@ -65,15 +65,6 @@ def conv_variant(name: str):
         dit_mod._conv1d, torch.backends.cudnn.benchmark = original, bench
 
 
-def _inputs(dit, batch: int, length: int, device, dtype):
-    g = torch.Generator().manual_seed(length)
-    c = dit.cfg
-    ins = (torch.randn(batch, c.mel_dim, length, generator=g), torch.ones(batch, 1, length),
-           torch.randn(batch, c.mu_dim, length, generator=g), torch.rand(batch, generator=g),
-           torch.randn(batch, c.spk_dim, generator=g), torch.randn(batch, c.mel_dim, length, generator=g))
-    return tuple(t.to(device, dtype) for t in ins)
-
-
 def _cached_inputs(dit, n: int, p: int, device, dtype):
     """A prefix-cached hop of one request (2 CFG rows): n new frames after p cached frames (DiT.forward_cached's
     inputs, shaped by the cached-hop graphs' `hop_shapes`)."""
@@ -98,39 +89,25 @@ def _cached_inputs(dit, n: int, p: int, device, dtype):
                  for a in args)
 
 
-def _time(fn, args, cuda: bool, reps: int) -> tuple[float, torch.Tensor]:
-    """(ms per call: a CUDA-graph replay on CUDA, an eager call on CPU; the output)."""
-    if not cuda:
-        t = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        return (time.perf_counter() - t) * 1e3 / reps, out
-    from ...engines.cuda_graphs import GraphCache
-    from .timing import time_cuda
+def _time(fn, args, ref, cuda: bool, reps: int) -> tuple[float, float]:
+    """(ms per call: a CUDA-graph replay on CUDA, an eager call on CPU; max |output - ref|)."""
+    from .timing import graph_timing, max_err
 
-    gc = GraphCache(fn, torch.device("cuda"))
-    gc.capture(0, args)
-    out = gc.run(0, *args).clone()
-    return time_cuda(lambda: gc.run(0, *args), reps=reps), out
-
-
-def _top_kernels(fn, args, n: int = 8) -> list[dict]:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn(*args)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(*args)
-        torch.cuda.synchronize()
-    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, "device_time_total", 0.0), reverse=True)[:n]
-    return [{"name": e.key[:90], "calls": e.count, "ms": round(getattr(e, "device_time_total", 0.0) / 1e3, 3)}
-            for e in rows]
+    if cuda:
+        ms, err, _ = graph_timing(fn, torch.device("cuda"), args, ref, reps=reps)
+        return ms, err
+    t = time.perf_counter()
+    for _ in range(reps):
+        out = fn(*args)
+    return (time.perf_counter() - t) * 1e3 / reps, max_err(out, ref)
 
 
 def run(out_dir: str, lengths, batch: int, dtype: torch.dtype, modes, reps: int, profile_lengths, smoke: bool,
         cached_shapes=((50, 150), (50, 400), (100, 1000))) -> dict:
+    from ...build.export_dit import example_inputs
     from ...runtime.models.dit import FixedModeDiT
     from .common import full_models
+    from .timing import kernel_table
 
     device = "cpu" if smoke else "cuda"
     _, _, flow, _ = full_models(device, dtype, "tiny" if smoke else "full")
@@ -145,10 +122,12 @@ def run(out_dir: str, lengths, batch: int, dtype: torch.dtype, modes, reps: int,
                       for n, p in cached_shapes]
         else:
             fn = FixedModeDiT(dit, mode == "stream")
-            cases += [(mode, length, fn, _inputs(dit, batch, length, device, dtype)) for length in lengths]
+            cases += [(mode, length, fn, example_inputs(dit, batch, length, dtype, torch.device(device), seed=length))
+                      for length in lengths]
     for mode, length, fn, args in cases:
         row = {"mode": mode, "T": length}
-        ref = None
+        with torch.inference_mode():
+            ref = fn(*args).float()  # eager, the model as it runs today: what each variant's output is compared to
         for name in VARIANTS:
             if smoke and name in CUDA_ONLY:
                 row[name] = None
@@ -156,12 +135,8 @@ def run(out_dir: str, lengths, batch: int, dtype: torch.dtype, modes, reps: int,
                 continue
             try:
                 with conv_variant(name), torch.inference_mode():
-                    ms, out = _time(fn, args, not smoke, reps)
+                    ms, row[f"{name}_err"] = _time(fn, args, ref, not smoke, reps)
                 row[name] = round(ms, 3)
-                if ref is None:
-                    ref = out.float()
-                else:
-                    row[f"{name}_err"] = float((out.float() - ref).abs().max())
             except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
                 row[name] = None
                 row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
@@ -169,9 +144,9 @@ def run(out_dir: str, lengths, batch: int, dtype: torch.dtype, modes, reps: int,
         print(json.dumps(row), flush=True)
         if not smoke and (length in profile_lengths or mode == "cached"):
             for name in ("cudnn", "unfold_matmul"):
-                with conv_variant(name), torch.inference_mode():
-                    res["profiles"].append({"mode": mode, "T": length, "variant": name,
-                                            "top": _top_kernels(fn, args)})
+                with conv_variant(name):
+                    top = kernel_table(lambda: fn(*args), steps=1, top=8)["top"]
+                res["profiles"].append({"mode": mode, "T": length, "variant": name, "top": top})
         _save(out_dir, res)
     return res
 
@@ -181,14 +156,14 @@ def _save(out_dir: str, res: dict) -> None:
     with open(os.path.join(out_dir, "dit_shapes.json"), "w") as f:
         json.dump(res, f, indent=1)
     lines = [f"## DiT call ms per length and convolution implementation ({res['meta']})", "",
-             "| mode | T | " + " | ".join(VARIANTS) + " | max err vs cudnn (others) |",
+             "| mode | T | " + " | ".join(VARIANTS) + " | max err vs the eager model, per variant |",
              "|---|---|" + "---|" * (len(VARIANTS) + 1)]
     for r in res["rows"]:
-        errs = ", ".join(f"{r[k]:.1e}" for k in (f"{v}_err" for v in VARIANTS[1:]) if r.get(k) is not None)
+        errs = ", ".join(f"{r[k]:.1e}" for k in (f"{v}_err" for v in VARIANTS) if r.get(k) is not None)
         lines.append(f"| {r['mode']} | {r['T']} | " + " | ".join("fail" if r.get(v) is None else f"{r[v]:.2f}"
                                                                  for v in VARIANTS) + f" | {errs} |")
     for p in res["profiles"]:
-        lines += ["", f"{p['mode']} T={p['T']} {p['variant']}: " + "; ".join(f"{k['name']} x{k['calls']} {k['ms']} ms"
+        lines += ["", f"{p['mode']} T={p['T']} {p['variant']}: " + "; ".join(f"{k['name'][:90]} x{k['calls']:g} {k['us'] / 1e3:.3f} ms"
                                                                             for k in p["top"])]
     with open(os.path.join(out_dir, "dit_shapes.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -242,8 +242,8 @@ def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec: Ope
         log(msg)
     out["ab_skipped"] = skipped
     t = time.perf_counter()
-    pipe = make_pipeline(random_models(cfg, llm, flow, hift, getattr(bench.args, "model", "full")), variant, bench.args.graph_profile,
-                         getattr(bench.args, "engines", None))
+    models = random_models(cfg, llm, flow, hift, getattr(bench.args, "model", "full"))
+    pipe = make_pipeline(models, variant, bench.args.graph_profile, getattr(bench.args, "engines", None))
     out["pipeline_setup_s"] = time.perf_counter() - t
     speaker = pipe.default_speaker  # the bench's saved speaker (random frontend)
     if any(o.get("flow_prefix_cache") for _, o in settings) and pipe.device.type == "cuda":
