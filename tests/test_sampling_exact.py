@@ -76,15 +76,13 @@ def _ref_sample_ids(logits, policies, gens):
 
 
 def _ref_sample_batch(logits, policies, gens):
-    live = [i for i, p in enumerate(policies) if p.finished or p.num_sampled < p.max_len]
-    ids = _ref_sample_ids(logits if len(live) == len(policies) else logits[live], [policies[i] for i in live], gens)
-    out = [(None, True)] * len(policies)
-    for p in policies:
-        if not p.finished and p.num_sampled >= p.max_len:
-            p.finished = True
-    for i, tok in zip(live, ids):
-        out[i] = policies[i].accept(tok)
-    return out
+    """`sample_batch` (its bookkeeping is not what changed) over the previous `sample_ids`."""
+    from unittest import mock
+
+    from cosytrt.runtime.models import sampling
+
+    with mock.patch.object(sampling, "sample_ids", lambda lg, ps: _ref_sample_ids(lg, ps, gens)):
+        return sampling.sample_batch(logits, policies)
 
 
 # ---------------------------------------------------------------- logits full of ties, many parameter mixes
