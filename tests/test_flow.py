@@ -260,7 +260,8 @@ def test_half_precision_keeps_rope_float32(tiny_cfg):
     assert f.rand_noise.dtype == torch.float16
 
 
-@pytest.mark.parametrize("conv, sdpa", [("unfold", ""), ("nhwc", ""), ("cudnn", "efficient"), ("cudnn", "no_cudnn")])
+@pytest.mark.parametrize("conv, sdpa", [("unfold", ""), ("nhwc", ""), ("cudnn", "efficient"), ("cudnn", "no_cudnn"),
+                                        ("auto", "")])
 def test_dit_conv_and_attention_choices_compute_the_same(flow, monkeypatch, conv, sdpa):
     """COSYTRT_DIT_CONV / COSYTRT_DIT_SDPA (runtime/models/dit_conv.py, for GPU A/B runs) change how the DiT's grouped
     convolutions and attention run, not what they compute: streaming and offline velocity equal the default's."""
@@ -278,3 +279,19 @@ def test_dit_conv_and_attention_choices_compute_the_same(flow, monkeypatch, conv
         got = [flow.estimator(*args, streaming=s) for s in (False, True)]
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_dit_conv_default_is_channels_last_conv2d_on_cuda_only(monkeypatch):
+    """The default (`auto`) runs the grouped convolutions as channels-last conv2d on CUDA tensors (cuDNN's F.conv1d
+    picked a 10x slower FFT algorithm in fp32 at some lengths on the H200) and as F.conv1d elsewhere; an explicit
+    COSYTRT_DIT_CONV wins on every device."""
+    from types import SimpleNamespace
+
+    from cosytrt.runtime.models import dit_conv
+
+    monkeypatch.setattr(dit_conv, "CONV", "auto")
+    assert dit_conv.pick(torch.zeros(1)) is dit_conv.conv1d
+    assert dit_conv.pick(SimpleNamespace(is_cuda=True)) is dit_conv.conv2d_nhwc
+    monkeypatch.setattr(dit_conv, "CONV", "unfold")
+    assert dit_conv.pick(SimpleNamespace(is_cuda=True)) is dit_conv.unfold_matmul
+    assert dit_conv.pick(torch.zeros(1)) is dit_conv.unfold_matmul

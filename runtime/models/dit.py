@@ -59,7 +59,7 @@ class TimestepEmbedding(nn.Module):
 
 @torch.library.custom_op("cosytrt::dit_conv1d", mutates_args=())
 def _opaque_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int) -> torch.Tensor:
-    return F.conv1d(x, weight, bias, groups=groups)
+    return dit_conv.pick(x)(x, weight, bias, groups)
 
 
 @_opaque_conv1d.register_fake
@@ -81,13 +81,10 @@ def _conv1d(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     """`conv(x)` (no padding, stride 1). Under torch.compile the convolution is an opaque op: the framework's own
     shape propagation for convolutions picks a backend from the (symbolic) batch size and so guards on it (seen:
     `batch >= 16`), which costs a second full compile of the DiT per mode. Export (ONNX, AOTInductor) and eager
-    see the plain convolution."""
-    impl = dit_conv.CONV_IMPLS[dit_conv.CONV]
-    if impl is not None:  # COSYTRT_DIT_CONV (dit_conv.py): an A/B choice for the GPU runs
-        return impl(conv, x)
+    see the plain convolution. Which kernel runs it on a device: `dit_conv.pick` (channels-last conv2d on CUDA)."""
     if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
         return _opaque_conv1d(x, conv.weight, conv.bias, conv.groups)
-    return conv(x)
+    return dit_conv.pick(x)(x, conv.weight, conv.bias, conv.groups)
 
 
 class CausalConvPositionEmbedding(nn.Module):

@@ -1,46 +1,59 @@
-"""Ways to run the DiT's grouped convolutions (the conv position embedding: kernel 31, 16 groups, 1024 channels), and
-the attention backends its SDPA calls may use — the two suspects of a streaming DiT call at T = 200 frames taking 7x
-longer than at T = 450 on the H200 (BENCHMARKS run 23). `python -m cosytrt.tools.bench.dit_shapes` times them per
-length; the environment picks one for a whole process (read at import, for A/B runs on the GPU machine):
+"""How the DiT runs its grouped convolutions (the conv position embedding: kernel 31, 16 groups, 1024 channels), and
+which attention backends its SDPA calls may use.
 
-  COSYTRT_DIT_CONV = cudnn (default: F.conv1d) | nhwc (conv2d on a channels-last [B, C, 1, T] tensor) |
+Default (`auto`): on CUDA the convolution runs as conv2d on a channels-last [B, C, 1, T] tensor; elsewhere (CPU, and
+while exporting ONNX / AOTInductor graphs) as the plain F.conv1d. Why: on the H200 (session 9, `python -m
+cosytrt.tools.bench.dit_shapes`) F.conv1d in fp32 made cuDNN pick an FFT algorithm at some lengths — a streaming DiT
+call at T = 200 took 107 ms against 10.2 ms as channels-last conv2d (16.5 vs 15.7 ms at T = 450); in bf16 (the
+serving dtype) channels-last conv2d was 7-10 % faster at every length and bit-identical to F.conv1d. The environment
+can force one for a whole process (read at import, for A/B runs on the GPU machine):
+
+  COSYTRT_DIT_CONV = auto (default) | cudnn (F.conv1d everywhere) | nhwc (channels-last conv2d everywhere) |
                      unfold (im2col over time + one grouped batched matmul: no cuDNN) |
                      benchmark (F.conv1d with torch.backends.cudnn.benchmark on for the whole process: cuDNN times
                      its algorithms per new shape, during the warm-ups before each CUDA-graph capture)
   COSYTRT_DIT_SDPA = "" (default: torch's choice) | efficient (memory-efficient kernel, then math) | no_cudnn (any
                      but cuDNN attention)
 
-All compute the same convolution / attention (tests/test_bench_scripts.py checks the convolutions against F.conv1d);
-the defaults are the model's behaviour until a GPU run says otherwise.
+All compute the same convolution / attention (tests/test_flow.py checks each against F.conv1d and the golden flow).
 """
 from __future__ import annotations
 
 import os
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 
-def conv2d_nhwc(conv, x: torch.Tensor) -> torch.Tensor:
-    """conv(x) (no padding, stride 1) as conv2d on a channels-last [B, C, 1, T] tensor."""
+Conv = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int], torch.Tensor]
+
+
+def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int) -> torch.Tensor:
+    """The plain grouped convolution (no padding, stride 1)."""
+    return F.conv1d(x, weight, bias, groups=groups)
+
+
+def conv2d_nhwc(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int) -> torch.Tensor:
+    """conv1d(x) as conv2d on a channels-last [B, C, 1, T] tensor."""
     x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
-    return F.conv2d(x4, conv.weight.unsqueeze(2), conv.bias, groups=conv.groups).squeeze(2)
+    return F.conv2d(x4, weight.unsqueeze(2), bias, groups=groups).squeeze(2)
 
 
-def unfold_matmul(conv, x: torch.Tensor) -> torch.Tensor:
-    """conv(x) (no padding, stride 1) as im2col: windows over time, one batched matmul per group."""
+def unfold_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int) -> torch.Tensor:
+    """conv1d(x) as im2col: windows over time, one batched matmul per group."""
     b, _, length = x.shape
-    g = conv.groups
-    cout, cin_g, k = conv.weight.shape
+    g = groups
+    cout, cin_g, k = weight.shape
     t = length - k + 1
     cols = x.unfold(2, k, 1).reshape(b, g, cin_g, t, k).permute(0, 1, 3, 2, 4).reshape(b, g, t, cin_g * k)
-    y = torch.matmul(cols, conv.weight.reshape(g, cout // g, cin_g * k).transpose(1, 2))   # [B, G, T, Cout/g]
+    y = torch.matmul(cols, weight.reshape(g, cout // g, cin_g * k).transpose(1, 2))   # [B, G, T, Cout/g]
     y = y.permute(0, 1, 3, 2).reshape(b, cout, t)
-    return y if conv.bias is None else y + conv.bias[None, :, None]
+    return y if bias is None else y + bias[None, :, None]
 
 
-CONV_IMPLS = {"cudnn": None, "benchmark": None, "nhwc": conv2d_nhwc, "unfold": unfold_matmul}
+CONV_IMPLS: dict[str, Conv] = {"cudnn": conv1d, "benchmark": conv1d, "nhwc": conv2d_nhwc, "unfold": unfold_matmul}
 SDPA_BACKENDS = {"": None,
                  "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
                  "no_cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}
@@ -53,7 +66,15 @@ def _from_env(name: str, table: dict):
     return value
 
 
-CONV = _from_env("COSYTRT_DIT_CONV", {**CONV_IMPLS, "": None}) or "cudnn"
+CONV = _from_env("COSYTRT_DIT_CONV", {**CONV_IMPLS, "auto": None, "": None}) or "auto"
 SDPA = _from_env("COSYTRT_DIT_SDPA", SDPA_BACKENDS)
 if CONV == "benchmark":
     torch.backends.cudnn.benchmark = True
+
+
+def pick(x: torch.Tensor) -> Conv:
+    """The convolution to run on `x` under the process's COSYTRT_DIT_CONV (module attribute, read per call)."""
+    if CONV != "auto":
+        return CONV_IMPLS[CONV]
+    exporting = torch.compiler.is_exporting() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+    return conv2d_nhwc if x.is_cuda and not exporting else conv1d

@@ -8,9 +8,10 @@ its algorithm from the shape. This tool times the streaming (and offline) DiT ca
 running those convolutions, each captured in a CUDA graph, and profiles the slowest and a fast length so the kernel
 that takes the time is named:
 
-  cudnn              F.conv1d as the model runs it today
+  cudnn              F.conv1d (the model's choice before session 9; now its choice on the CPU)
   cudnn_benchmark    the same with torch.backends.cudnn.benchmark (cuDNN times its algorithms per shape)
-  conv2d_nhwc        the convolution as conv2d on a channels-last [B, C, 1, T] tensor (other cuDNN kernels)
+  conv2d_nhwc        the convolution as conv2d on a channels-last [B, C, 1, T] tensor (other cuDNN kernels;
+                     the model's choice on CUDA since session 9)
   unfold_matmul      im2col: x.unfold over time and one grouped batched matmul (no cuDNN)
   sdpa_efficient     convolutions as today, the attention limited to the memory-efficient SDPA kernel (then math)
   sdpa_cudnn         convolutions as today, the attention limited to cuDNN's SDPA (the other suspect: torch may
@@ -48,7 +49,7 @@ def conv_variant(name: str):
     original, bench = dit_mod._conv1d, torch.backends.cudnn.benchmark
     from ...runtime.models import dit_conv
 
-    impl = {"conv2d_nhwc": dit_conv.conv2d_nhwc, "unfold_matmul": dit_conv.unfold_matmul}.get(name)
+    impl = {"conv2d_nhwc": dit_conv.conv2d_nhwc, "unfold_matmul": dit_conv.unfold_matmul}.get(name, dit_conv.conv1d)
     if name not in VARIANTS:
         raise ValueError(f"unknown conv variant {name!r}: {VARIANTS}")
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -56,8 +57,7 @@ def conv_variant(name: str):
     backends = {"sdpa_efficient": dit_conv.SDPA_BACKENDS["efficient"],
                 "sdpa_cudnn": [SDPBackend.CUDNN_ATTENTION]}.get(name)
     try:
-        if impl is not None:
-            dit_mod._conv1d = impl
+        dit_mod._conv1d = lambda conv, x: impl(x, conv.weight, conv.bias, conv.groups)
         torch.backends.cudnn.benchmark = name == "cudnn_benchmark"
         with sdpa_kernel(backends) if backends else contextlib.nullcontext():
             yield
