@@ -216,6 +216,38 @@ class BucketTable:
             return best
         return None
 
+    def plan(self, b: int, n: int) -> list[tuple[int, "Bucket | None"]]:
+        """How to run a call of b independent rows of length n: [(rows, bucket or None = eager), ...] in row order.
+
+        One chunk when select(b, n) hits. Otherwise the rows are split (the DiT's rows are independent: per-row
+        masks, t, conditions) into chunks that each hit a bucket within the padding-waste limit — most rows per
+        chunk first, then the cheapest run — e.g. 6 rows of 620 frames with b2/b4/b8 x t768 buckets (b8 would waste
+        1.65x) run as b4 + b2 (1.24x each) instead of eagerly; a remainder no bucket takes runs eagerly. A call
+        longer than every bucket cannot be split (one eager chunk)."""
+        hit = self.select(b, n)
+        if hit is not None:
+            return [(b, hit)]
+        chunks: list[tuple[int, Bucket | None]] = []
+        left = b
+        while left > 0:
+            best, best_key = None, None
+            for bk in self.buckets:
+                if not bk.min_length <= n <= bk.length:
+                    continue
+                k = min(left, bk.batch)
+                if bk.waste(k, n) > self.max_padding_waste + _EPS:
+                    continue
+                key = (-k, bk.run_cost(n), bk.sort_key)
+                if best_key is None or key < best_key:
+                    best, best_key = bk, key
+            if best is None:
+                chunks.append((left, None))
+                break
+            k = min(left, best.batch)
+            chunks.append((k, best))
+            left -= k
+        return chunks
+
     def miss_reason(self, b: int, n: int) -> str | None:
         """Short code of why select(b, n) is None: 'empty_table', 'no_cover', 'waste'; None when it hits."""
         if not self.buckets:
@@ -304,8 +336,9 @@ class ShapeStats:
             self._misses: dict[tuple, dict] = {}
 
     def record(self, stage: str, mode: str, b: int, n: int, bucket: Bucket | None, seconds: float,
-               reason: str | None = None) -> None:
-        """One call of b rows, longest length n, that ran in `bucket` (None: eager, with `reason`)."""
+               reason: str | None = None, split_part: bool = False) -> None:
+        """One call of b rows, longest length n, that ran in `bucket` (None: eager, with `reason`); `split_part`:
+        one chunk of a larger call that BucketTable.plan split over several buckets (counted in `split_parts`)."""
         check_stage_mode(stage, mode)
         _check_call(b, n)
         if bucket is not None and (bucket.stage, bucket.mode) != (stage, mode):
@@ -315,8 +348,10 @@ class ShapeStats:
         with self._lock:
             st = self._stages.setdefault(sm, {"calls": 0, "hits": 0, "fallbacks": 0, "seconds": 0.0,
                                               "waste_sum": 0.0, "waste_max": 0.0,
-                                              "waste": deque(maxlen=self.max_samples), "reasons": {}})
+                                              "waste": deque(maxlen=self.max_samples), "reasons": {},
+                                              "split_parts": 0})
             st["calls"] += 1
+            st["split_parts"] += bool(split_part)
             st["seconds"] += seconds
             if bucket is not None:
                 w = bucket.waste(b, n)
@@ -348,7 +383,7 @@ class ShapeStats:
                 srt = sorted(samples)
                 stages[sm] = {
                     "calls": st["calls"], "hits": st["hits"], "fallbacks": st["fallbacks"],
-                    "hit_rate": st["hits"] / st["calls"], "seconds": st["seconds"],
+                    "hit_rate": st["hits"] / st["calls"], "seconds": st["seconds"], "split_parts": st["split_parts"],
                     "waste": {"mean": st["waste_sum"] / st["hits"] if st["hits"] else None,
                               "max": st["waste_max"] if st["hits"] else None,
                               "p50": _pct(srt, 0.5), "p95": _pct(srt, 0.95), "samples": samples},

@@ -126,6 +126,30 @@ def test_waste_bound_forces_fallback_and_allow_waste():
     assert empty.select(1, 1) is None and empty.miss_reason(1, 1) == "empty_table"
 
 
+def _dit_table(batches=(2, 4, 8), lengths=(768,), limit=1.5):
+    return BucketTable([Bucket("dit", "offline", b, n) for b in batches for n in lengths], max_padding_waste=limit)
+
+
+@pytest.mark.parametrize("call, expected", [
+    ((8, 700), [(8, "b8xt768")]),                          # a plain hit: one chunk
+    ((6, 620), [(4, "b4xt768"), (2, "b2xt768")]),          # b8 would waste 1.65x: split, no eager call
+    ((20, 700), [(8, "b8xt768"), (8, "b8xt768"), (4, "b4xt768")]),   # more rows than any bucket
+    ((2, 100), [(2, None)]),                               # too short for any bucket within the limit: eager
+    ((4, 900), [(4, None)]),                               # longer than every bucket: cannot split over time
+])
+def test_plan_splits_rows_over_buckets_before_falling_back(call, expected):
+    """BucketTable.plan: one chunk when select hits; otherwise the call's (independent) rows split into chunks that
+    each hit a bucket within the padding-waste limit, most rows first; what no bucket takes stays eager."""
+    got = [(k, bk.key.split("/")[-1] if bk is not None else None) for k, bk in _dit_table().plan(*call)]
+    assert got == expected
+    assert sum(k for k, _ in got) == call[0]
+
+
+def test_plan_leaves_an_untakeable_remainder_eager():
+    t = _dit_table(batches=(4,), lengths=(700,))
+    assert [(k, bk and bk.key) for k, bk in t.plan(6, 650)] == [(4, "dit/offline/b4xt700"), (2, None)]
+
+
 def test_dynamic_bucket_selection():
     t = BucketTable([Bucket("dit", "offline", 2, 2048), Bucket("dit", "offline", 2, 3072, 1024)])
     # 1500 frames: the static 2048 runs 2 x 2048 row-frames, the dynamic one runs at 2 x 1500: cheaper, waste 1.0

@@ -21,8 +21,9 @@ class CallRecorder:
         self._lock = threading.Lock()
         self._orig = stats.record
 
-        def record(stage, mode, b, n, bucket, seconds, reason=None):
-            self._orig(stage, mode, b, n, bucket, seconds, reason=reason)
+        def record(stage, mode, b, n, bucket, seconds, reason=None, split_part=False):
+            # a split call (BucketTable.plan) is recorded as its chunks: what the stage really ran
+            self._orig(stage, mode, b, n, bucket, seconds, reason=reason, split_part=split_part)
             with self._lock:
                 self.calls.append((stage, mode, int(b), int(n), bucket.key if bucket is not None else None,
                                    float(seconds), reason))

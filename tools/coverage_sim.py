@@ -224,6 +224,11 @@ def rate_calls(calls: list[tuple], tables: dict, finals_eager: bool = False) -> 
         if table is None or not len(list(table)):
             out.append((stage, mode, b, n, None, sec, "no engine for this mode"))
             continue
+        if stage == "dit":  # BucketedDiT splits a call's rows over buckets before falling back (BucketTable.plan)
+            for k, bk in table.plan(b, n):
+                out.append((stage, mode, k, n, bk.key if bk is not None else None, sec * k / b,
+                            None if bk is not None else table.miss_reason(k, n)))
+            continue
         bk = table.select(b, n)
         out.append((stage, mode, b, n, bk.key if bk is not None else None, sec,
                     None if bk is not None else table.miss_reason(b, n)))

@@ -34,20 +34,35 @@ class BucketedDiT:
             self.stats.record("dit", mode, b, n, None, time.perf_counter() - t0, reason="no engine for this mode")
             log_fallback_once(f"dit/{mode}", "no engine for this mode")
             return out
-        bucket = table.select(b, n)
+        plan = table.plan(b, n)
+        if len(plan) == 1:
+            return self._chunk(runner, table, plan[0][1], mode, x, mask, mu, t, spks, cond, t0, split=False)
+        outs, r0 = [], 0
+        for k, bucket in plan:  # rows are independent: each chunk in its own bucket (BucketTable.plan)
+            sl = slice(r0, r0 + k)
+            outs.append(self._chunk(runner, table, bucket, mode, x[sl], mask[sl], mu[sl], t[sl], spks[sl], cond[sl],
+                                    time.perf_counter(), split=True))
+            r0 += k
+        return torch.cat(outs, dim=0)
+
+    def _chunk(self, runner, table, bucket, mode, x, mask, mu, t, spks, cond, t0, split: bool):
+        b, _, n = x.shape
+        streaming = mode == "stream"
         if bucket is None:
             out = self.eager(x, mask, mu, t, spks, cond, streaming=streaming)
-            self.stats.record("dit", mode, b, n, None, time.perf_counter() - t0, reason=table.miss_reason(b, n))
+            self.stats.record("dit", mode, b, n, None, time.perf_counter() - t0, reason=table.miss_reason(b, n),
+                              split_part=split)
             log_fallback_once(f"dit/{mode}", "a call shape no bucket covers within the padding-waste limit")
             return out
         try:
             out = self._run(runner, bucket, x, mask, mu, t, spks, cond)
         except Exception as e:  # noqa: BLE001 - an engine failure must not take the request down
             out = self.eager(x, mask, mu, t, spks, cond, streaming=streaming)
-            self.stats.record("dit", mode, b, n, None, time.perf_counter() - t0, reason=f"engine error: {e}")
+            self.stats.record("dit", mode, b, n, None, time.perf_counter() - t0, reason=f"engine error: {e}",
+                              split_part=split)
             log_fallback_once(f"dit/{mode}", f"engine error: {type(e).__name__}: {e}")
             return out
-        self.stats.record("dit", mode, b, n, bucket, time.perf_counter() - t0)
+        self.stats.record("dit", mode, b, n, bucket, time.perf_counter() - t0, split_part=split)
         return out
 
     @staticmethod
