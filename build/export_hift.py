@@ -69,20 +69,21 @@ def matmul_f0_predictor(f0: F0Predictor) -> F0Predictor:
 class HiFTOnnxGraph(nn.Module):
     """mel [B, 80, T] + sine_noise [1, S, 9] -> wav, the computation of `HiFT.inference(mel, finalize)[0]`."""
 
-    def __init__(self, hift: HiFT, finalize: bool):
+    def __init__(self, hift: HiFT, finalize: bool, reduce_phase: bool = False):
         super().__init__()
         if not hift.weights_folded:
             raise InputError("export_hift_onnx: fold weight norm first (HiFT.load_checkpoint or fold_weight_norm)")
         self.hift = hift
         self.f0_predictor = matmul_f0_predictor(hift.f0_predictor)
         self.finalize = finalize
+        self.reduce_phase = reduce_phase
 
     def forward(self, mel: torch.Tensor, sine_noise: torch.Tensor) -> torch.Tensor:
         h = self.hift
         f0 = self.f0_predictor(mel, finalize=self.finalize).float()
         frames = f0.shape[1]
         noise = sine_noise[:, :frames * h.samples_per_frame]
-        source = h.source_from_phase(f0, h.cumulative_phase(f0), noise)
+        source = h.source_from_phase(f0, h.cumulative_phase(f0), noise, reduce_phase=self.reduce_phase)
         if not self.finalize:
             mel = mel[:, :, :-h.f0_look_right]
         return h.decode(mel, source, self.finalize)
