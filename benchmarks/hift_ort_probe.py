@@ -101,7 +101,8 @@ def sessions(path, want_cuda: bool, only_default: bool = False, tag: str = ""):
         variants = variants[:1] if only_default else variants
         for label, opts, level in variants:
             plan, _ = provider_plan("cuda", ort.get_available_providers(), False, options=opts)
-            out.append((label + tag, ort.InferenceSession(path, session_options(graph_optimization=level), providers=plan)))
+            so = session_options(graph_optimization=level)
+            out.append((label + tag, ort.InferenceSession(path, so, providers=plan)))
     return out
 
 

@@ -233,7 +233,9 @@ class EngineSetBuilder:
         else:
             from .stage_exports import hift_export
 
-            exp = hift_export(self.models.hift, mode, self.export_device)
+            # options.reduce_phase: the sine argument reduced mod 2 pi in float64 before the sine (issue #22 probe)
+            exp = hift_export(self.models.hift, mode, self.export_device,
+                              reduce_phase=bool(sp.options.get("reduce_phase", False)))
         return (exp, buckets, max(b.batch for b in buckets), min(b.length_range[0] for b in buckets),
                 max(b.length for b in buckets))
 

@@ -67,7 +67,11 @@ def matmul_f0_predictor(f0: F0Predictor) -> F0Predictor:
 
 
 class HiFTOnnxGraph(nn.Module):
-    """mel [B, 80, T] + sine_noise [1, S, 9] -> wav, the computation of `HiFT.inference(mel, finalize)[0]`."""
+    """mel [B, 80, T] + sine_noise [1, S, 9] -> wav, the computation of `HiFT.inference(mel, finalize)[0]`.
+
+    reduce_phase: reduce the float32 sine argument (~1e5 rad at 512 frames) modulo 2 pi in float64 before the sine
+    (`HiFT.source_from_phase(reduce_phase=True)`), so the engine's sine no longer depends on the backend's large-
+    argument float32 sin; on ORT CPU it matches eager as closely as without (wav ~4e-7 at t512, full size)."""
 
     def __init__(self, hift: HiFT, finalize: bool, reduce_phase: bool = False):
         super().__init__()
@@ -98,17 +102,18 @@ def example_inputs(hift: HiFT, frames: int, batch: int = 2, extra_frames: int = 
 
 
 def export_hift_onnx(hift: HiFT, path: str, finalize: bool, opset: int = 18, example_frames: int = 64,
-                     per_row_noise: bool = False, dynamo: bool = False) -> str:
+                     per_row_noise: bool = False, dynamo: bool = False, reduce_phase: bool = False) -> str:
     """Export HiFT (folded weights) to ONNX at `path` with dynamic batch and frames; returns `path`.
 
     per_row_noise: `sine_noise` is [B, S, 9] (one slice per row, e.g. per-row offsets into the buffer) instead of the
     shared [1, S, 9] of upstream. dynamo: False (default) uses the TorchScript exporter, True the dynamo exporter
     (torch.export); both give the same ORT results (~1e-6 from eager), the TorchScript one exports ~5x faster
-    (~5 s vs ~25 s on 2 CPU cores), which keeps the test suite short. (The DiT needs dynamo; HiFT does not.)"""
+    (~5 s vs ~25 s on 2 CPU cores), which keeps the test suite short. (The DiT needs dynamo; HiFT does not.)
+    reduce_phase: see `HiFTOnnxGraph`."""
     if example_frames < hift.held_back_frames + 2:
         raise InputError(f"export_hift_onnx: example_frames={example_frames} too short "
                          f"(need >= {hift.held_back_frames + 2})")
-    graph = HiFTOnnxGraph(hift, finalize).eval()
+    graph = HiFTOnnxGraph(hift, finalize, reduce_phase).eval()
     mel, noise = example_inputs(hift, example_frames)
     device = next(hift.parameters()).device  # example inputs on the module's device (a CUDA build exports there)
     mel, noise = mel.to(device), noise.to(device)

@@ -130,3 +130,25 @@ def test_export_needs_folded_weights(hift, tmp_path):
         export_hift_onnx(HiFT(hift.cfg), str(tmp_path / "x.onnx"), finalize=True)
     with pytest.raises(InputError, match="example_frames"):
         export_hift_onnx(hift, str(tmp_path / "x.onnx"), finalize=True, example_frames=5)
+
+
+def test_reduced_phase_matches_eager(hift, sessions, tmp_path):
+    """`reduce_phase` (issue #22): the sine argument (~1e5 rad at T = 1000) reduced mod 2 pi in float64 before the
+    sine gives the eager values in ORT, and in eager the same source as the plain float32 sine."""
+    base = load_file(os.path.join(GOLDEN, "vectors.safetensors"))["hift.mel"]
+    mel = torch.cat([base, base.flip(2)] * 9, dim=2)[:, :, :1000]
+    noise = hift.sine_waves[:, :1000 * 480]
+    with torch.no_grad():
+        f0 = hift.predict_f0(mel)
+        cum = hift.cumulative_phase(f0)
+        assert float(cum.max()) * 2 * np.pi * 480 > 5e4  # the large-argument regime
+        plain = hift.source_from_phase(f0, cum, noise)
+        reduced = hift.source_from_phase(f0, cum, noise, reduce_phase=True)
+    assert (plain - reduced).abs().max().item() <= 1e-6
+    path = export_hift_onnx(hift, str(tmp_path / "hift_reduced.onnx"), finalize=True, example_frames=24,
+                            reduce_phase=True)
+    def reductions(p):
+        return sum(n.op_type in ("Mod", "Floor") for n in onnx.load(p).graph.node)
+    assert reductions(path) > reductions(sessions["final_path"])
+    err = np.abs(run(session(path), mel, noise) - hift.inference(mel, True)[0].numpy()).max()
+    assert err <= 1e-4, err
