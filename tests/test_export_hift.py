@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cosytrt.build.export_hift import MatmulCausalConv1d, example_inputs, export_hift_onnx
+from cosytrt.build.export_hift import (MatmulCausalConv1d, MatmulISTFT, MatmulSTFT, example_inputs,
+                                       export_hift_onnx)
 from cosytrt.runtime.models.config import config_from_golden_json
 from cosytrt.engines.errors import InputError
 from cosytrt.runtime.models.hift import HiFT, load_hift
@@ -152,3 +153,18 @@ def test_reduced_phase_matches_eager(hift, sessions, tmp_path):
     assert reductions(path) > reductions(sessions["final_path"])
     err = np.abs(run(session(path), mel, noise) - hift.inference(mel, True)[0].numpy()).max()
     assert err <= 1e-4, err
+
+
+def test_matmul_stft_equals_conv(hift, tmp_path):
+    """`stft_matmul` (issue #22): STFT / iSTFT as MatMuls (no cuDNN conv) equal the conv versions; the exported graph
+    has no ConvTranspose and still matches eager."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 480 * 7)
+    assert (MatmulSTFT(hift.stft)(x) - hift.stft(x)).abs().max().item() <= 1e-5
+    re, im = torch.randn(2, 3, 9, 841) * 10
+    assert (MatmulISTFT(hift.istft)(re, im) - hift.istft(re, im)).abs().max().item() <= 1e-5
+    path = export_hift_onnx(hift, str(tmp_path / "hift_mm.onnx"), finalize=True, example_frames=24, stft_matmul=True,
+                            reduce_phase=True)
+    assert "ConvTranspose" not in {n.op_type for n in onnx.load(path).graph.node}
+    mel, noise = example_inputs(hift, 41, 3)
+    assert np.abs(run(session(path), mel, noise) - hift.inference(mel, True)[0].numpy()).max() <= 1e-4
