@@ -171,8 +171,17 @@ step_hiftfix() {  # issue 22: HiFT-only fp32 sets, plain and with the export opt
   local v opts
   for v in ${HIFT_VARIANTS:-plain fixed}; do
     opts="{}"; [ "$v" = fixed ] && opts="{reduce_phase: true, stft_matmul: true}"
-    printf 'model: full\ndescription: HiFT-only fp32 ORT set, issue 22 (%s)\ndtype: float32\nmax_padding_waste: 1.5\nstages:\n  hift:\n    dtype: float32\n    options: %s\n    offline: {batch: [2, 8], frames: [256, 512]}\n' \
-      "$v" "$opts" > /tmp/hift_$v.yaml
+    cat > /tmp/hift_$v.yaml <<YAML
+model: full
+description: HiFT-only fp32 ORT set, issue 22 ($v)
+dtype: float32
+max_padding_waste: 1.5
+stages:
+  hift:
+    dtype: float32
+    options: $opts
+    offline: {batch: [2, 8], frames: [256, 512]}
+YAML
     ( cd /tmp && timeout 240 python3 -m cosytrt.tools.trtbuild build --model random-full --profile /tmp/hift_$v.yaml \
         --backend onnxruntime --device cuda --out /tmp/es_hift_$v --quiet \
       && timeout 240 python3 -m cosytrt.tools.trtbuild parity --engines /tmp/es_hift_$v --device cuda --json \
