@@ -22,6 +22,11 @@
 #                   a profile with the quick matrix's shapes avoids its eager fallbacks) --backend onnxruntime`,
 #                   then the serving quick matrix with it (`bench --variants engines,graphs --engines ...`; set
 #                   QUICK_VARIANTS=engines,compiled for the compiled variant: minutes of compile without a cache)
+#   hiftprobe       issue 22: benchmarks/hift_ort_probe.py --ops (HiFT intermediates and every conv shape, ORT-CUDA
+#                   vs eager / float64; PROBE_BATCH=8 for b8), $OUT/hift_ort_probe.json
+#   hiftfix         issue 22: HiFT-only fp32 sets (random-full, offline b2/b8 x t256/t512) without and with the
+#                   export options reduce_phase + stft_matmul (HIFT_VARIANTS="plain fixed"), each through
+#                   trtbuild parity ($OUT/parity_hift_*.json, one line per check with max abs / SNR in the log)
 #   serve           offline requests at concurrency 1 and 8 through TTS.load with the ORT set (fp16 if built) vs
 #                   eager + graphs (SERVE_VARIANTS=ort,graphs,compiled adds the compiled variant: minutes of compile)
 #
@@ -141,8 +146,48 @@ ort_parity() {  # $1 dtype, $2 folder
     --device cuda ${PARITY_ARGS:-} --json > "$OUT/parity_$1.json"
   local rc=$?
   echo "parity $1 exit $rc"
-  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('parity passed:', r.get('passed')); [print(c.get('name'), c.get('passed'), c.get('metrics')) for c in r.get('checks', [])]" "$OUT/parity_$1.json" || true
+  parity_summary "$OUT/parity_$1.json"
   return $rc
+}
+
+parity_summary() {  # one line per check with its numbers (the JSON has them at the top level of each check)
+  python3 - "$1" <<'PY' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("parity passed:", r.get("passed"))
+for c in r.get("checks", []):
+    f = lambda k, fmt: format(c[k], fmt) if isinstance(c.get(k), (int, float)) else str(c.get(k))
+    print(f"{'ok  ' if c.get('passed') else 'FAIL'} {c.get('name'):44s} max_abs {f('max_abs_err', '.3e')} "
+          f"SNR {f('snr_db', '.1f')} dB  {c.get('note', '')[:160]}")
+PY
+}
+
+step_hiftprobe() {  # issue 22: where the fp32 HiFT ORT-CUDA engine leaves eager (intermediates, every conv shape)
+  cd /tmp && timeout "$STEP_TIMEOUT" python3 -X faulthandler "$REPO/benchmarks/hift_ort_probe.py" --frames 256 512 \
+    --batch ${PROBE_BATCH:-2} --ops --out "$OUT"
+}
+
+step_hiftfix() {  # issue 22: HiFT-only fp32 sets, plain and with the export options, each through trtbuild parity
+  local v opts
+  for v in ${HIFT_VARIANTS:-plain fixed}; do
+    opts="{}"; [ "$v" = fixed ] && opts="{reduce_phase: true, stft_matmul: true}"
+    cat > /tmp/hift_$v.yaml <<YAML
+model: full
+description: HiFT-only fp32 ORT set, issue 22 ($v)
+dtype: float32
+max_padding_waste: 1.5
+stages:
+  hift:
+    dtype: float32
+    options: $opts
+    offline: {batch: [2, 8], frames: [256, 512]}
+YAML
+    ( cd /tmp && timeout 240 python3 -m cosytrt.tools.trtbuild build --model random-full --profile /tmp/hift_$v.yaml \
+        --backend onnxruntime --device cuda --out /tmp/es_hift_$v --quiet \
+      && timeout 240 python3 -m cosytrt.tools.trtbuild parity --engines /tmp/es_hift_$v --device cuda --json \
+        > "$OUT/parity_hift_$v.json" )
+    echo "hift $v exit $?"; parity_summary "$OUT/parity_hift_$v.json"
+  done
 }
 
 step_time() {
@@ -217,6 +262,8 @@ run_step() {
     graphs-load) step_graphs_load; rc=$? ;;
     serve) step_serve; rc=$? ;;
     quick) step_quick; rc=$? ;;
+    hiftprobe) step_hiftprobe; rc=$? ;;
+    hiftfix) step_hiftfix; rc=$? ;;
     *) echo "unknown step $s"; rc=2 ;;
   esac
   echo "=== step $s exit $rc $(date -u +%T)"

@@ -233,7 +233,10 @@ class EngineSetBuilder:
         else:
             from .stage_exports import hift_export
 
-            exp = hift_export(self.models.hift, mode, self.export_device)
+            # options reduce_phase / stft_matmul: export variants for the CUDA EP (issue #22), see HiFTOnnxGraph
+            exp = hift_export(self.models.hift, mode, self.export_device,
+                              reduce_phase=bool(sp.options.get("reduce_phase", False)),
+                              stft_matmul=bool(sp.options.get("stft_matmul", False)))
         return (exp, buckets, max(b.batch for b in buckets), min(b.length_range[0] for b in buckets),
                 max(b.length for b in buckets))
 

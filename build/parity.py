@@ -220,14 +220,15 @@ class ParityChecker:
                 dev = hift.sine_waves.device
                 return {spec.output_names[0]: hift.inference(f["mel"].to(dev, torch.float32), finalize)[0]}
 
+        metrics: dict = {}
         try:
-            ok, note = polygraphy_compare(eager_fn, names, np_feed, targets, rule)
+            ok, note, metrics = polygraphy_compare(eager_fn, names, np_feed, targets, rule)
             if not ok:
                 note = f"Polygraphy Comparator: {note}: outputs differ beyond {rule.describe()}"
         except Exception as e:  # noqa: BLE001
             ok, note = False, f"polygraphy error: {type(e).__name__}: {e}"
         return [Check(name, "polygraphy", ok, rule.describe(), spec.stage, spec.mode, bucket.key, "max_len",
-                      spec.dtype, bucket.batch, [width] * bucket.batch, note=note)]
+                      spec.dtype, bucket.batch, [width] * bucket.batch, metrics=metrics, note=note)]
 
     # ---------------------------------------------------------------- pipeline
     def _stream_request(self):

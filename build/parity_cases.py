@@ -11,7 +11,7 @@ import torch
 from ..engines.buckets import Bucket
 from ..engines.errors import EngineSetError
 
-from .parity_metrics import Rule
+from .parity_metrics import Rule, compare
 
 
 # ------------------------------------------------------------------------------------------------------- shapes
@@ -98,8 +98,9 @@ def run_hift_engine(runner, hift, bucket: Bucket, mels: list[torch.Tensor], fina
 # --------------------------------------------------------------------------------------------------- polygraphy
 
 def polygraphy_compare(eager_fn, input_names: list[str], feed: dict[str, np.ndarray], targets: list[tuple[str, object]],
-                       rule: Rule) -> tuple[bool, str]:
-    """Polygraphy Comparator: an eager runner vs each (name, runner) target on one feed. Returns (passed, note)."""
+                       rule: Rule) -> tuple[bool, str, dict]:
+    """Polygraphy Comparator: an eager runner vs each (name, runner) target on one feed. Returns (passed, note,
+    metrics): `metrics` the worst target output's max abs / rel error, cosine and SNR (as `compare`; {} if none)."""
     from polygraphy.backend.base import BaseRunner
     from polygraphy.common import TensorMetadata
     from polygraphy.comparator import Comparator
@@ -134,13 +135,39 @@ def polygraphy_compare(eager_fn, input_names: list[str], feed: dict[str, np.ndar
 
     funcs = _polygraphy_funcs(rule)
     if funcs is None:
-        return True, "polygraphy has no SNR/cosine compare functions here: skipped"
+        return True, "polygraphy has no SNR/cosine compare functions here: skipped", {}
     runners = [EagerRunner()] + [r for _, r in targets]
     with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
         results = Comparator.run(runners, data_loader=[{k: np.ascontiguousarray(v) for k, v in feed.items()}])
         acc = Comparator.compare_accuracy(results, compare_func=funcs,
                                           comparisons=[(0, i) for i in range(1, len(runners))])
-    return bool(acc), "eager-runner vs " + ", ".join(n for n, _ in targets)
+    note = "eager-runner vs " + ", ".join(n for n, _ in targets)
+    metrics = comparator_metrics(results)
+    if metrics:
+        note += f" (worst output: max |err| {metrics['max_abs_err']:.3e}, SNR {metrics['snr_db']:.1f} dB)"
+    return bool(acc), note, metrics
+
+
+def comparator_metrics(results) -> dict:
+    """The worst (largest max |err|) of `compare` over every output of every target runner against the first runner
+    (the eager one) in Polygraphy `RunResults`; {} when there is nothing to compare."""
+    pairs = list(results.items()) if hasattr(results, "items") else list(results)
+    if len(pairs) < 2 or not pairs[0][1]:
+        return {}
+    ref = pairs[0][1][0]
+    worst: dict = {}
+    for _, iters in pairs[1:]:
+        if not iters:
+            continue
+        out = iters[0]
+        for name in ref.keys():
+            if name not in out.keys():
+                continue
+            m = compare(torch.from_numpy(np.asarray(ref[name], dtype=np.float64)),
+                        torch.from_numpy(np.asarray(out[name], dtype=np.float64)))
+            if not worst or m["max_abs_err"] > worst["max_abs_err"]:
+                worst = m
+    return worst
 
 
 def _polygraphy_funcs(rule: Rule):

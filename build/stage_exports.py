@@ -61,14 +61,15 @@ def dit_export(dit, streaming: bool, dtype: torch.dtype, device: str) -> StageEx
         dynamic_shapes=dyn)
 
 
-def hift_export(hift, mode: str, device: str) -> StageExport:
+def hift_export(hift, mode: str, device: str, reduce_phase: bool = False, stft_matmul: bool = False) -> StageExport:
     """HiFT as one graph: mel [B, 80, T] + the fixed sine-noise slice [1, T*480, 9] -> wav [B, T*480] (offline,
-    finalize) or the chunk variant (stream: look-ahead held back). float32 (f0 predictor float64 inside)."""
+    finalize) or the chunk variant (stream: look-ahead held back). float32 (f0 predictor float64 inside).
+    reduce_phase, stft_matmul: see `HiFTOnnxGraph` (the profile's hift `options: {reduce_phase: true, ...}`)."""
     from .export_hift import INPUT_NAMES, OUTPUT_NAME, HiFTOnnxGraph, export_hift_onnx
 
     dev = torch.device(device)
     finalize = mode == "offline"
-    graph = HiFTOnnxGraph(hift, finalize).to(dev).eval()
+    graph = HiFTOnnxGraph(hift, finalize, reduce_phase, stft_matmul).to(dev).eval()
     spf = hift.samples_per_frame
     shapes = {"mel": ["B", hift.cfg.in_channels, "T"], "sine_noise": [1, f"T*{spf}", hift.cfg.nb_harmonics + 1]}
 
@@ -86,5 +87,6 @@ def hift_export(hift, mode: str, device: str) -> StageExport:
         return {"mel": {0: B, 2: T}, "sine_noise": {1: T * spf}}
 
     return StageExport(input_names=INPUT_NAMES, output_names=(OUTPUT_NAME,), input_shapes=shapes,
-                       to_onnx=lambda path: export_hift_onnx(hift, path, finalize), module=graph, example=example,
-                       dynamic_shapes=dyn)
+                       to_onnx=lambda path: export_hift_onnx(hift, path, finalize, reduce_phase=reduce_phase,
+                                                             stft_matmul=stft_matmul),
+                       module=graph, example=example, dynamic_shapes=dyn)

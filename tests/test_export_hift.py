@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cosytrt.build.export_hift import MatmulCausalConv1d, example_inputs, export_hift_onnx
+from cosytrt.build.export_hift import (MatmulCausalConv1d, MatmulISTFT, MatmulSTFT, example_inputs,
+                                       export_hift_onnx)
 from cosytrt.runtime.models.config import config_from_golden_json
 from cosytrt.engines.errors import InputError
 from cosytrt.runtime.models.hift import HiFT, load_hift
@@ -130,3 +131,40 @@ def test_export_needs_folded_weights(hift, tmp_path):
         export_hift_onnx(HiFT(hift.cfg), str(tmp_path / "x.onnx"), finalize=True)
     with pytest.raises(InputError, match="example_frames"):
         export_hift_onnx(hift, str(tmp_path / "x.onnx"), finalize=True, example_frames=5)
+
+
+def test_reduced_phase_matches_eager(hift, sessions, tmp_path):
+    """`reduce_phase` (issue #22): the sine argument (~1e5 rad at T = 1000) reduced mod 2 pi in float64 before the
+    sine gives the eager values in ORT, and in eager the same source as the plain float32 sine."""
+    base = load_file(os.path.join(GOLDEN, "vectors.safetensors"))["hift.mel"]
+    mel = torch.cat([base, base.flip(2)] * 9, dim=2)[:, :, :1000]
+    noise = hift.sine_waves[:, :1000 * 480]
+    with torch.no_grad():
+        f0 = hift.predict_f0(mel)
+        cum = hift.cumulative_phase(f0)
+        assert float(cum.max()) * 2 * np.pi * 480 > 5e4  # the large-argument regime
+        plain = hift.source_from_phase(f0, cum, noise)
+        reduced = hift.source_from_phase(f0, cum, noise, reduce_phase=True)
+    assert (plain - reduced).abs().max().item() <= 1e-6
+    path = export_hift_onnx(hift, str(tmp_path / "hift_reduced.onnx"), finalize=True, example_frames=24,
+                            reduce_phase=True)
+    def reductions(p):
+        return sum(n.op_type in ("Mod", "Floor") for n in onnx.load(p).graph.node)
+    assert reductions(path) > reductions(sessions["final_path"])
+    err = np.abs(run(session(path), mel, noise) - hift.inference(mel, True)[0].numpy()).max()
+    assert err <= 1e-4, err
+
+
+def test_matmul_stft_equals_conv(hift, tmp_path):
+    """`stft_matmul` (issue #22): STFT / iSTFT as MatMuls (no cuDNN conv) equal the conv versions; the exported graph
+    has no ConvTranspose and still matches eager."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 480 * 7)
+    assert (MatmulSTFT(hift.stft)(x) - hift.stft(x)).abs().max().item() <= 1e-5
+    re, im = torch.randn(2, 3, 9, 841) * 10
+    assert (MatmulISTFT(hift.istft)(re, im) - hift.istft(re, im)).abs().max().item() <= 1e-5
+    path = export_hift_onnx(hift, str(tmp_path / "hift_mm.onnx"), finalize=True, example_frames=24, stft_matmul=True,
+                            reduce_phase=True)
+    assert "ConvTranspose" not in {n.op_type for n in onnx.load(path).graph.node}
+    mel, noise = example_inputs(hift, 41, 3)
+    assert np.abs(run(session(path), mel, noise) - hift.inference(mel, True)[0].numpy()).max() <= 1e-4

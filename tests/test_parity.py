@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cosytrt.build.engine_set import build_engine_set
-from cosytrt.build.parity_cases import bucket_cases
+from cosytrt.build.parity_cases import bucket_cases, comparator_metrics
 from cosytrt.build.parity_metrics import THRESHOLDS, Rule, compare, engine_rule
 from cosytrt.engines.buckets import Bucket
 from cosytrt.runtime.models.loading import load_models
@@ -125,6 +125,8 @@ def test_parity_passes_on_onnxruntime_set(ort_set, capsys):
     assert "tail rule" in by[("hift/offline/b2xt128", "ragged")]["note"]
     poly = [c for c in rep["checks"] if c["kind"] == "polygraphy"]
     assert len(poly) == 8 and all(c["passed"] and "onnxrt-runner" in c["note"] for c in poly)
+    # the Polygraphy checks carry their numbers too (worst output of the ORT runner vs the eager runner)
+    assert all(c["max_abs_err"] <= (2e-3 if c["stage"] == "hift" else 1e-3) and "max |err|" in c["note"] for c in poly)
     (pipe,) = [c for c in rep["checks"] if c["kind"] == "pipeline_stream"]
     d = pipe["details"]
     assert pipe["passed"] and pipe["snr_db"] >= 40
@@ -155,6 +157,8 @@ def test_corrupted_engine_fails(corrupt_set, capsys):
     assert rc == 1
     for case in ("min_len", "max_len", "ragged", "polygraphy"):
         assert f"FAIL  dit/offline/b2xt192 {case}" in out
+    poly_line = next(x for x in out.splitlines() if x.startswith("FAIL  dit/offline/b2xt192 polygraphy"))
+    assert "worst output: max |err|" in poly_line  # the error value, not only pass/fail (issue #22)
     assert "max |err|" in out and "> 0.001" in out and out.rstrip().endswith("FAIL (4 of 4 checks)")
     rc, rep = _parity_json(capsys, "--engines", corrupt_set, "--no-pipeline", "--no-polygraphy")
     assert rc == 1 and rep["passed"] is False
@@ -176,3 +180,15 @@ def test_weights_hash_mismatch(corrupt_set, tmp_path, capsys):
     assert "weights 0123456789abcdef" in capsys.readouterr().err
     rc, rep = _parity_json(capsys, "--engines", other, "--no-pipeline", "--no-polygraphy", "--ignore-weights-hash")
     assert rc == 1 and len(rep["checks"]) == 3 and math.isfinite(rep["checks"][0]["max_abs_err"])
+
+
+def test_comparator_metrics():
+    """The numbers next to a Polygraphy check: the worst target output vs the first (eager) runner."""
+    import numpy as np
+
+    a = np.zeros((2, 5), np.float32)
+    b, c = a.copy(), a.copy()
+    b[0, 1], c[1, 2] = 1e-3, 5e-3
+    m = comparator_metrics([("eager", [{"wav": a + 1}]), ("ort", [{"wav": a + 1 + b}]), ("trt", [{"wav": a + 1 + c}])])
+    assert m["max_abs_err"] == pytest.approx(5e-3) and m["shape_match"]
+    assert comparator_metrics([("eager", [{"wav": a}])]) == {}

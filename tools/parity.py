@@ -13,7 +13,8 @@ from .table import format_table
 
 def add_arguments(p) -> None:
     p.add_argument("--engines", required=True, help="engine-set folder (with manifest.json)")
-    p.add_argument("--model", default=None, help="'tiny' or a model directory (default: the manifest's model)")
+    p.add_argument("--model", default=None, help="'tiny', 'random-full' or a model directory (default: the "
+                                                 "manifest's model)")
     add_device(p, default=None, help_extra=" (default: the manifest's device)")
     p.add_argument("--json", action="store_true", help="print the JSON report")
     p.add_argument("--seed", type=int, default=0, help="seed of the test inputs and of the pipeline request")
@@ -76,11 +77,19 @@ def summary_line(report) -> str:
 
 
 def run(args) -> int:
-    from ..build.parity import run_parity
+    from ..build.parity import ParityChecker, run_parity
+    from ..engines.manifest import Manifest
 
-    report = run_parity(args.engines, model=args.model, device=args.device, check_weights=not args.ignore_weights_hash,
-                        seed=args.seed, polygraphy=not args.no_polygraphy, pipeline=not args.no_pipeline,
-                        stream_tokens=args.stream_tokens, prompt_seconds=args.prompt_seconds)
+    kw = dict(check_weights=not args.ignore_weights_hash, seed=args.seed, polygraphy=not args.no_polygraphy,
+              pipeline=not args.no_pipeline, stream_tokens=args.stream_tokens, prompt_seconds=args.prompt_seconds)
+    man = Manifest.load(args.engines)
+    if (args.model or man.model.get("source")) == "random-full":  # `trtbuild build --model random-full` sets
+        from .build_cmd import random_full_models
+
+        device = args.device or man.device
+        report = ParityChecker(random_full_models(device), args.engines, device, **kw).run()
+    else:
+        report = run_parity(args.engines, model=args.model, device=args.device, **kw)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:

@@ -218,14 +218,21 @@ class HiFT(nn.Module):
             return torch.cumsum(rad, dim=1)
         return torch.cumsum(torch.cat([start.double().unsqueeze(1), rad], dim=1), dim=1)[:, 1:]
 
-    def source_from_phase(self, f0: torch.Tensor, cum_phase: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    def source_from_phase(self, f0: torch.Tensor, cum_phase: torch.Tensor, noise: torch.Tensor,
+                          reduce_phase: bool = False) -> torch.Tensor:
         """SineGen2 + SourceModuleHnNSF merge. f0 [B, F], cum_phase [B, F, H] float64, noise [1 or B, F * 480, H]
-        -> source [B, 1, F * 480]. The sine math runs in float32 whatever the module dtype."""
+        -> source [B, 1, F * 480]. The sine math runs in float32 whatever the module dtype.
+
+        reduce_phase (exports only; eager keeps False): the float32 sine argument (up to ~1e5 rad) is reduced modulo
+        2 pi in float64 before the sine, so the result no longer depends on how a backend's float32 sin reduces large
+        arguments; same value as the plain float32 sin of an accurate implementation (to ~1e-7)."""
         cfg = self.cfg
         spf = self.samples_per_frame
         f0 = f0.float()
         phase = cum_phase.float() * 2 * math.pi
         phase = phase * spf
+        if reduce_phase:
+            phase = torch.remainder(phase.double(), 2 * math.pi).float()
         sine = torch.sin(phase) * cfg.nsf_alpha                      # [B, F, H], constant within a frame
         uv = (f0 > cfg.nsf_voiced_threshold).float().unsqueeze(-1)   # [B, F, 1]
         noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
