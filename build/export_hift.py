@@ -72,14 +72,19 @@ def _shifted_blocks(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x[:, i:i + frames] for i in range(n)], dim=2)
 
 
+def _fft_sizes(mod, owner: str) -> tuple[int, int]:
+    """(n_fft, hop) of a ConvSTFT / ConvISTFT, checked: the MatMul forms frame in whole hop-size blocks."""
+    if mod.n_fft % mod.hop:
+        raise InputError(f"{owner}: n_fft {mod.n_fft} must be a multiple of hop {mod.hop}")
+    return mod.n_fft, mod.hop
+
+
 class MatmulSTFT(nn.Module):
     """`ConvSTFT` as reflect pad + framing (shifted hop-size blocks) + MatMul: no strided Conv in the graph."""
 
     def __init__(self, stft):
         super().__init__()
-        self.n_fft, self.hop = stft.n_fft, stft.hop
-        if self.n_fft % self.hop:
-            raise InputError(f"MatmulSTFT: n_fft {self.n_fft} must be a multiple of hop {self.hop}")
+        self.n_fft, self.hop = _fft_sizes(stft, "MatmulSTFT")
         self.register_buffer("basis_t", stft.basis[:, 0, :].t().contiguous())  # [n_fft, 2 bins]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,9 +100,7 @@ class MatmulISTFT(nn.Module):
 
     def __init__(self, istft):
         super().__init__()
-        self.n_fft, self.hop = istft.n_fft, istft.hop
-        if self.n_fft % self.hop:
-            raise InputError(f"MatmulISTFT: n_fft {self.n_fft} must be a multiple of hop {self.hop}")
+        self.n_fft, self.hop = _fft_sizes(istft, "MatmulISTFT")
         self.register_buffer("basis", istft.basis[:, 0, :].contiguous())       # [2 bins, n_fft]
         self.register_buffer("window_sq", istft.window_sq[0].contiguous())    # [1, n_fft]
 
