@@ -72,6 +72,23 @@ def test_summarize_cell():
     assert s["delivered_audio_s_per_s"] == pytest.approx(11 / 12)
     gaps = [0.8, 1.0, 1.5, 1.6, 2.5, 0.1]
     assert s["inter_chunk_p95"] == pytest.approx(percentile(gaps, 95))
+    assert s["ttfa_parts"] == {}  # no marks recorded
+
+
+def test_ttfa_parts_split_time_to_first_audio():
+    from cosytrt.tools.bench.playback import ttfa_parts
+
+    marks = {"prefill": 0.01, "dit_queued": 0.11, "dit_start": 0.13, "dit_end": 0.18}
+    recs = [RequestRecord(0.0, 3.0, True, [0.2], [1.0], marks=marks, ttfa_s=0.2),
+            RequestRecord(1.0, 3.0, True, [1.4], [1.0], marks={k: 2 * v for k, v in marks.items()}, ttfa_s=0.4),
+            RequestRecord(2.0, 2.0, False, [2.5], [2.0], marks=marks, ttfa_s=0.5),    # offline: not counted
+            RequestRecord(3.0, 2.0, True, [3.5], [2.0], marks={"prefill": 0.1}, ttfa_s=0.5)]  # marks missing
+    p = ttfa_parts(recs)
+    assert p["frontend_queue"]["n"] == 2 and p["frontend_queue"]["max"] == pytest.approx(0.02)
+    assert p["ar"]["p50"] == pytest.approx(0.15) and p["dit_wait"]["max"] == pytest.approx(0.04)
+    assert p["dit"]["p50"] == pytest.approx(0.075) and p["vocoder"]["max"] == pytest.approx(0.04)
+    assert sum(v["share"] for v in p.values()) == pytest.approx(1.0)
+    assert p["ar"]["share"] == pytest.approx(0.3 / 0.6)
 
 
 def test_saturation_rule():
@@ -159,10 +176,16 @@ def test_stats_delta_reads_what_is_there():
     assert d["buckets"]["dit/stream"] == {"calls": 20, "hits": 16, "fallbacks": 4, "hit_rate": 0.8}
     assert d["buckets"]["hift/offline"]["hit_rate"] == 1.0 and d["fallbacks"] == 4
     assert d["fallback_reasons"] == {"dit/stream: no_cover": 4}
-    assert d["dit_frames"] == {"frames_computed": 200, "frames_reused": 100}
+    assert d["dit_frames"] == {"frames_computed": 200, "frames_reused": 100, "cache_fallbacks": None}
+    assert d["dit_calls"] == {}
     bare = stats_delta({}, {"busy_s": {"ar": 1.0}}, 2.0)  # no engine set, no DiT frame counters
     assert bare["buckets"] is None and bare["fallbacks"] is None
-    assert bare["dit_frames"] == {"frames_computed": None, "frames_reused": None}
+    assert bare["dit_frames"] == {"frames_computed": None, "frames_reused": None, "cache_fallbacks": None}
+    kinds = stats_delta({"dit": {"kinds": {"cached/step": {"calls": 10, "rows": 15}}}},
+                        {"dit": {"kinds": {"cached/step": {"calls": 30, "rows": 55}, "offline": {"calls": 2,
+                                                                                                 "rows": 3}}}}, 1.0)
+    assert kinds["dit_calls"] == {"cached/step": {"calls": 20, "rows": 40, "rows_per_call": 2.0},
+                                  "offline": {"calls": 2, "rows": 3, "rows_per_call": 1.5}}
 
 
 # ------------------------------------------------------------------ end to end (tiny model, CPU) and report
@@ -198,7 +221,12 @@ def test_tiny_open_loop_sweep(tiny_open_loop):
             assert t == pytest.approx(a.t, abs=1e-3) and status == OK and first >= t and last >= first
             assert chunks >= 1 and (stream or chunks == 1)
         assert set(c["busy"]) == {"ar", "dit", "hift"} and c["buckets"] is None  # eager: no engine set
-        assert c["dit_frames"].keys() == {"frames_computed", "frames_reused"}
+        assert c["dit_frames"].keys() == {"frames_computed", "frames_reused", "cache_fallbacks"}
+        assert sum(v["calls"] for v in c["dit_calls"].values()) >= c["requests"]
+        parts = c["ttfa_parts"]  # every stream has all marks: the parts add up to its time to first audio
+        assert set(parts) == {"frontend_queue", "ar", "dit_wait", "dit", "vocoder"}
+        assert all(p["n"] == c["streams"] and p["p50"] >= 0 for p in parts.values())
+        assert sum(p["share"] for p in parts.values()) == pytest.approx(1.0)
         assert c["underrun_requests"] <= c["streams"]
 
 
@@ -220,7 +248,10 @@ def _cell(setting, rate, offered, achieved, p50, under):
             "buckets": {"dit/stream": {"calls": 50, "hits": 40, "fallbacks": 10, "hit_rate": 0.8},
                         "hift/offline": {"calls": 5, "hits": 2, "fallbacks": 3, "hit_rate": 0.4}},
             "fallbacks": 13, "dit_frames": {"frames_computed": 5000, "frames_reused": None}, "compiles": 0,
-            "peak_gpu_gb": 30.0}
+            "peak_gpu_gb": 30.0,
+            "ttfa_parts": {k: {"p50": 0.01, "p95": 0.02, "share": 0.2}
+                           for k in ("frontend_queue", "ar", "dit_wait", "dit", "vocoder")},
+            "dit_calls": {"cached/step": {"calls": 40, "rows": 100, "rows_per_call": 2.5}}}
 
 
 def test_report_of_a_small_open_loop_json(tmp_path):
@@ -239,6 +270,8 @@ def test_report_of_a_small_open_loop_json(tmp_path):
     assert "| flow_prefix_cache off | 8 | 75 | 61 |" in md and "| 10/0 | 0.92 | 1.84 | 2.76 |" in md
     assert "| hits dit/stream | hits hift/offline |" in md and "| 0.5 | 0.9 | 0.4 | 0.8 | 0.4 | 13 | 5000 | — |" in md
     assert "error: RuntimeError('x')" in md and "A/B: --ab nope" in md
+    assert "where time to first audio goes" in md and "| 0.010 / 0.020 (20%) |" in md
+    assert "| cached/step |" in md and "| 40 / 2.50 |" in md
     path = report.open_loop_plot(res, str(tmp_path))
     assert path == str(tmp_path / "bench_open_loop.png") and (tmp_path / "bench_open_loop.png").stat().st_size > 0
     assert report.open_loop_tables({"serving": {}}) == "" and report.open_loop_plot({}, str(tmp_path)) is None

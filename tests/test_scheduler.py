@@ -321,3 +321,43 @@ def test_cached_hop_graphs_in_scheduler(tts, speakers):
     assert_streams_match(outs, refs)
     hg = st["flow_cache"]["hop_graphs"]
     assert st["frames_reused"] > 0 and hg["hits"] > 0 and hg["misses"] == 0
+
+
+def test_step_level_cached_hops_in_scheduler(tts, speakers):
+    """Step-level DiT scheduling with the flow prefix cache and cached-hop buckets (CPU: static buffers without the
+    capture): three streams of different lengths and voices plus an offline request, submitted a little apart, so
+    hops, finals and first hops of different requests meet mid-solve. Every request's audio equals Pipeline.run's
+    (whole-history hops, one request at a time); cached hops ran one Euler step per call; the TTFA breakdown marks
+    are in order."""
+    import dataclasses
+
+    from cosytrt.runtime.stages.flow_hop_calls import CachedGrid, CachedHopGraphs
+
+    flow = tts.pipeline.models.flow
+    graphs = CachedHopGraphs(flow.estimator, CachedGrid((1, 2, 4), (64, 128, 256, 512), (0, 128, 256, 512, 1024)),
+                             "cpu", graphs=False)
+    backends = dataclasses.replace(tts.pipeline.backends, dit_cached=graphs, closers=[])
+    reqs = [make_request("Stepped hops, first.", speaker=speakers[0], seed=41, stream=True, force_tokens=140),
+            make_request("Stepped hops, second.", speaker=speakers[1], seed=42, stream=True, force_tokens=90),
+            make_request("Stepped hops, third.", speaker=speakers[0], seed=43, stream=True, force_tokens=60),
+            make_request("Offline beside them.", speaker=speakers[1], seed=44, force_tokens=40)]
+    refs = [reference(tts, r) for r in reqs]
+    sched = Scheduler(tts.pipeline, SchedulerConfig(dit_max_requests=4, hift_max_batch=4, dit_step_level=True),
+                      backends=backends)
+    try:
+        handles = []
+        for r in reqs:
+            handles.append(sched.submit(r))
+            time.sleep(0.05)
+        outs = [list(h.chunks(timeout=120)) for h in handles]
+        st = sched.stats()["dit"]
+    finally:
+        sched.close()
+    assert_streams_match(outs, refs)
+    kinds = st["kinds"]
+    assert kinds["cached/step"]["calls"] >= 10 and "offline/step" in kinds, kinds
+    assert st["frames_reused"] > 0 and st["cache_fallbacks"] == 0
+    for h in handles:
+        m = h.metrics.marks
+        assert 0 <= m["prefill"] <= m["dit_queued"] <= m["dit_start"] <= m["dit_end"] <= h.metrics.ttfa, m
+

@@ -248,21 +248,27 @@ def test_pick_dit_step_lets_a_first_hop_overtake_a_final_mid_solve():
     now, cfg = 100.0, SchedulerConfig()
     final = _DJob("final", _metrics(t_submit=90.0, ttfa=0.5, audio_seconds=12.0), False, True, 2000)  # 2.5 s buffered
     hop = _DJob("hop", _metrics(t_submit=99.9), True, False, 150)                                       # a new stream
-    never = lambda j: False  # noqa: E731
     # mid-solve final, new first hop: the hop's step runs next, without the final's rows (other attention mode)
-    how, group, wait = pick_dit_step([hop], [final], cfg, now, True, never)
-    assert (how, [j.name for j in group], wait) == ("step", ["hop"], None)
-    # a hop served by the flow prefix cache runs its whole (short) solve at once
-    how, group, _ = pick_dit_step([hop], [final], cfg, now, True, lambda j: j is hop)
-    assert (how, [j.name for j in group]) == ("whole", ["hop"])
+    group, wait = pick_dit_step([hop], [final], cfg, now, True)
+    assert ([j.name for j in group], wait) == (["hop"], None)
+    # a prefix-cached hop and a whole-history hop never share a call; cached hops group by their new frames
+    cached_a = _DJob("cached a", _metrics(t_submit=99.0), True, False, 900)
+    cached_b = _DJob("cached b", _metrics(t_submit=99.5), True, False, 300)
+    kinds = {"cached a": ("cached", 100), "cached b": ("cached", 100), "hop": ("stream", 150),
+             "final": ("offline", 2000)}
+    describe = lambda j: kinds[j.name]  # noqa: E731
+    group, _ = pick_dit_step([cached_b, hop], [cached_a, final], cfg, now, True, describe)
+    assert sorted(j.name for j in group) == ["cached a", "cached b"]  # 900 vs 300 frames, the same new frames
+    group, _ = pick_dit_step([cached_b, hop], [cached_a, final], cfg, now, True, describe, cap=lambda k: 1)
+    assert [j.name for j in group] == ["cached a"]
     # an underrunning stream's final goes first, and queued finals of similar length join its step
     late = _DJob("late", _metrics(t_submit=95.0, ttfa=0.5, audio_seconds=3.0), False, True, 1900)
     other = _DJob("other", _metrics(t_submit=99.0), False, True, 1800)
-    how, group, _ = pick_dit_step([hop, other], [late], cfg, now, True, never)
-    assert how == "step" and sorted(j.name for j in group) == ["late", "other"]
+    group, _ = pick_dit_step([hop, other], [late], cfg, now, True)
+    assert sorted(j.name for j in group) == ["late", "other"]
     # nothing mid-solve: the call is formed (and waited for) as without step-level scheduling
-    how, group, wait = pick_dit_step([hop], [], replace(cfg, dit_max_wait_ms=1e6), now, True, never)
-    assert how is None and group == [] and wait > 0
+    group, wait = pick_dit_step([hop], [], replace(cfg, dit_max_wait_ms=1e6), now, True)
+    assert group == [] and wait > 0
 
 
 def test_dit_step_level_keeps_the_audio_and_steps_rows_together(tts, speaker):

@@ -66,6 +66,12 @@ class FlowInput:
     # streaming prefix cache of the request (stages.flow_cache.FlowPrefixState): `stages.flow_cache.flow_rows` runs a
     # non-final streaming row with one over its new frames only; `Flow.inference_batch` ignores it (whole history)
     cache: Optional[object] = None
+    # Host-side facts a caller (the scheduler's DiT worker) already knows, so a DiT call needs no device->host sync:
+    # `ids_checked` (every token id was checked against the vocabulary on the host), `host_ids` (prompt + generated
+    # token ids on the CPU) and `prompt_digest` (stages.flow_cache.prompt_digest of the prompt tensors)
+    ids_checked: bool = False
+    host_ids: Optional[torch.Tensor] = None
+    prompt_digest: Optional[str] = None
 
 
 @dataclass
@@ -146,11 +152,13 @@ class Flow(nn.Module):
 
     @torch.inference_mode()
     def prepare_row(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
-                    embedding: torch.Tensor, finalize: bool) -> FlowRow:
+                    embedding: torch.Tensor, finalize: bool, ids_checked: bool = False) -> FlowRow:
         """Per-row conditioning: token [N], prompt_token [P], prompt_feat [2P, 80], embedding [192].
 
         Not finalize: the last `pre_lookahead_len` tokens are only PreLookahead context and give no frames.
-        Finalize: the look-ahead is zero padding. Tokens -> mel frames x token_mel_ratio."""
+        Finalize: the look-ahead is zero padding. Tokens -> mel frames x token_mel_ratio. `ids_checked`: the caller
+        checked every id against the vocabulary on the host (`check_token_ids`), so the check here, which reads
+        device tensors back (a sync), is skipped."""
         cfg = self.cfg
         device, dtype = self.rand_noise.device, self.rand_noise.dtype
         token = _as_1d(token, "token").to(device)
@@ -170,9 +178,8 @@ class Flow(nn.Module):
         if n_frame_tokens < 1:
             raise InputError(f"flow row has {n_tokens} tokens; a non-final call needs more than the {look_ahead} "
                              f"look-ahead tokens" if not finalize else "flow row has no tokens")
-        if n_tokens and bool(((tokens < 0) | (tokens >= cfg.vocab_size)).any()):
-            raise InputError(f"speech token ids must lie in [0, {cfg.vocab_size}), got min {int(tokens.min())} "
-                             f"max {int(tokens.max())}")
+        if n_tokens and not ids_checked:
+            check_token_ids(tokens, cfg.vocab_size)
         frames = n_frame_tokens * cfg.token_mel_ratio
         prompt_frames = prompt_feat.shape[0]
         self._check_frames(frames, prompt_frames)
@@ -284,7 +291,7 @@ class Flow(nn.Module):
             flags = list(finalize)
             if len(flags) != len(rows):
                 raise InputError(f"finalize has {len(flags)} flags for {len(rows)} rows")
-        prepared = [self.prepare_row(r.token, r.prompt_token, r.prompt_feat, r.embedding, f)
+        prepared = [self.prepare_row(r.token, r.prompt_token, r.prompt_feat, r.embedding, f, r.ids_checked)
                     for r, f in zip(rows, flags)]
         mu, mask, spks, cond = self.collate(prepared, pad_to)
         mel = self.solve(mu, mask, spks, cond, streaming, estimator)
@@ -304,6 +311,14 @@ def cfg_euler_step(x: torch.Tensor, v: torch.Tensor, t: torch.Tensor, dt: torch.
     if step < len(t_span) - 1:
         dt = t_span[step + 1] - t
     return x, t, dt
+
+
+def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
+    """InputError unless every speech token id lies in [0, vocab_size) (an id outside it would index the embedding
+    table out of bounds: on CUDA a device-side assert that takes every request on the GPU down)."""
+    if tokens.numel() and bool(((tokens < 0) | (tokens >= vocab_size)).any()):
+        raise InputError(f"speech token ids must lie in [0, {vocab_size}), got min {int(tokens.min())} "
+                         f"max {int(tokens.max())}")
 
 
 def _as_1d(x: torch.Tensor, name: str) -> torch.Tensor:

@@ -56,7 +56,10 @@ class ARWorker:
         # own kernels only, not for DiT / HiFT batches queued by the other workers, and its graphs overlap theirs.
         # Its only device inputs from other threads are lm_input (fenced by `inputs_ready`); what it hands on
         # (tokens) stays on the host.
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # With `ar_stream_priority` it is the device's highest-priority stream (-100 maps to the highest valid one).
+        self.stream = None
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device, priority=-100 if config.ar_stream_priority else 0)
 
     # ---------------------------------------------------------------- other threads
     def put(self, r: RequestState) -> None:
@@ -152,6 +155,7 @@ class ARWorker:
                 torch.cuda.current_stream().wait_event(r.inputs_ready)
         for r in rows:
             r.metrics.t_queue = max(0.0, t0 - r.metrics.t_submit - r.metrics.t_tokenizer)
+            r.metrics.mark("prefill", t0)
         rows_ok, logits = self._logits(
             lambda rs: self.runner.prefill([PrefillRow(r.slot, r.lm_input, r.lm_ids) for r in rs]), rows)
         for r in rows_ok:

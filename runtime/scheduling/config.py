@@ -34,12 +34,16 @@ class SchedulerConfig:
     dit_step_level: bool = False
     hift_length_aware: bool = True    # off: offline HiFT batches in arrival order, no padding-waste limit
     async_d2h: bool = True            # off (CUDA): each chunk's device-to-host copy blocks the HiFT worker
+    # on CUDA: the AR worker's stream gets the device's highest priority, so its small decode kernels are scheduled
+    # ahead of the DiT / HiFT kernels queued beside them (the AR step is on the path of every first chunk)
+    ar_stream_priority: bool = True
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
     ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)
     # Flow prefix KV cache (stages/flow_cache.py, flow_hops.py): non-final DiT hops compute only their new frames; a
-    # saved speaker's prompt chunks are computed once (flow_prompt_cache). Budget in bytes (None: 25 % of the GPU, at
-    # most 24 GiB; 1 GiB on CPU); a hop that does not fit runs as today (stats()["dit"]["cache_fallbacks"]).
+    # saved speaker's prompt chunks are computed once (flow_prompt_cache). Budget in bytes (None: 40 % of the GPU, at
+    # most what is free at start less a reserve; 1 GiB on CPU: flow_cache.default_budget); a hop that does not fit
+    # runs as today (stats()["dit"]["cache_fallbacks"]).
     # None (auto): on where the backends capture cached hops in CUDA graphs (`StageBackends.dit_cached`, from a
     # profile's dit.cached grid), off elsewhere: on the H200 graphed cached hops served 1.26x the audio of
     # whole-history hops with 5x fewer stall seconds, while eager cached hops (launch-bound) were 1.6x slower

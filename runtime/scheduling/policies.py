@@ -55,15 +55,24 @@ def dit_order(ready: list, now: float, slack_priority: bool) -> list:
     return [ready[i] for i in sorted(range(len(ready)), key=lambda i: (slack[i], i))]
 
 
-def pick_dit_group(queue: list, cfg: SchedulerConfig, now: float, more_coming: bool) -> tuple[list, float | None]:
+def _job_kind(job) -> tuple[tuple, int]:
+    """Without a worker's `describe`: the job's (streaming, finalize) kind and its frames."""
+    return job.kind, job.frames
+
+
+def pick_dit_group(queue: list, cfg: SchedulerConfig, now: float, more_coming: bool, describe=None,
+                   cap=None) -> tuple[list, float | None]:
     """The next DiT call from the queued jobs: (jobs, None) to run now, or ([], seconds) to wait up to that long
     for more jobs (None: until notified; nothing is ready).
 
-    The call is built around the first job of `dit_order` and takes ready jobs of its kind ((streaming, finalize):
-    hops or finals), length-grouped, at most `dit_max_requests`, waiting at most `dit_max_wait_ms` after that job
-    was queued, and only while `more_coming` (the AR can still produce jobs). Requests in lockstep reach their hop
-    boundaries in the same AR step, so their jobs are queued together (chunk-aligned dispatch). Without
+    The call is built around the first job of `dit_order` and takes ready jobs of its kind, grouped by cost (within
+    `max_padding_waste`), at most `cap(kind)` (default `dit_max_requests`), waiting at most `dit_max_wait_ms` after
+    that job was queued, and only while `more_coming` (the AR can still produce jobs). `describe(job)` -> (kind,
+    cost): the token2wav worker tells prefix-cached hops (cost: their new frames) from whole-history hops and finals
+    (cost: all their frames); default: (streaming, finalize) and the job's frames. Requests in lockstep reach their
+    hop boundaries in the same AR step, so their jobs are queued together (chunk-aligned dispatch). Without
     `dit_chunk_aligned`: one job per call, at once."""
+    describe = describe or _job_kind
     ready = first_per_request(queue)
     if not ready:
         return [], None
@@ -71,46 +80,40 @@ def pick_dit_group(queue: list, cfg: SchedulerConfig, now: float, more_coming: b
     anchor = order[0]
     if not cfg.dit_chunk_aligned:
         return [anchor], None
-    same = [j for j in order if j.kind == anchor.kind]  # anchor first; equal lengths group by urgency
-    groups = group_by_length([j.frames for j in same], cfg.dit_max_requests, cfg.max_padding_waste)
+    kind = describe(anchor)[0]
+    limit = cap(kind) if cap is not None else cfg.dit_max_requests
+    same = [j for j in order if describe(j)[0] == kind]  # anchor first; equal costs group by urgency
+    groups = group_by_length([describe(j)[1] for j in same], limit, cfg.max_padding_waste)
     group = [same[i] for i in next(g for g in groups if 0 in g)]
     left = anchor.t_enqueue + cfg.dit_max_wait_ms / 1e3 - now
-    if len(same) < cfg.dit_max_requests and left > 0 and more_coming:
+    if len(same) < limit and left > 0 and more_coming:
         return [], left
     return group, None
 
 
-def pick_dit_step(queue: list, active: list, cfg: SchedulerConfig, now: float, more_coming: bool,
-                  runs_whole) -> tuple[str | None, list, float | None]:
-    """Step-level DiT scheduling (`dit_step_level`): the next unit of DiT work, like continuous batching of decode
-    steps. `active`: jobs whose rows are mid-solve (started, stepped one Euler step per call); `runs_whole(job)`:
-    jobs that run all their steps in one call (streaming hops served by the flow prefix cache: new frames only).
+def pick_dit_step(queue: list, active: list, cfg: SchedulerConfig, now: float, more_coming: bool, describe=None,
+                  cap=None) -> tuple[list, float | None]:
+    """Step-level DiT scheduling (`dit_step_level`): the rows of the next DiT call, which advances each by ONE Euler
+    step (queued jobs start with it), like continuous batching of decode steps. `active`: jobs mid-solve.
 
-    Returns ("whole", jobs, None): run these queued jobs' whole solves now; ("step", jobs, None): advance these jobs
-    by one Euler step (queued ones among them start now); (None, [], wait): nothing now, wait up to `wait` s.
-    The most urgent job (`dit_order` over queued and active jobs) decides: a whole-run hop forms its call as
-    `pick_dit_group` does; otherwise rows of its attention mode, active or queued, length-grouped around it, take
-    one step together, so a first hop that becomes ready joins at the next step instead of waiting for all steps
-    of a long final. While rows are mid-solve nothing waits for a fuller batch."""
+    Returns (jobs, None) to run now, or ([], wait) when nothing is active and the call is waited for as
+    `pick_dit_group` waits. The most urgent job (`dit_order` over queued and active jobs) decides the call's kind
+    (`describe`: cached hops, whole-history hops and full-attention finals never share a call); rows of that kind,
+    active or queued, grouped by cost around it, take the step together, at most `cap(kind)`. So a first hop that
+    becomes ready joins at the next step instead of waiting for every step of a long final, and a final makes
+    progress as soon as its stream's playback slack is the least. While rows are mid-solve nothing waits."""
+    describe = describe or _job_kind
     if not active:
-        group, wait = pick_dit_group(queue, cfg, now, more_coming)
-        if not group:
-            return None, [], wait
-        return ("whole" if runs_whole(group[0]) else "step"), group, None
+        return pick_dit_group(queue, cfg, now, more_coming, describe, cap)
     busy = {id(j.r) for j in active}
     ready = [j for j in first_per_request(queue) if id(j.r) not in busy]
-    started = {id(j) for j in active}
     order = dit_order(ready + list(active), now, cfg.dit_slack_priority)
     anchor = order[0]
-    if id(anchor) not in started and runs_whole(anchor):
-        same = [j for j in order if id(j) not in started and j.kind == anchor.kind and runs_whole(j)]
-    else:
-        same = [j for j in order if j.streaming == anchor.streaming and (id(j) in started or not runs_whole(j))]
-    if not cfg.dit_chunk_aligned:
-        same = [anchor]
-    groups = group_by_length([j.frames for j in same], cfg.dit_max_requests, cfg.max_padding_waste)
-    group = [same[i] for i in next(g for g in groups if 0 in g)]
-    return ("whole" if id(anchor) not in started and runs_whole(anchor) else "step"), group, None
+    kind = describe(anchor)[0]
+    same = [j for j in order if describe(j)[0] == kind] if cfg.dit_chunk_aligned else [anchor]
+    limit = cap(kind) if cap is not None else cfg.dit_max_requests
+    groups = group_by_length([describe(j)[1] for j in same], limit, cfg.max_padding_waste)
+    return [same[i] for i in next(g for g in groups if 0 in g)], None
 
 
 def pick_hift_jobs(queue: list, cfg: SchedulerConfig, now: float, more_coming: bool) -> tuple[list, float | None]:

@@ -29,9 +29,14 @@ def runner_ids(r: RequestState, inputs, runner) -> None:
 
 
 def flow_prompt(r: RequestState, inputs, device) -> None:
-    """The flow prompt (tokens, mel, speaker embedding) on the device."""
-    r.prompt = (inputs.flow_prompt_tokens.to(device), inputs.flow_prompt_mel.to(device),
-                inputs.embedding.to(device))
+    """The flow prompt (tokens, mel, speaker embedding) on the device, plus what the DiT thread needs of it on the
+    host: the prompt's token ids and its content digest (so its DiT calls never read the prompt back)."""
+    from ..stages.flow_cache import prompt_digest
+
+    tok, mel, emb = inputs.flow_prompt_tokens, inputs.flow_prompt_mel, inputs.embedding
+    r.prompt_ids = tok.reshape(-1).long().cpu()
+    r.prompt_digest = prompt_digest(r.prompt_ids, mel.cpu(), emb.cpu())
+    r.prompt = (tok.to(device), mel.to(device), emb.to(device))
 
 
 def token_policy(r: RequestState, inputs, lm, max_len: int, slots_name: str = "the KV-cache slots",

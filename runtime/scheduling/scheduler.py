@@ -146,15 +146,15 @@ class Scheduler:
         if use_cache:
             from ..stages.flow_cache import FlowCachePool, default_budget, model_fingerprint
 
-            budget = cfg.flow_cache_budget_bytes
-            self.flow_cache = FlowCachePool(default_budget(self.device) if budget is None else budget,
-                                            prompt_cache=cfg.flow_prompt_cache)
             # the weights fingerprint every cached hop checks its prefix against (hashed once, then memoized): now,
             # not in the first request's first hop (42 ms of its time to first audio at full size on the H200)
             model_fingerprint(models.flow)
             hops = self.backends.dit_cached
             if hops is not None:  # capture the cached-hop graphs now, not in the first requests' hops
                 hops.capture_all()
+            budget = cfg.flow_cache_budget_bytes  # the default counts the memory the graphs took
+            self.flow_cache = FlowCachePool(default_budget(self.device) if budget is None else budget,
+                                            prompt_cache=cfg.flow_prompt_cache)
         self.clock = StageClock(self.device.type == "cuda")  # busy time per stage (stats()["busy_s"])
         self.requests = Lifecycle(cfg, on_finish, on_dead=self._on_dead, admission=admission)
         self.admission = self.requests.admission

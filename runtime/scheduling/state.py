@@ -29,6 +29,8 @@ class RequestState:
         self.lm_ids: torch.Tensor | None = None   # the prompt as the AR runner's input ids (None: embeddings only)
         self.inputs_ready = None                  # CUDA: event after the frontend thread built lm_input / prompt
         self.prompt: tuple | None = None          # flow prompt (tokens [P], mel [2P, 80], embedding [192])
+        self.prompt_ids: torch.Tensor | None = None  # the prompt's token ids on the host (checked by the DiT worker)
+        self.prompt_digest: str | None = None     # flow_cache.prompt_digest of the prompt
         self.policy: TokenPolicy | None = None
         self.stream: StreamState | None = None    # token2wav streaming state (streaming requests only)
         self.flush: HopSchedule | None = None     # cluster AR: where streaming tokens are flushed to token2wav
@@ -36,6 +38,7 @@ class RequestState:
         self.tokens: list[int] = []
         self.slot: int | None = None              # KV slot while the AR runs it
         self.pos = 0                              # next KV position
+        self.dit_jobs = 0                         # DiT jobs made so far
 
     @property
     def dead(self) -> bool:
@@ -51,6 +54,7 @@ class DitJob:
     mel_from: int          # new mel starts at this output frame (2 * stream offset)
     frames: int            # mel frames of the call (prompt + tokens), for grouping
     t_enqueue: float
+    first: bool = False    # the request's first DiT job (the one its first audio waits for)
 
     @property
     def kind(self) -> tuple[bool, bool]:
@@ -70,7 +74,13 @@ def hop_job(r: RequestState) -> DitJob:
     offset, upto = r.stream.hops.advance()
     tokens = torch.tensor(r.tokens[:upto + LOOKAHEAD], dtype=torch.long)
     return DitJob(r, tokens, True, False, TOKEN_MEL_RATIO * offset, TOKEN_MEL_RATIO * (r.prompt[0].numel() + upto),
-                  time.perf_counter())
+                  time.perf_counter(), _first(r))
+
+
+def _first(r: RequestState) -> bool:
+    first = r.dit_jobs == 0
+    r.dit_jobs += 1
+    return first
 
 
 def final_job(r: RequestState) -> DitJob:
@@ -78,7 +88,7 @@ def final_job(r: RequestState) -> DitJob:
     n = len(r.tokens)
     mel_from = 0 if r.stream is None else TOKEN_MEL_RATIO * r.stream.hops.finish(n)
     return DitJob(r, torch.tensor(r.tokens, dtype=torch.long), False, True, mel_from,
-                  TOKEN_MEL_RATIO * (r.prompt[0].numel() + n), time.perf_counter())
+                  TOKEN_MEL_RATIO * (r.prompt[0].numel() + n), time.perf_counter(), _first(r))
 
 
 def first_per_request(jobs: list) -> list:

@@ -42,8 +42,17 @@ class BatchCounters:
 
 @dataclass
 class DitCounters(BatchCounters):
-    """DiT calls, plus frames per CFG row: of whole-history rows (the flow prefix cache counts its own)."""
+    """DiT calls, plus frames per CFG row: of whole-history rows (the flow prefix cache counts its own), and per
+    kind of call ("cached" hops, whole-history "stream" hops, "offline" finals; a "/step" suffix under step-level
+    scheduling, where a call is one Euler step) its calls and rows."""
     frames_uncached: int = 0
+    kinds: dict = field(default_factory=dict)
+
+    def call(self, kind: str, rows: int, n: int = 1, steps: bool = False) -> None:
+        k = kind + ("/step" if steps else "")
+        c = self.kinds.setdefault(k, {"calls": 0, "rows": 0})
+        c["calls"] += n
+        c["rows"] += rows
 
 
 @dataclass

@@ -23,10 +23,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..models.flow import FlowInput
+from ..models.flow import FlowInput, check_token_ids
 from ..models.hift_stream import push_batch
 from ..stages.backends import StageBackends
-from ..stages.flow_hops import flow_rows
+from ..stages.flow_hop_calls import EagerHops
+from ..stages.flow_hops import (CachedSolve, cached_dit_fn, finish_cached, flow_rows, plan_hops, release_plans,
+                                start_cached, step_cached)
 from ..stages.token2wav import Token2Wav
 from .ar_worker import Stopped
 from .config import SchedulerConfig
@@ -59,7 +61,10 @@ class Token2WavWorker:
         self.dit: list[DitJob] = []
         self.dit_busy = False
         self.stepper = FlowStepper(self.flow)
-        self.active: dict[int, tuple[DitJob, object]] = {}  # step-level DiT: id(job) -> (job, FlowSteps) mid-solve
+        # step-level DiT: id(job) -> (job, its solver state: CachedSolve or FlowSteps) mid-solve
+        self.active: dict[int, tuple[DitJob, object]] = {}
+        self._hops = None        # eager cached-hop calls when the backends have no cached-hop graphs
+        self._in_flight = None   # CUDA event of the last DiT step launched (`_fence`)
         self.hift_cond = threading.Condition()
         self.hift_queue: list[HiftJob] = []
         self.transfers: deque = deque()  # CUDA: (r, host, event, final, t_launch, rows), FIFO
@@ -93,6 +98,9 @@ class Token2WavWorker:
 
     def flush(self) -> None:
         jobs, self._pending = self._pending, []
+        for j in jobs:
+            if j.first:
+                j.r.metrics.mark("dit_queued", j.t_enqueue)
         if jobs:
             with self.dit_cond:
                 self.dit.extend(jobs)
@@ -122,11 +130,6 @@ class Token2WavWorker:
                     with self.dit_cond:
                         self.dit_busy = bool(self.active)
 
-    def _runs_whole(self, job: DitJob) -> bool:
-        """Jobs that run all Euler steps in one call under step-level scheduling: streaming hops served by the flow
-        prefix cache (new frames only, a short call)."""
-        return job.streaming and not job.finalize and self._job_cache(job) is not None
-
     @staticmethod
     def _job_cache(job: DitJob):
         """The job's open flow prefix cache, or None. A final hop is a full-attention pass over everything: its
@@ -136,6 +139,32 @@ class Token2WavWorker:
             cache.close()
         return None if cache is None or cache.closed else cache
 
+    def describe(self, job: DitJob) -> tuple[str, int]:
+        """(kind, cost) of a DiT job for batching: kind "cached" (a streaming hop the flow prefix cache serves: new
+        frames against the cached prefix, `forward_cached`), "stream" (a whole-history streaming hop) or "offline"
+        (finals and offline requests: full attention); rows of one kind share a call. Cost = the frames it computes
+        per CFG row (a cached hop: those past its committed prefix). Mid-solve jobs report their solver's kind."""
+        act = self.active.get(id(job))
+        if act is not None:
+            st = act[1]
+            if isinstance(st, CachedSolve):
+                return "cached", st.n
+            return ("stream" if st.streaming else "offline"), st.row.frames
+        if not job.streaming:
+            return "offline", job.frames
+        cache = None if job.r.stream is None else job.r.stream.flow_cache
+        if not job.finalize and cache is not None and not cache.closed:
+            return "cached", max(1, job.frames - cache.frames)
+        return "stream", job.frames
+
+    def _cap(self, kind: str) -> int:
+        """Most requests in one DiT call of `kind`: cached hops up to the largest cached-hop graph bucket."""
+        cap = self.config.dit_max_requests
+        hops = self.backends.dit_cached
+        if kind == "cached" and hops is not None and getattr(hops, "grid", None) is not None:
+            cap = min(cap, max(hops.grid.batch))
+        return cap
+
     def _next_dit_work(self) -> tuple[str, list[DitJob]]:
         with self.dit_cond:
             while True:
@@ -143,13 +172,15 @@ class Token2WavWorker:
                     raise Stopped
                 self.dit = [j for j in self.dit if not j.r.dead]
                 for key in [k for k, (j, _) in self.active.items() if j.r.dead]:
-                    del self.active[key]
+                    self._drop_active(key)
                 now = time.perf_counter()
                 if self.config.dit_step_level:
-                    how, group, wait = pick_dit_step(self.dit, [j for j, _ in self.active.values()], self.config, now,
-                                                     self.more_tokens(), self._runs_whole)
+                    group, wait = pick_dit_step(self.dit, [j for j, _ in self.active.values()], self.config, now,
+                                                self.more_tokens(), self.describe, self._cap)
+                    how = "step"
                 else:
-                    group, wait = pick_dit_group(self.dit, self.config, now, self.more_tokens())
+                    group, wait = pick_dit_group(self.dit, self.config, now, self.more_tokens(), self.describe,
+                                                 self._cap)
                     how = "whole"
                 if group:
                     taken = {id(j) for j in group}
@@ -158,67 +189,140 @@ class Token2WavWorker:
                     return how, group
                 self.dit_cond.wait(wait)
 
+    def _flow_input(self, j: DitJob, cache=None) -> FlowInput:
+        """The job's FlowInput with what the host knows (ids checked here, host ids, prompt digest): its DiT calls
+        then read nothing back from the device."""
+        r = j.r
+        ids_checked = r.prompt_ids is not None
+        host_ids = None
+        if ids_checked:
+            check_token_ids(j.tokens, self.flow.cfg.vocab_size)
+            host_ids = torch.cat((r.prompt_ids, j.tokens.long()))
+        return FlowInput(j.tokens.to(self.device), *r.prompt, finalize=j.finalize, cache=cache,
+                         ids_checked=ids_checked, host_ids=host_ids, prompt_digest=r.prompt_digest)
+
     def _flow_call(self, group: list[DitJob]) -> list[torch.Tensor]:
         """One DiT call for `group` (one kind): prefix-cached hops compute only their new frames (`flow_rows`)."""
         streaming, finalize = group[0].kind
         caches = [self._job_cache(j) for j in group]
-        rows = [FlowInput(j.tokens.to(self.device), *j.r.prompt, finalize=finalize, cache=c)
-                for j, c in zip(group, caches)]
+        rows = [self._flow_input(j, c) for j, c in zip(group, caches)]
         self.dit_counters.frames_uncached += sum(j.frames for j, c in zip(group, caches) if c is None)
         return flow_rows(self.flow, rows, streaming, self.backends.estimator(streaming), finalize=finalize,
                          hops=self.backends.dit_cached)
 
     def _run_dit(self, group: list[DitJob]) -> None:
         t0 = time.perf_counter()
+        for j in group:
+            if j.first:
+                j.r.metrics.mark("dit_start", t0)
         with self.clock.span("dit"):
             results = run_rows(self._flow_call, group, self._fail_job)
         self._sync()
         if results:
             self._dit_done(results, (time.perf_counter() - t0) / len(group))
         self.dit_counters.add(len(group))
+        self.dit_counters.call(self.describe(group[0])[0], len(group), 1)
+
+    # ------------------------------------------------------------- step-level DiT (SchedulerConfig.dit_step_level)
+    def _start_job(self, j: DitJob):
+        """The solver state of a job that starts now: a `CachedSolve` (a hop the prefix cache serves), else
+        `FlowSteps` (whole-history hop, final, offline request). None when it failed (the request fails)."""
+        cache = self._job_cache(j)
+        try:
+            inp = self._flow_input(j, cache)
+            if cache is not None:
+                row = self.flow.prepare_row(inp.token, inp.prompt_token, inp.prompt_feat, inp.embedding, False,
+                                            inp.ids_checked)
+                plans, whole = plan_hops(self.flow, [inp], [row])
+                if plans:
+                    return start_cached(self.flow, plans[0])
+            self.dit_counters.frames_uncached += j.frames
+            return self.stepper.start(inp, j.streaming, j.finalize)
+        except Exception as e:
+            self._fail_job(j, e)
+            return None
+
+    def _drop_active(self, key: int) -> None:
+        _, st = self.active.pop(key)
+        if isinstance(st, CachedSolve):
+            release_plans([st.plan])
 
     def _run_dit_step(self, group: list[DitJob]) -> None:
-        """One Euler step for `group` (rows of one attention mode; the queued ones start now); rows that finish
-        their last step go on to HiFT."""
+        """One Euler step for the rows of `group` that share the first row's kind (the queued ones start now; rows
+        of another kind, e.g. a hop the pool could not serve, wait for their own step); rows that finish their
+        last step go on to HiFT. No host sync per step: at most two steps are in flight (`_fence`)."""
+        t0 = time.perf_counter()
         rows = []
         for j in group:
             if id(j) not in self.active:
-                self._job_cache(j)  # a stepped job never uses the prefix cache (a final frees it here)
-                self.dit_counters.frames_uncached += j.frames
-                try:
-                    st = self.stepper.start(FlowInput(j.tokens.to(self.device), *j.r.prompt, finalize=j.finalize),
-                                            j.streaming, j.finalize)
-                except Exception as e:
-                    self._fail_job(j, e)
+                if j.first:
+                    j.r.metrics.mark("dit_start", t0)
+                st = self._start_job(j)
+                if st is None:
                     continue
                 self.active[id(j)] = (j, st)
             rows.append(self.active[id(j)])
         if not rows:
             return
-        est = self.backends.estimator(rows[0][0].streaming)
+        kind = self.describe(rows[0][0])[0]
+        rows = [p for p in rows if self.describe(p[0])[0] == kind]
+        if kind == "cached":
+            hops = self.backends.dit_cached or self._eager_hops()
 
-        def step(pairs):
-            self.stepper.step([st for _, st in pairs], est)
-            return [None] * len(pairs)
+            def step(pairs):
+                step_cached(self.flow, [st for _, st in pairs], hops)
+                return [None] * len(pairs)
+        else:
+            est = self.backends.estimator(kind == "stream")
+
+            def step(pairs):
+                self.stepper.step([st for _, st in pairs], est)
+                return [None] * len(pairs)
 
         def fail(pair, e):
-            self.active.pop(id(pair[0]), None)
+            self._drop_active(id(pair[0]))
             self._fail_job(pair[0], e)
 
-        t0 = time.perf_counter()
         with self.clock.span("dit"):
             ok = run_rows(step, rows, fail)
-        self._sync()
-        share = (time.perf_counter() - t0) / len(rows)
         done = []
+        share = (time.perf_counter() - t0) / len(rows)
         for (j, st), _ in ok:
             j.r.metrics.t_dit += share
             if st.done:
                 del self.active[id(j)]
-                done.append((j, st.mel()))
+                try:
+                    if isinstance(st, CachedSolve):  # the whole row's mel: keep the output frames, as FlowSteps
+                        row = st.plan.row
+                        mel = finish_cached(self.flow, [st])[0][:, :, row.prompt_frames:row.frames]
+                    else:
+                        mel = st.mel()
+                except Exception as e:
+                    self._fail_job(j, e)
+                    continue
+                done.append((j, mel))
         self.dit_counters.add(len(rows))
+        self.dit_counters.call(kind, len(rows), 1, steps=True)
+        self._fence()
         if done:
             self._dit_done(done, 0.0)
+
+    def _eager_hops(self):
+        if self._hops is None:
+            self._hops = EagerHops(self.flow.estimator, cached_dit_fn(self.flow, self.backends.estimator(True)))
+        return self._hops
+
+    def _fence(self) -> None:
+        """CUDA: let the host run one DiT step ahead of the GPU (it plans the next step while this one runs), never
+        more (a newly ready hop must not queue behind many launched steps). The mel of a finished row goes to the
+        HiFT thread before its last step has completed on the GPU: HiFT runs on the same stream, after it."""
+        if not self._cuda:
+            return
+        ev = torch.cuda.Event()
+        ev.record()
+        prev, self._in_flight = self._in_flight, ev
+        if prev is not None:
+            prev.synchronize()
 
     def _dit_done(self, results: list[tuple[DitJob, torch.Tensor]], share: float) -> None:
         """Finished DiT jobs: their new mel to the HiFT queue."""
@@ -226,6 +330,8 @@ class Token2WavWorker:
         out = []
         for j, mel in results:
             j.r.metrics.t_dit += share
+            if j.first:
+                j.r.metrics.mark("dit_end", now)
             if j.r.stream is not None:
                 j.r.stream.chunks += 1
             mel = mel[:, :, j.mel_from:]

@@ -74,13 +74,15 @@ class Segment:
 class Prefix:
     """A committed prefix: segments covering frames [0, frames), the conv tails at `frames` (tail1 / tail2
     [steps, 2, K-1, dim]), what it was computed from: the speaker embedding (embedding [192]), the token ids (prompt +
-    generated, at least the frames' tokens and their look-ahead) and the model fingerprint."""
+    generated, at least the frames' tokens and their look-ahead) and the model fingerprint; `digest`: the
+    `prompt_digest` of the prompt it was computed with, when its hop knew it (then `tokens` are on the host)."""
     segments: list
     tail1: torch.Tensor
     tail2: torch.Tensor
     embedding: torch.Tensor
     tokens: torch.Tensor
     model: str = ""
+    digest: Optional[str] = None
 
     @property
     def frames(self) -> int:
@@ -232,7 +234,7 @@ class FlowPrefixState:
     def attach_prompt(self, entry: PromptEntry) -> None:
         self._entry[0] = entry
         p = entry.prefix
-        self.prefix = Prefix(list(p.segments), p.tail1, p.tail2, p.embedding, p.tokens, p.model)
+        self.prefix = Prefix(list(p.segments), p.tail1, p.tail2, p.embedding, p.tokens, p.model, p.digest)
         self.own_start = p.frames
 
     def add_bytes(self, n: int) -> None:
@@ -282,12 +284,22 @@ def model_fingerprint(flow) -> str:
     return fp
 
 
-def prompt_key(flow, prompt_token: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor) -> str:
-    """Content hash of the prompt tensors (exact bytes) and the model fingerprint."""
-    h = hashlib.sha256(model_fingerprint(flow).encode())
-    for t in (prompt_token.long(), prompt_feat, embedding):
+def prompt_digest(prompt_token: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor) -> str:
+    """Content hash of a flow prompt (token ids, mel, speaker embedding: exact bytes). Computed where the tensors are
+    on the host (the scheduler's frontend step), it spares the DiT thread a device->host read per request."""
+    h = hashlib.sha256()
+    for t in (prompt_token.reshape(-1).long(), prompt_feat.reshape(-1, prompt_feat.shape[-1]), embedding.reshape(-1)):
         _tensor_digest(h, t)
     return h.hexdigest()
+
+
+def prompt_key(flow, prompt_token: torch.Tensor, prompt_feat: torch.Tensor, embedding: torch.Tensor,
+               digest: Optional[str] = None) -> str:
+    """Content hash of the prompt tensors (exact bytes: `prompt_digest`, or the one given) and the model
+    fingerprint."""
+    if digest is None:
+        digest = prompt_digest(prompt_token, prompt_feat, embedding)
+    return hashlib.sha256((model_fingerprint(flow) + digest).encode()).hexdigest()
 
 
 def prompt_cacheable_frames(flow, n_prompt_tokens: int) -> int:
@@ -300,10 +312,13 @@ def prompt_cacheable_frames(flow, n_prompt_tokens: int) -> int:
 
 
 def default_budget(device) -> int:
-    """The pool budget when none is configured: 25 % of the GPU's memory, at most 24 GiB (sglang-omni's choice);
-    1 GiB on CPU."""
+    """The pool budget when none is configured: 40 % of the GPU's memory, but never more than what is free now less
+    a reserve for the stages' working memory (a tenth of the GPU, at least 4 GiB); 1 GiB on CPU. Taken when the
+    scheduler starts, after its graphs are captured. (sglang-omni caps its pool at 24 GiB / 25 %: on the H200 that
+    pool filled at 8 req/s of mixed-length streams and 62 hops fell back to whole-history, BENCHMARKS.md run 28.)"""
     device = torch.device(device)
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        return int(min(24 << 30, total // 4))
+        free, total = torch.cuda.mem_get_info(device)
+        reserve = max(4 << 30, total // 10)
+        return int(max(0, min(total * 2 // 5, free - reserve)))
     return 1 << 30

@@ -11,7 +11,8 @@ Both kinds hand the hop a `HopCall`: the call's input tensors, laid out with req
 index b and its unconditional row at R + b (R = the call's row count: the request count eagerly, the bucket's in a
 graph), new frames right-padded to N, prefix frames right-padded to P (`prefix_valid` masks the padding, padded rows
 have an all-zero mask). Padding never changes a valid row: rows are independent, the convolutions are causal, padded
-keys are masked out of attention (exactness: tests/test_flow_hop_graphs.py).
+keys are masked out of attention (exactness: tests/test_flow_hop_graphs.py). Rows may be at different Euler steps
+(t per row; each row's prefix K/V and tails are loaded for its own step), which step-level DiT scheduling uses.
 """
 from __future__ import annotations
 
@@ -60,10 +61,15 @@ class CachedGrid:
 
 
 class HopCall:
-    """The estimator inputs of one cached hop (see the module doc for the layout) and how to run them."""
+    """The estimator inputs of one cached hop (see the module doc for the layout) and how to run them.
+
+    `fresh`: the per-row inputs that stay fixed over a row's Euler steps (mu, cond, mask, spks, offsets,
+    prefix_valid) must be filled: False when the same rows, in the same order, used this call's buffers last (a hop's
+    ten steps, or stepped rows whose batch did not change), so a step only loads what changes per step."""
     rows: int
     frames: int
     prefix: int
+    fresh: bool = True
 
     def reset(self) -> None:
         """Zero everything a hop fills per row (a graph's buffers still hold the previous hop)."""
@@ -72,51 +78,44 @@ class HopCall:
         if self.prefix_valid is not None:
             self.prefix_valid.zero_()
 
-    def load_prefix(self, s: int, parts_k: Sequence, parts_v: Sequence) -> None:
-        """Euler step s's prefix K/V: parts_*[b] is request b's [steps, depth, 2 (cond, uncond), frames, D] or None."""
-        for dst, parts in ((self.kp, parts_k), (self.vp, parts_v)):
+    def load_prefix(self, b: int, s: int, prefix) -> None:
+        """Request b's cached prefix K/V of Euler step s (`flow_cache.Prefix`: segments with k / v [steps, depth,
+        2 (cond, uncond), frames, D]), copied segment by segment to frames [0, prefix.frames) of its rows."""
+        for dst, name in ((self.kp, "k"), (self.vp, "v")):
             L, _, P, D = dst.shape
             rows = dst.view(L, 2, self.rows, P, D)
-            for b, a in enumerate(parts):
-                if a is not None:
-                    rows[:, :, b, :a.shape[3]] = a[s]
+            for seg in prefix.segments:
+                rows[:, :, b, seg.start:seg.start + seg.n] = getattr(seg, name)[s]
 
-    def load_tails(self, s: int, prefixes: Sequence) -> None:
-        """Euler step s's conv input tails of each request's prefix (zeros at stream start: left zero padding)."""
+    def load_tails(self, b: int, s: int, prefix) -> None:
+        """Request b's conv input tails of Euler step s (left at zero at stream start: the left zero padding)."""
         for name in ("tail1", "tail2"):
             dst = getattr(self, name)
-            rows = dst.view(2, self.rows, *dst.shape[1:])
-            for b, pre in enumerate(prefixes):
-                if pre is not None:
-                    rows[:, b] = getattr(pre, name)[s]
+            dst.view(2, self.rows, *dst.shape[1:])[:, b] = getattr(prefix, name)[s]
 
-    def run(self, s: int, hop_k: torch.Tensor, hop_v: torch.Tensor):  # pragma: no cover - interface
-        """One estimator call; the requests' K/V of this call land in hop_k[s] / hop_v[s] [depth, 2B, frames, D]
-        (B requests: conditional rows, then unconditional ones). Returns (velocity [2R, 80, N], in1, in2
-        [2R, K-1+N, D]) in the call's layout — borrowed until the next call."""
+    def run(self):  # pragma: no cover - interface
+        """One estimator call. Returns (velocity [2R, 80, N], in1, in2 [2R, K-1+N, D]) in the call's layout, and
+        leaves this call's K/V in k_out / v_out [depth, 2R, N, D] — all borrowed until the next call."""
         raise NotImplementedError
+
+    def kv_rows(self, b: int, n: int):
+        """Request b's K and V of the last call as [depth, 2 (cond, uncond), n, D] views of k_out / v_out."""
+        L, _, N, D = self.k_out.shape
+        return tuple(t.view(L, 2, self.rows, N, D)[:, :, b, :n] for t in (self.k_out, self.v_out))
 
 
 class EagerHopCall(HopCall):
-    """Fresh tensors of exactly the hop's size; `fn` = DiT.forward_cached (or its compiled form). The call's K/V go
-    straight into the hop's hop_k / hop_v; a single request's prefix K/V are the cached tensors themselves."""
+    """Fresh tensors of exactly the hop's size; `fn` = DiT.forward_cached (or its compiled form)."""
 
     def __init__(self, fn: Callable, shapes: dict, device, dtype, b: int, n: int, p: int):
         self.fn, self.rows, self.frames, self.prefix = fn, b, n, p
-        own = set(shapes) - {"k_out", "v_out"} - ({"kp", "vp"} if b == 1 else set())
         for name in _INPUTS:
             setattr(self, name, torch.zeros(shapes[name], device=device, dtype=input_dtype(name, dtype))
-                    if name in own else None)
+                    if name in shapes else None)
 
-    def load_prefix(self, s, parts_k, parts_v):
-        if self.rows == 1:
-            self.kp, self.vp = parts_k[0][s], parts_v[0][s]  # [depth, 2, P, D]: the cached tensors, no copy
-        else:
-            super().load_prefix(s, parts_k, parts_v)
-
-    def run(self, s, hop_k, hop_v):
+    def run(self):
         return self.fn(self.x, self.mask, self.mu, self.t, self.spks, self.cond, self.offsets, self.kp, self.vp,
-                       self.prefix_valid, self.tail1, self.tail2, hop_k[s], hop_v[s])
+                       self.prefix_valid, self.tail1, self.tail2, self.k_out, self.v_out)
 
 
 def input_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -141,31 +140,35 @@ def hop_shapes(dit, b: int, n: int, p: int) -> dict:
 
 
 class EagerHops:
-    """Cached hops through `fn` (DiT.forward_cached or its compiled form) with exactly-sized tensors."""
+    """Cached hops through `fn` (DiT.forward_cached or its compiled form) with exactly-sized tensors; the last call
+    is kept for the next one of the same size and rows (`HopCall.fresh`)."""
 
     def __init__(self, dit, fn: Callable):
         self.dit, self.fn = dit, fn
+        self._last = None  # ((b, n, p), rows, call)
 
-    def open(self, b: int, n: int, p: int, device, dtype) -> HopCall:
-        return EagerHopCall(self.fn, hop_shapes(self.dit, b, n, p), device, dtype, b, n, p)
+    def open(self, b: int, n: int, p: int, device, dtype, rows: Optional[tuple] = None) -> HopCall:
+        last = self._last
+        if rows is not None and last is not None and last[0] == (b, n, p) and last[1] == rows:
+            last[2].fresh = False
+            return last[2]
+        call = EagerHopCall(self.fn, hop_shapes(self.dit, b, n, p), device, dtype, b, n, p)
+        self._last = ((b, n, p), rows, call) if rows is not None else None
+        return call
 
 
 class GraphHopCall(HopCall):
     """A bucket's static buffers (views of the shared ones) and its graph."""
 
-    def __init__(self, key: tuple, views: dict, replay: Callable):
+    def __init__(self, key: tuple, views: dict, replay: Callable, fresh: bool):
         self._replay = replay
         self.rows, self.frames, self.prefix = key
+        self.fresh = fresh
         for name in _INPUTS:
             setattr(self, name, views.get(name))
 
-    def run(self, s, hop_k, hop_v):
-        out = self._replay()
-        b, n, R = hop_k.shape[2] // 2, hop_k.shape[3], self.rows
-        for dst, src in ((hop_k[s], self.k_out), (hop_v[s], self.v_out)):  # the requests' rows, not the padding
-            dst[:, :b].copy_(src[:, :b, :n])
-            dst[:, b:].copy_(src[:, R:R + b, :n])
-        return out
+    def run(self):
+        return self._replay()
 
 
 class CachedHopGraphs:
@@ -173,7 +176,8 @@ class CachedHopGraphs:
     compiled form). Buckets are captured on first use or all at once by `capture_all` (the scheduler does it at
     start when the prefix cache is on). Without CUDA (tests) a bucket "replays" by calling the function on its
     static views, which checks everything but the capture itself. `open` returns None when no bucket fits (the
-    hop then runs eagerly); `counts` has hits, misses and captures."""
+    hop then runs eagerly); `counts` has hits and misses (estimator calls, one per Euler step, with / without a
+    bucket) and captures."""
 
     def __init__(self, dit, grid: CachedGrid, device, dtype=None, fn: Optional[Callable] = None,
                  graphs: Optional[bool] = None):
@@ -187,6 +191,7 @@ class CachedHopGraphs:
         self.counts = dict(hits=0, misses=0, captured=0)
         self._lock = threading.Lock()
         self._flat: dict = {}  # the shared static buffers, allocated with the first bucket (none while unused)
+        self._bound = None     # (bucket, rows) whose fixed inputs the shared buffers hold (HopCall.fresh)
 
     def _buffers(self) -> dict:
         if not self._flat:
@@ -220,6 +225,7 @@ class CachedHopGraphs:
     def entry(self, key: tuple):
         with self._lock:
             if key not in self.entries:
+                self._bound = None  # a capture's warm-up runs write the shared buffers
                 self.entries[key] = self._capture(key)
                 self.counts["captured"] += 1
             return self.entries[key]
@@ -235,14 +241,20 @@ class CachedHopGraphs:
         for k in keys:
             self.entry(k)
 
-    def open(self, b: int, n: int, p: int, device=None, dtype=None) -> Optional[HopCall]:
+    def open(self, b: int, n: int, p: int, device=None, dtype=None, rows: Optional[tuple] = None) \
+            -> Optional[HopCall]:
+        """The bucket call for b requests of n new frames after p cached ones, or None (no bucket: eagerly).
+        `rows`: ids of the call's rows in order; the call is not `fresh` when the same rows used the shared static
+        buffers last in the same bucket (every bucket's views alias the same memory)."""
         key = self.grid.select(b, n, p)
         if key is None or (dtype is not None and dtype != self.dtype):
             self.counts["misses"] += 1
             return None
         self.counts["hits"] += 1
         views, replay = self.entry(key)
-        return GraphHopCall(key, views, replay)
+        fresh = rows is None or self._bound != (key, rows)
+        self._bound = (key, rows) if rows is not None else None
+        return GraphHopCall(key, views, replay, fresh)
 
     def stats(self) -> dict:
         return {**self.counts, "grid": self.grid.to_dict(), "graphs": self.graphs, "static_bytes": self.static_bytes}
@@ -250,5 +262,6 @@ class CachedHopGraphs:
     def close(self) -> None:
         self.entries.clear()
         self._flat.clear()
+        self._bound = None
         if self.cache is not None:
             self.cache = GraphCache(self.fn, self.device, warmup=1)  # the graphs and their pool go

@@ -4,15 +4,19 @@ commits, solve the 10 Euler steps over the new frames only, commit the new K/V, 
 `flow_rows` is the entry point: a DiT call's rows, where non-final streaming rows with an open cache go through
 `plan_hops` / `solve_cached` and the rest through the flow's whole-history solve (engine / CUDA graphs). The
 estimator calls of a cached hop go through `flow_hop_calls` (eager, or a CUDA graph per bucket).
+
+The solver keeps each row's state apart (`CachedSolve`: `start_cached`, `step_cached`, `finish_cached`), so the
+scheduler's step-level DiT can advance hops one Euler step at a time, each row at its own step, and let a new hop
+join the next call; `solve_cached` runs the same three for a whole call.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from ..models.flow import cfg_euler_step
 from .flow_cache import (FlowPrefixState, Prefix, PromptEntry, Segment, model_fingerprint, prompt_cacheable_frames,
                          prompt_key)
 from .flow_hop_calls import EagerHops
@@ -56,8 +60,9 @@ class HopPlan:
     key: Optional[str] = None
     prompt_bytes: int = 0            # reserved for the prompt entry
     model: str = ""
-    tokens: Optional[torch.Tensor] = None  # the row's token ids (prompt + generated)
+    tokens: Optional[torch.Tensor] = None  # the row's token ids (prompt + generated; on the host with a digest)
     embedding: Optional[torch.Tensor] = None  # the row's speaker embedding [192]
+    digest: Optional[str] = None           # the row's prompt_digest, when the caller gave one
 
 
 def _sizes(flow):
@@ -71,6 +76,9 @@ def _sizes(flow):
 
 
 def _row_tokens(inp) -> torch.Tensor:
+    """The row's token ids (prompt + generated): the caller's host copy when it gave one (no device read later)."""
+    if inp.host_ids is not None:
+        return inp.host_ids.reshape(-1).long()
     return torch.cat((inp.prompt_token.reshape(-1), inp.token.reshape(-1))).long()
 
 
@@ -86,14 +94,26 @@ def _matches(flow, prefix: Prefix, inp, row, model: str) -> bool:
     n = prefix.frames
     if prefix.model != model or n >= row.frames:
         return False
+    need = _tokens_needed(flow, n)
+    if inp.prompt_digest is not None and prefix.digest == inp.prompt_digest and inp.host_ids is not None \
+            and prefix.tokens.device.type == "cpu":
+        # same prompt tensors by content (the digest covers the prompt ids, mel = the prefix's cond, and the
+        # speaker embedding): only the generated ids remain, compared on the host
+        tokens = _row_tokens(inp)
+        return tokens.numel() >= need and prefix.tokens.numel() >= need and torch.equal(tokens[:need],
+                                                                                     prefix.tokens[:need])
     if not torch.equal(prefix.embedding, inp.embedding.reshape(-1).to(prefix.embedding)):
         return False
-    need = _tokens_needed(flow, n)
     tokens = _row_tokens(inp).to(prefix.tokens.device)
     if tokens.numel() < need or prefix.tokens.numel() < need or not torch.equal(tokens[:need], prefix.tokens[:need]):
         return False
     cond = torch.cat([s.cond for s in prefix.segments], dim=1)
     return torch.equal(cond, row.cond[:, :n])
+
+
+def _plan_tokens(inp) -> torch.Tensor:
+    t = _row_tokens(inp)
+    return t.clone() if inp.host_ids is not None else t
 
 
 def plan_hops(flow, inputs, rows):
@@ -112,7 +132,7 @@ def plan_hops(flow, inputs, rows):
         key = None
         if st.prefix is None and not st.prompt_checked and pool.prompt_cache:
             st.prompt_checked = True
-            key = prompt_key(flow, inp.prompt_token, inp.prompt_feat, inp.embedding)
+            key = prompt_key(flow, inp.prompt_token, inp.prompt_feat, inp.embedding, digest=inp.prompt_digest)
             entry = pool.prompt_get(key)
             if entry is not None:
                 if _matches(flow, entry.prefix, inp, row, model):
@@ -150,8 +170,9 @@ def plan_hops(flow, inputs, rows):
         else:
             commit_to = max(commit_to, start)
         plans.append(HopPlan(k, st, row, start, st.prefix, commit_to, own_from, own_bytes, split,
-                             key if split else None, prompt_bytes, model, _row_tokens(inp),
-                             inp.embedding.reshape(-1).to(device=row.spks.device, dtype=row.spks.dtype).clone()))
+                             key if split else None, prompt_bytes, model, _plan_tokens(inp),
+                             inp.embedding.reshape(-1).to(device=row.spks.device, dtype=row.spks.dtype).clone(),
+                             inp.prompt_digest if inp.host_ids is not None else None))
         pool.count(cached_hops=1, frames_computed=row.frames - start, frames_reused=start)
     return plans, whole
 
@@ -171,122 +192,182 @@ def release_plans(plans: list) -> None:
         _release_plan(p)
 
 
-def solve_cached(flow, plans: list, hops) -> list:
-    """The 10 Euler steps with CFG for the planned rows' new frames only (`hops`: `EagerHops` or `CachedHopGraphs`;
-    a graph runner with no bucket for the call falls back to the eager DiT), then the commits. Returns one mel
-    [1, 80, frames] per plan (cached prefix mel + new frames), float32. Commits happen only after every step
-    succeeded; on an error the reservations are given back."""
-    try:
-        with torch.inference_mode():
-            return _solve_cached(flow, plans, hops)
-    except BaseException:
-        for p in plans:
-            _release_plan(p)
-        raise
+# ------------------------------------------------------------------------------------------ the cached solver
+
+_serial = itertools.count(1)
 
 
-def _prefix_parts(plans, pick):
-    """Per plan its prefix K or V as one tensor [steps, depth, 2, frames, D] (None: no prefix)."""
-    out = []
-    for p in plans:
-        segs = p.prefix.segments if p.prefix is not None else []
-        out.append(None if not segs else pick(segs[0]) if len(segs) == 1 else torch.cat([pick(s) for s in segs], 3))
-    return out
+@dataclass(eq=False)
+class CachedSolve:
+    """Solver state of one prefix-cached hop row between estimator calls: its new frames' noisy mel `x` [80, n]
+    after `step` of `n_steps` Euler steps, the K/V its finished steps computed (hop_k / hop_v [steps, depth,
+    2 (cond, uncond), n, D]) and the conv input tails at its commit points per step. `step_cached` advances any set
+    of solves by one step each, whatever step each is at, so a hop can join a DiT call mid-way through another's."""
+    plan: HopPlan
+    x: torch.Tensor
+    hop_k: torch.Tensor
+    hop_v: torch.Tensor
+    tails: dict
+    n_steps: int
+    step: int = 0
+    serial: int = field(default_factory=lambda: next(_serial))
+
+    @property
+    def n(self) -> int:
+        return self.x.shape[1]
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.n_steps
 
 
-def _open_call(flow, hops, B: int, N: int, P: int, device, dtype):
-    call = hops.open(B, N, P, device, dtype)
+def euler_table(flow, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(t, dt) of every Euler step, on the device and as host copies of the same bits: (t [steps], dt [steps],
+    t on the host). The recurrence of `Flow.solve` / `cfg_euler_step` (t += dt; dt = t_span[k + 1] - t) run once in
+    the flow's dtype, so a row at step k uses exactly the values the whole solve would reach there."""
+    key = (str(device), dtype)
+    memo = flow.__dict__.setdefault("_cosytrt_euler", {})
+    if key not in memo:
+        t_span = flow.time_span(device, dtype)
+        t, dt = t_span[0], t_span[1] - t_span[0]
+        ts, dts = [], []
+        for step in range(1, len(t_span)):
+            ts.append(t)
+            dts.append(dt)
+            t = t + dt
+            if step < len(t_span) - 1:
+                dt = t_span[step + 1] - t
+        ts, dts = torch.stack(ts), torch.stack(dts)
+        memo[key] = (ts, dts, ts.cpu())
+    return memo[key]
+
+
+def start_cached(flow, plan: HopPlan) -> CachedSolve:
+    """A plan's solver state before its first step: the noise columns of its new frames."""
+    cfg = flow.cfg
+    device, dtype = flow.rand_noise.device, flow.rand_noise.dtype
+    n = plan.row.frames - plan.start
+    flow._check_frames(plan.row.frames)
+    S, L, D = cfg.n_timesteps, cfg.dit.depth, cfg.dit.heads * cfg.dit.dim_head
+    x = flow.rand_noise[0, :, plan.start:plan.row.frames].to(device=device, dtype=dtype)
+    hop_k = torch.empty(S, L, 2, n, D, device=device, dtype=dtype)
+    tails = {name: [None] * S for name in ("t1", "t2", "p1", "p2")}
+    return CachedSolve(plan, x, hop_k, torch.empty_like(hop_k), tails, S)
+
+
+def _open_call(flow, hops, B: int, N: int, P: int, device, dtype, rows: tuple):
+    call = hops.open(B, N, P, device, dtype, rows=rows)
     if call is None:  # no graph bucket holds it: the eager DiT
         call = EagerHops(flow.estimator, flow.estimator.forward_cached).open(B, N, P, device, dtype)
     return call
 
 
-def _solve_cached(flow, plans: list, hops) -> list:
+def step_cached(flow, solves: list, hops) -> None:
+    """ONE estimator call advancing every solve by one Euler step (each at its own step: t per row). `hops`:
+    `EagerHops` or `CachedHopGraphs` (a graph runner with no bucket for the call falls back to the eager DiT). Each
+    row's arithmetic is the whole solve's (same noise columns, t / dt values, CFG mix and update); only the batch it
+    shares the call with differs. The solves change only once the call has succeeded."""
+    if not solves or any(sv.done for sv in solves):
+        raise ValueError("step_cached needs solves that have steps left")
     cfg = flow.cfg
     device, dtype = flow.rand_noise.device, flow.rand_noise.dtype
-    B = len(plans)
-    S, L = cfg.n_timesteps, cfg.dit.depth
-    Dkv = cfg.dit.heads * cfg.dit.dim_head
-    K1 = flow.estimator.input_embed.conv_pos_embed.kernel_size - 1
-    C = cfg.output_size
-    n = [p.row.frames - p.start for p in plans]
-    N = max(n)
-    P = max(p.start for p in plans)
-    flow._check_frames(max(p.row.frames for p in plans))
-
-    call = _open_call(flow, hops, B, N, P, device, dtype)
+    B = len(solves)
+    N = max(sv.n for sv in solves)
+    P = max(sv.plan.start for sv in solves)
+    call = _open_call(flow, hops, B, N, P, device, dtype, tuple(sv.serial for sv in solves))
     R = call.rows
-    call.reset()
-    x = torch.zeros(B, C, N, device=device, dtype=dtype)
-    for b, p in enumerate(plans):
-        call.mu[b, :, :n[b]] = p.row.mu[:, p.start:]
-        call.cond[b, :, :n[b]] = p.row.cond[:, p.start:]
-        call.mask[b, :, :n[b]] = 1
-        call.mask[R + b, :, :n[b]] = 1
-        call.spks[b] = p.row.spks
-        x[b, :, :n[b]] = flow.rand_noise[0, :, p.start:p.row.frames].to(device=device, dtype=dtype)
-        if p.start:
-            call.prefix_valid[b, :p.start] = True
-            call.prefix_valid[R + b, :p.start] = True
-    starts = torch.tensor([p.start for p in plans] + [0] * (R - B), dtype=torch.long)
-    call.offsets.copy_(torch.cat((starts, starts)))
-    parts_k = _prefix_parts(plans, lambda g: g.k) if P else None
-    parts_v = _prefix_parts(plans, lambda g: g.v) if P else None
-    prefixes = [p.prefix for p in plans]
+    ts, dts, ts_host = euler_table(flow, device, dtype)
+    if call.fresh:
+        call.reset()
+        for b, sv in enumerate(solves):
+            p, n = sv.plan, sv.n
+            call.mu[b, :, :n] = p.row.mu[:, p.start:]
+            call.cond[b, :, :n] = p.row.cond[:, p.start:]
+            call.mask[b, :, :n] = 1
+            call.mask[R + b, :, :n] = 1
+            call.spks[b] = p.row.spks
+            if p.start:
+                call.prefix_valid[b, :p.start] = True
+                call.prefix_valid[R + b, :p.start] = True
+        starts = torch.tensor([sv.plan.start for sv in solves] + [0] * (R - B), dtype=torch.long)
+        call.offsets.copy_(torch.cat((starts, starts)))
+    t_rows = [sv.step for sv in solves] + [0] * (R - B)
+    call.t.copy_(ts_host[torch.tensor(t_rows + t_rows)])  # host copies of the table's bits: one upload
+    for b, sv in enumerate(solves):
+        call.x[b, :, :sv.n] = sv.x
+        call.x[R + b, :, :sv.n] = sv.x
+        if sv.plan.prefix is not None:
+            if sv.plan.start:
+                call.load_prefix(b, sv.step, sv.plan.prefix)
+            call.load_tails(b, sv.step, sv.plan.prefix)
+    v, in1, in2 = call.run()
+    K1 = flow.estimator.input_embed.conv_pos_embed.kernel_size - 1
+    rate = cfg.inference_cfg_rate
+    v_mix = (1.0 + rate) * v[:B] - rate * v[R:R + B]  # as cfg_euler_step, elementwise
+    updates = []
+    for b, sv in enumerate(solves):
+        s, n, p = sv.step, sv.n, sv.plan
+        k, vv = call.kv_rows(b, n)
+        sv.hop_k[s].copy_(k)
+        sv.hop_v[s].copy_(vv)
+        points = [(p.commit_to, "t1", "t2")] if p.commit_to > p.own_from else []
+        if p.split:
+            points.append((p.split, "p1", "p2"))
+        for at, a1, a2 in points:  # in1/in2 row position m holds frame start - K1 + m
+            m = at - p.start
+            sv.tails[a1][s] = torch.stack((in1[b, m:m + K1], in1[R + b, m:m + K1]))
+            sv.tails[a2][s] = torch.stack((in2[b, m:m + K1], in2[R + b, m:m + K1]))
+        updates.append(sv.x + dts[s] * v_mix[b, :, :n])
+    for sv, x in zip(solves, updates):
+        sv.x = x
+        sv.step += 1
 
-    cfg_rate = cfg.inference_cfg_rate
-    hop_k = torch.empty(S, L, 2 * B, N, Dkv, device=device, dtype=dtype)  # the requests' rows only
-    hop_v = torch.empty_like(hop_k)
-    # conv input tails at each row's commit point (and at the prompt split), per step: [2B rows][S] -> [K1, Dm]
-    new_t = {name: [[None] * S for _ in range(B)] for name in ("t1", "t2", "p1", "p2")}
 
-    t_span = flow.time_span(device, dtype)
-    t, dt = t_span[0], t_span[1] - t_span[0]
-    for step in range(1, len(t_span)):
-        s = step - 1
-        call.x[:B, :, :N] = x
-        call.x[R:R + B, :, :N] = x
-        call.t.copy_(t.expand(2 * R))
-        if P:
-            call.load_prefix(s, parts_k, parts_v)
-        call.load_tails(s, prefixes)
-        v, in1, in2 = call.run(s, hop_k, hop_v)
-        for b, p in enumerate(plans):
-            points = [(p.commit_to, "t1", "t2")] if p.commit_to > p.own_from else []
-            if p.split:
-                points.append((p.split, "p1", "p2"))
-            for at, a1, a2 in points:  # in1/in2 row position m holds frame start - K1 + m
-                m = at - p.start
-                new_t[a1][b][s] = torch.stack((in1[b, m:m + K1], in1[R + b, m:m + K1]))
-                new_t[a2][b][s] = torch.stack((in2[b, m:m + K1], in2[R + b, m:m + K1]))
-        v = v[:, :, :N] if R == B else torch.cat((v[:B, :, :N], v[R:R + B, :, :N]))
-        x, t, dt = cfg_euler_step(x, v, t, dt, step, t_span, cfg_rate)
-
+def finish_cached(flow, solves: list) -> list:
+    """Mel [1, 80, frames] (cached prefix mel + new frames, float32) of each finished solve, then its commits."""
     mels = []
-    for b, p in enumerate(plans):
-        segs = p.prefix.segments if p.prefix is not None else []
-        mels.append(torch.cat([s.mel for s in segs] + [x[b, :, :n[b]]], dim=1).unsqueeze(0).float())
-    cond = call.cond[:B, :, :N]
-    for b, p in enumerate(plans):
-        _commit(flow, p, b, B, hop_k, hop_v, x, cond, new_t)
+    for sv in solves:
+        if not sv.done:
+            raise ValueError(f"cached hop at step {sv.step} of {sv.n_steps}: no mel yet")
+        segs = sv.plan.prefix.segments if sv.plan.prefix is not None else []
+        mels.append(torch.cat([s.mel for s in segs] + [sv.x], dim=1).unsqueeze(0).float())
+    for sv in solves:
+        _commit(flow, sv)
     return mels
 
 
-def _commit(flow, p: HopPlan, b: int, B: int, hop_k, hop_v, x, cond, new_t) -> None:
-    """Store what request b (its unconditional row at B + b of hop_k / hop_v) computed and the plan commits."""
+def solve_cached(flow, plans: list, hops) -> list:
+    """The 10 Euler steps with CFG for the planned rows' new frames only, all rows in every call (`step_cached`),
+    then the commits. Returns one mel [1, 80, frames] per plan (cached prefix mel + new frames), float32. Commits
+    happen only after every step succeeded; on an error the reservations are given back."""
+    try:
+        with torch.inference_mode():
+            solves = [start_cached(flow, p) for p in plans]
+            for _ in range(flow.cfg.n_timesteps):
+                step_cached(flow, solves, hops)
+            return finish_cached(flow, solves)
+    except BaseException:
+        release_plans(plans)
+        raise
+
+
+def _commit(flow, sv: CachedSolve) -> None:
+    """Store what the solve computed and its plan commits."""
+    p = sv.plan
     st, pool = p.state, p.state.pool
     if st.closed or st.prefix is not p.prefix:  # cancelled (or changed) while the hop ran
         _release_plan(p)
         return
+    n = sv.n
 
     def segment(a: int, e: int) -> Segment:
         i, j = a - p.start, e - p.start
-        return Segment(a, torch.stack((hop_k[:, :, b, i:j], hop_k[:, :, B + b, i:j]), dim=2),
-                       torch.stack((hop_v[:, :, b, i:j], hop_v[:, :, B + b, i:j]), dim=2),
-                       x[b, :, i:j].clone(), cond[b, :, i:j].clone())
+        whole = (i, j) == (0, n)  # the solve's own tensors; a part is copied so the rest is not kept alive
+        k, v = (sv.hop_k, sv.hop_v) if whole else (sv.hop_k[:, :, :, i:j].clone(), sv.hop_v[:, :, :, i:j].clone())
+        return Segment(a, k, v, sv.x[:, i:j].clone(), p.row.cond[:, a:e].clone())
 
     def tails(a: str, c: str):
-        return torch.stack(new_t[a][b]), torch.stack(new_t[c][b])
+        return torch.stack(sv.tails[a]), torch.stack(sv.tails[c])
 
     segs = list(p.prefix.segments) if p.prefix is not None else []
     embedding = p.embedding
@@ -294,7 +375,7 @@ def _commit(flow, p: HopPlan, b: int, B: int, hop_k, hop_v, x, cond, new_t) -> N
     if p.split:
         pt1, pt2 = tails("p1", "p2")
         entry_prefix = Prefix([segment(0, p.split)], pt1, pt2, embedding,
-                              p.tokens[:_tokens_needed(flow, p.split)].clone(), p.model)
+                              p.tokens[:_tokens_needed(flow, p.split)].clone(), p.model, p.digest)
         entry = None
         with pool._lock:
             if p.key not in pool._prompts:
@@ -314,7 +395,7 @@ def _commit(flow, p: HopPlan, b: int, B: int, hop_k, hop_v, x, cond, new_t) -> N
         p.own_bytes = 0
         st.tails_charged = True
     if t1 is not None:
-        st.prefix = Prefix(segs, t1, t2, embedding, p.tokens.clone(), p.model)
+        st.prefix = Prefix(segs, t1, t2, embedding, p.tokens.clone(), p.model, p.digest)
 
 
 def flow_rows(flow, rows, streaming: bool, estimator=None, finalize=None, pad_to=None, hops=None) -> list:
@@ -335,7 +416,8 @@ def flow_rows(flow, rows, streaming: bool, estimator=None, finalize=None, pad_to
     kw = {} if estimator is None else {"estimator": estimator}
     if not cached:
         return flow.inference_batch(rows, streaming=streaming, finalize=flags, pad_to=pad_to, **kw)
-    prepared = [flow.prepare_row(r.token, r.prompt_token, r.prompt_feat, r.embedding, f) for r, f in zip(rows, flags)]
+    prepared = [flow.prepare_row(r.token, r.prompt_token, r.prompt_feat, r.embedding, f, r.ids_checked)
+                for r, f in zip(rows, flags)]
     out: list = [None] * len(rows)
     plans, whole = plan_hops(flow, [rows[i] for i in cached], [prepared[i] for i in cached])
     whole_idx = [i for i in range(len(rows)) if i not in cached] + [cached[k] for k in whole]

@@ -61,6 +61,10 @@ class RequestMetrics:
     tokens: int = 0
     audio_seconds: float = 0.0
     error: str | None = None
+    # Where the first audio's time went: seconds after submit at which the request's AR prefill started ("prefill"),
+    # its first DiT job was queued ("dit_queued"), started ("dit_start") and handed its mel on ("dit_end"); with
+    # `ttfa` they split time to first audio into frontend + queue, AR, DiT wait, DiT, vocoder + copy
+    marks: dict = field(default_factory=dict)
 
     @property
     def rtf(self) -> float:
@@ -69,6 +73,11 @@ class RequestMetrics:
     @property
     def inter_chunk(self) -> list[float]:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+    def mark(self, name: str, t: float | None = None) -> None:
+        """Record event `name` (first occurrence only) at perf_counter time `t` (default now)."""
+        if name not in self.marks:
+            self.marks[name] = (time.perf_counter() if t is None else t) - self.t_submit
 
     def mark_chunk(self, samples: int, sample_rate: int) -> None:
         now = time.perf_counter() - self.t_submit
@@ -82,7 +91,7 @@ class RequestMetrics:
                 "T_AR": self.t_ar, "T_DiT": self.t_dit, "T_vocoder": self.t_vocoder, "T_queue": self.t_queue,
                 "ttfa": self.ttfa, "inter_chunk": self.inter_chunk, "total": self.total, "tokens": self.tokens,
                 "audio_seconds": self.audio_seconds, "rtf": self.rtf if self.audio_seconds else None,
-                "error": self.error}
+                "error": self.error, "marks": dict(self.marks)}
 
 
 def default_voice_wav(sr: int = 16000, seconds: float = 3.0) -> np.ndarray:

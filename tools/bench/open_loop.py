@@ -113,12 +113,19 @@ def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
             if d:
                 reasons[f"{sm}: {r}"] = d
     frames = {}
-    for k in ("frames_computed", "frames_reused"):
+    for k in ("frames_computed", "frames_reused", "cache_fallbacks"):
         a, b = _num(after, "dit", k), _num(before, "dit", k)
         frames[k] = None if a is None else a - (b or 0)
+    kinds = {}  # DiT calls and rows per kind of call (cached / stream / offline, "/step": one Euler step a call)
+    ka, kb = (after.get("dit") or {}).get("kinds") or {}, (before.get("dit") or {}).get("kinds") or {}
+    for k, v in sorted(ka.items()):
+        calls = v.get("calls", 0) - (kb.get(k) or {}).get("calls", 0)
+        rows = v.get("rows", 0) - (kb.get(k) or {}).get("rows", 0)
+        if calls:
+            kinds[k] = {"calls": calls, "rows": rows, "rows_per_call": rows / calls}
     return {"busy": busy, "buckets": buckets if sa else None,
             "fallbacks": sum(b["fallbacks"] for b in buckets.values()) if sa else None,
-            "fallback_reasons": reasons, "dit_frames": frames}
+            "fallback_reasons": reasons, "dit_frames": frames, "dit_calls": kinds}
 
 
 def _record(a: Arrival, h, t0: float, sample_rate: int, error: str | None, cut: bool) -> RequestRecord:
@@ -139,6 +146,8 @@ def _record(a: Arrival, h, t0: float, sample_rate: int, error: str | None, cut: 
     if base is not None:
         rec.chunk_t = [base + x - t0 for x in times[:n]]
         rec.chunk_s = [s / sample_rate for s in sizes[:n]]
+    rec.marks = dict(getattr(m, "marks", None) or {})
+    rec.ttfa_s = getattr(m, "ttfa", None)
     if getattr(h, "error", None) is not None or rec.error is not None:
         rec.status = UNFINISHED if cut else FAILED
     else:

@@ -55,6 +55,31 @@ class RequestRecord:
     chunk_s: list = field(default_factory=list)  # audio seconds of each chunk
     status: str = OK                     # ok / failed / unfinished (cut at the end of the cell) / not_submitted
     error: str | None = None
+    marks: dict = field(default_factory=dict)  # RequestMetrics.marks: seconds after submit (see ttfa_parts)
+    ttfa_s: float | None = None          # RequestMetrics.ttfa: first chunk, seconds after submit
+
+
+# time to first audio split at RequestMetrics.marks: (part, mark it starts at, mark it ends at); None = submit / ttfa
+TTFA_PARTS = (("frontend_queue", None, "prefill"), ("ar", "prefill", "dit_queued"), ("dit_wait", "dit_queued",
+              "dit_start"), ("dit", "dit_start", "dit_end"), ("vocoder", "dit_end", None))
+
+
+def ttfa_parts(records: Sequence[RequestRecord]) -> dict:
+    """Where the first audio's time went, over the streams that have every mark: per part (frontend + admission
+    queue, AR up to the first hop, DiT queue wait, the first DiT job, vocoder + copy to the host) p50 / p95 / p99 /
+    max of its seconds, and its share of the summed time to first audio."""
+    rows = []
+    for r in records:
+        m = r.marks or {}
+        if not r.stream or r.ttfa_s is None or any(k not in m for k in ("prefill", "dit_queued", "dit_start",
+                                                                        "dit_end")):
+            continue
+        rows.append({name: (r.ttfa_s if b is None else m[b]) - (0.0 if a is None else m[a])
+                     for name, a, b in TTFA_PARTS})
+    total = sum(sum(x.values()) for x in rows)
+    return {name: {**_dist([x[name] for x in rows]),
+                   "share": sum(x[name] for x in rows) / total if total > 0 else None}
+            for name, _, _ in TTFA_PARTS} if rows else {}
 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float, end_t: float, tolerance_s: float = 0.0) -> dict:
@@ -95,6 +120,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, end_t: float,
             "completed": counts[OK], "failed": counts[FAILED], "unfinished": counts[UNFINISHED],
             "not_submitted": counts[NOT_SUBMITTED],
             "ttfa": {**_dist(ttfa), "censored": ttfa_censored},
+            "ttfa_parts": ttfa_parts(records),
             "offline_latency": {**_dist(latency), "censored": latency_censored},
             "inter_chunk_p95": percentile(gaps, 95),
             "underrun_requests": with_underrun, "underrun_fraction": with_underrun / len(per) if per else None,

@@ -305,10 +305,37 @@ def open_loop_tables(res: dict) -> str:
                                    + [f"hits {sm}" for sm in sms]
                                    + ["eager fallbacks", "DiT frames computed", "DiT frames reused", "compiles",
                                       "peak GB"], res_rows))
+    from .playback import TTFA_PARTS
+
+    ttfa_rows = [[c.get("setting"), c.get("rate")]
+                 + [_p50_p95((c.get("ttfa_parts") or {}).get(name)) for name, _, _ in TTFA_PARTS]
+                 for c in cells if "error" not in c and c.get("ttfa_parts")]
+    if ttfa_rows:
+        parts.append("**Open loop: where time to first audio goes** (streams; p50 / p95 s, share of the summed TTFA): "
+                     "frontend + admission queue, AR up to the first hop, DiT queue wait, the first DiT job, vocoder "
+                     "+ copy\n\n" + _md(["setting", "req/s"] + [name for name, _, _ in TTFA_PARTS], ttfa_rows))
+    kinds = sorted({k for c in cells for k in (c.get("dit_calls") or {})})
+    if kinds:
+        parts.append("**Open loop: DiT calls per kind** (calls / rows per call; '/step': one Euler step per call)\n\n"
+                     + _md(["setting", "req/s"] + kinds,
+                           [[c.get("setting"), c.get("rate")]
+                            + [_calls(((c.get("dit_calls") or {}).get(k))) for k in kinds]
+                            for c in cells if "error" not in c]))
     skipped = ol.get("ab_skipped") or []
     if skipped:
         parts.append("A/B: " + "; ".join(skipped))
     return "\n\n".join(parts)
+
+
+def _p50_p95(d) -> str:
+    if not d or d.get("p50") is None:
+        return "-"
+    share = d.get("share")
+    return f"{d['p50']:.3f} / {d['p95']:.3f}" + ("" if share is None else f" ({100 * share:.0f}%)")
+
+
+def _calls(d) -> str:
+    return "-" if not d else f"{d['calls']} / {d['rows_per_call']:.2f}"
 
 
 def open_loop_plot(res: dict, out_dir: str) -> str | None:
