@@ -92,9 +92,11 @@ def test_ttfa_parts_split_time_to_first_audio():
 
 
 def test_saturation_rule():
-    ok = {"offered_audio_s_per_s": 40.0, "achieved_audio_s_per_s": 38.0, "ttfa": {"p95": 0.3}}
-    assert saturated(ok) is None
-    assert "achieved" in saturated({**ok, "achieved_audio_s_per_s": 30.0})
+    ok = {"offered_audio_s_per_s": 40.0, "achieved_audio_s_per_s": 30.0, "duration_s": 10.0, "wall_s": 14.0,
+          "delivered_audio_s_per_s": 400.0 / 14.0, "ttfa": {"p95": 0.3}, "unfinished": 0, "requests": 50}
+    assert saturated(ok) is None  # the window trails offered by the lag to audio: not saturated
+    assert "delivered" in saturated({**ok, "delivered_audio_s_per_s": 300.0 / 14.0})
+    assert "unfinished" in saturated({**ok, "unfinished": 3})
     assert "TTFA p95" in saturated({**ok, "ttfa": {"p95": 6.0}})
     assert "TTFA p95" in saturated({**ok, "ttfa": {"p95": None}, "offline_latency": {"p95": 7.0}})
 

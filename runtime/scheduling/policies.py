@@ -119,12 +119,14 @@ def pick_dit_step(queue: list, active: list, cfg: SchedulerConfig, now: float, m
 def pick_hift_jobs(queue: list, cfg: SchedulerConfig, now: float, more_coming: bool) -> tuple[list, float | None]:
     """The next vocoder jobs: (jobs, None) to run now, or ([], seconds | None) to wait. Streaming jobs (at most
     `hift_max_batch`) advance their HiFT streams together; offline finals are grouped by `hift_offline_groups`.
-    Waits up to `hift_max_wait_ms` after the oldest ready job for a fuller batch while DiT work is in flight."""
+    Waits up to `hift_max_wait_ms` after the oldest ready job for a fuller batch while DiT work is in flight, except
+    when a stream's first chunk is ready (its listener is waiting for the first audio)."""
     ready = first_per_request(queue)
     if not ready:
         return [], None
     left = ready[0].t_enqueue + cfg.hift_max_wait_ms / 1e3 - now
-    if len(ready) < cfg.hift_max_batch and left > 0 and more_coming:
+    first_audio = any(j.r.metrics.ttfa is None and j.r.stream is not None for j in ready)
+    if len(ready) < cfg.hift_max_batch and left > 0 and more_coming and not first_audio:
         return [], left
     streams = [j for j in ready if j.r.stream is not None][:cfg.hift_max_batch]
     return streams + [j for j in ready if j.r.stream is None], None

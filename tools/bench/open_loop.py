@@ -6,10 +6,11 @@ A timer thread submits every request at its arrival time (not in waves at t = 0)
 from its RequestHandle (`metrics.t_submit + metrics.chunk_times`, stamped when the chunk is handed over). After the
 arrival window the cell waits up to `drain_s` for the requests in flight, then cancels the rest (`unfinished`).
 
-Sweep: the rates in increasing order until saturation (`playback.saturated`: achieved < 0.8 x offered or TTFA p95
-> 5 s). A/B: `ab` names SchedulerConfig boolean fields; each one runs the sweep with the field off and on, one
-scheduler per setting over the same pipeline (graphs and compiled code are shared), one setting after the other.
-A name that is not a boolean field of this build's SchedulerConfig is skipped with a message.
+Sweep: the rates in increasing order until saturation (`playback.saturated`: requests unfinished after the drain,
+delivered audio < 0.9 x offered, or TTFA p95 > 5 s). A/B: `ab` names SchedulerConfig boolean fields; each one runs
+the sweep with the field off and on, one scheduler per setting over the same pipeline (graphs and compiled code are
+shared), one setting after the other. A name that is not a boolean field of this build's SchedulerConfig is skipped
+with a message.
 
 Per cell, besides playback.summarize: stage busy fractions (scheduler stats `busy_s`), bucket hits per stage/mode
 and eager fallbacks (the engine set's ShapeStats summary, when there is one), DiT frames computed / reused (scheduler
