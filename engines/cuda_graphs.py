@@ -61,3 +61,15 @@ def static_copies(inputs: tuple) -> tuple:
     compile the function again: a minute for the full-size DiT on the H200, a stall of every request in flight."""
     with torch.inference_mode():
         return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def upload(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` (a CPU tensor) on `device` without blocking the host: on CUDA through pinned memory and a non-blocking
+    copy (a copy from pageable memory synchronizes the stream first, so a worker that keeps GPU work queued ahead
+    would wait for all of it); elsewhere a plain copy. The pinned block is not reused before the copy completes
+    (the caching host allocator records the copy's stream)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+

@@ -25,6 +25,7 @@ import torch
 
 from ..models.flow import FlowInput, check_token_ids
 from ..models.hift_stream import push_batch
+from ...engines.cuda_graphs import upload
 from ..stages.backends import StageBackends
 from ..stages.flow_hop_calls import EagerHops
 from ..stages.flow_hops import (CachedSolve, cached_dit_fn, finish_cached, flow_rows, plan_hops, release_plans,
@@ -198,7 +199,7 @@ class Token2WavWorker:
         if ids_checked:
             check_token_ids(j.tokens, self.flow.cfg.vocab_size)
             host_ids = torch.cat((r.prompt_ids, j.tokens.long()))
-        return FlowInput(j.tokens.to(self.device), *r.prompt, finalize=j.finalize, cache=cache,
+        return FlowInput(upload(j.tokens, self.device), *r.prompt, finalize=j.finalize, cache=cache,
                          ids_checked=ids_checked, host_ids=host_ids, prompt_digest=r.prompt_digest)
 
     def _flow_call(self, group: list[DitJob]) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ import torch
 
 from .flow_cache import (FlowPrefixState, Prefix, PromptEntry, Segment, model_fingerprint, prompt_cacheable_frames,
                          prompt_key)
+from ...engines.cuda_graphs import upload
 from .flow_hop_calls import EagerHops
 
 
@@ -221,10 +222,10 @@ class CachedSolve:
         return self.step >= self.n_steps
 
 
-def euler_table(flow, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(t, dt) of every Euler step, on the device and as host copies of the same bits: (t [steps], dt [steps],
-    t on the host). The recurrence of `Flow.solve` / `cfg_euler_step` (t += dt; dt = t_span[k + 1] - t) run once in
-    the flow's dtype, so a row at step k uses exactly the values the whole solve would reach there."""
+def euler_table(flow, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t [steps], dt [steps]) of every Euler step on the device: the recurrence of `Flow.solve` / `cfg_euler_step`
+    (t += dt; dt = t_span[k + 1] - t) run once in the flow's dtype, so a row at step k uses exactly the values the
+    whole solve would reach there."""
     key = (str(device), dtype)
     memo = flow.__dict__.setdefault("_cosytrt_euler", {})
     if key not in memo:
@@ -237,8 +238,7 @@ def euler_table(flow, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.
             t = t + dt
             if step < len(t_span) - 1:
                 dt = t_span[step + 1] - t
-        ts, dts = torch.stack(ts), torch.stack(dts)
-        memo[key] = (ts, dts, ts.cpu())
+        memo[key] = (torch.stack(ts), torch.stack(dts))
     return memo[key]
 
 
@@ -276,7 +276,7 @@ def step_cached(flow, solves: list, hops) -> None:
     P = max(sv.plan.start for sv in solves)
     call = _open_call(flow, hops, B, N, P, device, dtype, tuple(sv.serial for sv in solves))
     R = call.rows
-    ts, dts, ts_host = euler_table(flow, device, dtype)
+    ts, dts = euler_table(flow, device, dtype)
     if call.fresh:
         call.reset()
         for b, sv in enumerate(solves):
@@ -289,10 +289,10 @@ def step_cached(flow, solves: list, hops) -> None:
             if p.start:
                 call.prefix_valid[b, :p.start] = True
                 call.prefix_valid[R + b, :p.start] = True
-        starts = torch.tensor([sv.plan.start for sv in solves] + [0] * (R - B), dtype=torch.long)
-        call.offsets.copy_(torch.cat((starts, starts)))
-    t_rows = [sv.step for sv in solves] + [0] * (R - B)
-    call.t.copy_(ts_host[torch.tensor(t_rows + t_rows)])  # host copies of the table's bits: one upload
+        starts = [sv.plan.start for sv in solves] + [0] * (R - B)
+        call.offsets.copy_(upload(torch.tensor(starts + starts, dtype=torch.long), call.offsets.device))
+    t_rows = torch.stack([ts[sv.step] for sv in solves] + [ts[0]] * (R - B))  # on the device: no upload, no sync
+    call.t.copy_(torch.cat((t_rows, t_rows)))
     for b, sv in enumerate(solves):
         call.x[b, :, :sv.n] = sv.x
         call.x[R + b, :, :sv.n] = sv.x
