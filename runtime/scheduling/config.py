@@ -28,10 +28,12 @@ class SchedulerConfig:
     continuous_batching: bool = True  # off: admit new requests only when no request is decoding (static batches)
     dit_chunk_aligned: bool = True    # off: one request per DiT call, dispatched at once (no cross-request batches)
     dit_slack_priority: bool = True   # off: each DiT call is built around the oldest queued job (see playback_slack)
-    # on: the DiT worker advances rows one Euler step per call, so a new first hop joins the next step instead of
-    # waiting for a long final. Off by default: on the H200 it cost ~20 % c1 streaming TTFA (ten calls per hop) and
-    # its open-loop gain did not repeat across runs (measured: BENCHMARKS.md)
-    dit_step_level: bool = False
+    # on: the DiT worker advances rows one Euler step per call (prefix-cached hops too, each row at its own step), so
+    # a new first hop joins the next step instead of waiting for a long final. On by default: on the H200 (open loop,
+    # graphs_ar, runs 29-31) TTFA p95 1.5-1.6x lower at 4-8 req/s in the same run; near saturation (8 req/s) 13 %
+    # less audio per second and twice the streams with an underrun (host time per step: BENCHMARKS.md). Off: the
+    # whole 10-step solve per call (for offline batch jobs near saturation)
+    dit_step_level: bool = True
     hift_length_aware: bool = True    # off: offline HiFT batches in arrival order, no padding-waste limit
     async_d2h: bool = True            # off (CUDA): each chunk's device-to-host copy blocks the HiFT worker
     # on CUDA: the AR worker's stream gets the device's highest priority, so its small decode kernels are scheduled
