@@ -20,6 +20,9 @@ of .whl/ when there are any, which only the `tokens` part needs; stops itself be
     bash benchmarks/batch_invariance_run.sh                               # all parts: about 6-8 minutes
 or directly: python3 benchmarks/batch_invariance_gpu.py [OUT] [--parts ...] [--budget-s S].
 Options: --parts step,logits,tokens (default all); --off-tokens also runs the token check with the switch off;
+--stream / --graphs PROFILE / --sched k=v,...: the token check with streaming requests, the DiT / HiFT in a profile's
+CUDA graphs (cached hops: the flow prefix cache) and SchedulerConfig overrides (e.g. the exactness of step-level DiT
+and hift_own_stream on the GPU: `--parts tokens --stream --graphs h200-graphs --sched hift_own_stream=1`);
 --budget-s: parts that would start after this many seconds are skipped (recorded as such); --smoke: CPU, tiny
 model, eager only (checks the script's wiring: tests/test_bench_scripts.py).
 """
@@ -191,15 +194,34 @@ def part_logits(llm, res):
     res["logits_max_abs_diff"] = out
 
 
-def part_tokens(models, res, on: bool):
+def sched_overrides(text: str) -> dict:
+    """`--sched a=1,b=0.5`: SchedulerConfig overrides (bools as 0 / 1, else int or float)."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, _, value = item.partition("=")
+        out[name] = value in ("1", "true", "True") if value in ("0", "1", "true", "false", "True", "False") else (
+            int(value) if value.lstrip("-").isdigit() else float(value))
+    return out
+
+
+def part_tokens(models, res, on: bool, stream: bool = False, graphs: str | None = None, overrides=None):
+    """16 requests alone, then concurrently: same tokens? (batch_invariant on: should be 16 of 16) and the audio of
+    those. `stream`: streaming requests (hops, the flow prefix cache where the backends have cached-hop graphs);
+    `graphs`: a profile whose CUDA graphs (cached hops included) the pipeline runs; `overrides`: SchedulerConfig
+    fields (e.g. dit_step_level, hift_own_stream) — so the check covers the DiT / HiFT scheduling paths too."""
     from cosytrt.runtime.scheduling.config import SchedulerConfig
     from cosytrt.runtime.tts import TTS
     from cosytrt.tools.bench.common import pipeline_with_random_frontend as _pipeline_with_random_frontend
 
     pipe = _pipeline_with_random_frontend(models)
     cuda = DEV == "cuda"
-    cfg = SchedulerConfig(max_in_flight=64, ar_max_batch=64, ar_max_len=1024, cuda_graphs=cuda, compile=cuda,
-                          batch_invariant=on)
+    if graphs and cuda:
+        from cosytrt.runtime.stages.engine_set import attach_cuda_graphs
+        from cosytrt.runtime.stages.profile import load_profile
+
+        attach_cuda_graphs(pipe, load_profile(graphs))
+    cfg = SchedulerConfig(**{**dict(max_in_flight=64, ar_max_batch=64, ar_max_len=1024, cuda_graphs=cuda,
+                                    compile=cuda, batch_invariant=on), **(overrides or {})})
     t = time.perf_counter()
     tts = TTS(pipe, scheduler=cfg)
     tts.scheduler  # start: compiles and captures now
@@ -207,7 +229,7 @@ def part_tokens(models, res, on: bool):
     texts = [f"Sentence number {i} for the concurrency test, a little longer." for i in range(16)]
 
     def run(i):
-        h = tts.submit(texts[i], seed=100 + i, max_tokens=(60 + 5 * i) if cuda else 20 + i)
+        h = tts.submit(texts[i], seed=100 + i, max_tokens=(60 + 5 * i) if cuda else 20 + i, stream=stream)
         wav = np.concatenate(list(h.chunks(timeout=600)))
         return h.tokens, wav
 
@@ -228,7 +250,11 @@ def part_tokens(models, res, on: bool):
         tts.close()
     same = [a[0] == b[0] for a, b in zip(alone, together)]
     audio = [float(np.abs(a[1] - b[1]).max()) for a, b, s in zip(alone, together, same) if s and a[1].shape == b[1].shape]
-    row = {"batch_invariant": on, "path": "compiled + CUDA graphs" if cuda else "eager (CPU smoke)",
+    path = ("compiled AR + CUDA graphs" if cuda else "eager (CPU smoke)") + (f", DiT/HiFT graphs of {graphs}" if graphs
+                                                                             else "")
+    path += (", streaming" if stream else ", offline") + "".join(f", {k}={v}" for k, v in (overrides or {}).items())
+    row = {"batch_invariant": on, "path": path, "stats_dit_kinds": st["dit"].get("kinds"),
+           "frames_reused": st["dit"].get("frames_reused"),
            "same_tokens": sum(same), "of": 16, "tokens_alone": [len(a[0]) for a in alone],
            "tokens_together": [len(b[0]) for b in together], "max_decode_batch": st["ar"]["max_decode_batch"],
            "audio_max_abs_diff_same_tokens": max(audio) if audio else None}
@@ -319,6 +345,11 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip the parts that would start after this many seconds (default: no limit)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager only: checks the script itself")
+    ap.add_argument("--stream", action="store_true", help="tokens part: streaming requests")
+    ap.add_argument("--graphs", default=None, help="tokens part: run DiT / HiFT in the CUDA graphs of this profile "
+                                                   "(e.g. h200-graphs: cached-hop graphs, the flow prefix cache on)")
+    ap.add_argument("--sched", default="", help="tokens part: SchedulerConfig overrides, e.g. "
+                                                "dit_step_level=1,hift_own_stream=1")
     args = ap.parse_args()
     if not args.out:
         ap.error("give the output folder (or set $OUT)")
@@ -358,9 +389,10 @@ def main() -> int:
         from cosytrt.runtime.models.loading import CosyVoice3Models
 
         models = CosyVoice3Models(cfg, llm, flow, hift, "random-full", "", "random")
-        jobs.append(("tokens", lambda: part_tokens(models, res, True)))
+        kw = dict(stream=args.stream, graphs=args.graphs, overrides=sched_overrides(args.sched))
+        jobs.append(("tokens", lambda: part_tokens(models, res, True, **kw)))
         if args.off_tokens:
-            jobs.append(("tokens off", lambda: part_tokens(models, res, False)))
+            jobs.append(("tokens off", lambda: part_tokens(models, res, False, **kw)))
     save()
     for name, fn in jobs:
         if name.split()[0] not in parts:

@@ -61,3 +61,19 @@ def test_dit_shapes_smoke_and_conv_variants_equal(tmp_path):
         for name in cpu[1:]:
             assert row[f"{name}_err"] < 1e-4, (row["mode"], name)
     assert (tmp_path / "dit_shapes.md").read_text().count("| stream | 40 |") == 1
+
+
+def test_smoke_token_check_streams_with_scheduler_overrides(tmp_path):
+    """The token check with streaming requests and SchedulerConfig overrides (the GPU exactness check of the DiT /
+    HiFT scheduling paths): on the CPU, step-level and whole-call DiT scheduling both give 16 of 16 the tokens and
+    audio they give alone."""
+    for sched in ("dit_step_level=1,hift_own_stream=1", "dit_step_level=0"):
+        p = _run(str(tmp_path), "--smoke", "--parts", "tokens", "--stream", "--sched", sched)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        res = json.loads((tmp_path / "batch_invariance.json").read_text())
+        row = res["tokens"][0]
+        on = sched.startswith("dit_step_level=1")
+        assert row["same_tokens"] == 16 and "streaming" in row["path"] and f"dit_step_level={on}" in row["path"]
+        assert row["audio_max_abs_diff_same_tokens"] <= 2e-3
+        kinds = row["stats_dit_kinds"]
+        assert any(k.endswith("/step") for k in kinds) == on, kinds

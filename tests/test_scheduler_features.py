@@ -280,3 +280,17 @@ def test_dit_step_level_keeps_the_audio_and_steps_rows_together(tts, speaker):
     assert st_on["completed"] == 4
     assert st_on["dit"]["calls"] >= 10 * st_off["dit"]["calls"] // 2  # one call per Euler step, not per solve
     assert_same_audio(on, off)
+
+
+def test_fast_gil_switch_is_cuda_only_and_restored(tts):
+    """`fast_gil_switch` shortens the interpreter's GIL switch interval while a CUDA scheduler runs and restores it
+    on close; on the CPU it changes nothing (no GPU work for the worker threads to keep queued)."""
+    import sys
+
+    before = sys.getswitchinterval()
+    sched = Scheduler(tts.pipeline, SchedulerConfig(fast_gil_switch=True))
+    try:
+        assert sys.getswitchinterval() == before and sched._switch_interval is None
+    finally:
+        sched.close()
+    assert sys.getswitchinterval() == before

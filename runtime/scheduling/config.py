@@ -39,6 +39,16 @@ class SchedulerConfig:
     # on CUDA: the AR worker's stream gets the device's highest priority, so its small decode kernels are scheduled
     # ahead of the DiT / HiFT kernels queued beside them (the AR step is on the path of every first chunk)
     ar_stream_priority: bool = True
+    # on CUDA: while the scheduler runs, the interpreter hands the GIL between threads every 0.5 ms instead of 5 ms
+    # (sys.setswitchinterval; restored on close). The DiT thread needs the GIL for a little Python at every Euler
+    # step beside the AR thread's per-token Python, so each hand-over can cost it up to a whole interval. Off by
+    # default: not yet measured (the lead from BENCHMARKS.md run 31: step-level DiT busy 0.82 vs 0.95 at saturation)
+    fast_gil_switch: bool = False
+    # on CUDA: the HiFT worker runs on its own highest-priority stream (waiting only for the DiT step that made each
+    # mel, by event) instead of the DiT's stream, so a first chunk's vocoder window does not queue behind the DiT steps
+    # already launched (run 31: vocoder + copy 21-32 ms p50 of the time to first audio). Off by default: not yet run
+    # on the GPU
+    hift_own_stream: bool = False
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
     ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)

@@ -155,6 +155,12 @@ class Scheduler:
             budget = cfg.flow_cache_budget_bytes  # the default counts the memory the graphs took
             self.flow_cache = FlowCachePool(default_budget(self.device) if budget is None else budget,
                                             prompt_cache=cfg.flow_prompt_cache)
+        self._switch_interval = None  # the interpreter's GIL switch interval before this scheduler (fast_gil_switch)
+        if cfg.fast_gil_switch and self.device.type == "cuda":
+            import sys
+
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._switch_interval, 0.0005))
         self.clock = StageClock(self.device.type == "cuda")  # busy time per stage (stats()["busy_s"])
         self.requests = Lifecycle(cfg, on_finish, on_dead=self._on_dead, admission=admission)
         self.admission = self.requests.admission
@@ -213,6 +219,11 @@ class Scheduler:
         self.frontend.shutdown()
         if self._owns_runner:
             self.runner.close()
+        if self._switch_interval is not None:
+            import sys
+
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
     # ================================================================== wiring
     def _on_dead(self, r: RequestState) -> None:

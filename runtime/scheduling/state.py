@@ -67,6 +67,7 @@ class HiftJob:
     mel: torch.Tensor      # [1, 80, n] new mel
     final: bool
     t_enqueue: float
+    ready: object = None   # CUDA event after the DiT work that made `mel` (SchedulerConfig.hift_own_stream)
 
 
 def hop_job(r: RequestState) -> DitJob:

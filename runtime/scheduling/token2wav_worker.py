@@ -74,6 +74,9 @@ class Token2WavWorker:
         self._pending: list[DitJob] = []  # jobs made by `tokens` in this AR step, queued by `flush`
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        # hift_own_stream: the HiFT thread's stream (None: the DiT's, the device's default stream)
+        self._hift_stream = (torch.cuda.Stream(self.device, priority=-100)
+                             if self._cuda and config.hift_own_stream else None)
         if self._cuda:
             from ..models.hift_stream import warm_decode_windows
 
@@ -340,6 +343,11 @@ class Token2WavWorker:
             if j.finalize and j.r.stream is None and speed != 1.0 and mel.shape[-1] > 0:  # offline, as upstream
                 mel = torch.nn.functional.interpolate(mel, size=max(1, int(mel.shape[-1] / speed)), mode="linear")
             out.append(HiftJob(j.r, mel, j.finalize, now))
+        if self._hift_stream is not None and out:  # one event after the work that made these mels
+            ev = torch.cuda.Event()
+            ev.record()
+            for h in out:
+                h.ready = ev
         with self.hift_cond:
             self.hift_queue.extend(out)
             self.hift_cond.notify_all()
@@ -355,7 +363,7 @@ class Token2WavWorker:
 
     # ---------------------------------------------------------------- HiFT thread
     def hift_loop(self) -> None:
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.cuda.stream(self._hift_stream):  # None: the current (default) stream
             while True:
                 jobs = self._next_hift_jobs()
                 if jobs:
@@ -383,6 +391,11 @@ class Token2WavWorker:
                 self.hift_cond.wait(wait)
 
     def _run_hift(self, jobs: list[HiftJob]) -> None:
+        if self._hift_stream is not None:  # the mels come from the DiT's stream: wait for exactly their steps
+            for j in jobs:
+                if j.ready is not None:
+                    self._hift_stream.wait_event(j.ready)
+                j.mel.record_stream(self._hift_stream)  # not reused by the DiT's allocations while HiFT reads it
         streams = [j for j in jobs if j.r.stream is not None]
         offline = [j for j in jobs if j.r.stream is None]
         if streams:
