@@ -200,7 +200,8 @@ def tiny_open_loop(tmp_path_factory, one_torch_thread):
     assert main(["bench", "--device", "cpu", "--model", "tiny", "--dtype", "float32", "--suite", "open_loop",
                  "--variants", "eager", "--rates", "2", "--duration-s", "2", "--drain-s", "60", "--lengths",
                  "1:0.3", "--min-s", "0.6", "--max-s", "1.6", "--stream-fraction", "0.5", "--seed", "3",
-                 "--ab", "async_d2h,no_such_flag", "--out", str(out)]) == 0
+                 "--ab", "async_d2h,no_such_flag", "--compile-cache", str(out / "cc.bin"), "--out", str(out)]) == 0
+    assert (out / "cc.bin").is_file()  # written once the first scheduler is ready (and after the section)
     return out, json.loads((out / "results.json").read_text())
 
 

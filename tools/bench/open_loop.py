@@ -271,6 +271,13 @@ def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec: Ope
         setup = time.perf_counter() - t
         out["settings"].append({"label": label, "overrides": overrides, "scheduler_setup_s": setup})
         log(f"open loop {variant} / {label}: scheduler ready in {setup:.1f}s")
+        if len(out["settings"]) == 1 and getattr(bench.args, "compile_cache", None):
+            # the compiles are done: keep them even if the device call's time limit cuts the cells short (a cold
+            # compiled set-up can take most of a call; the next call then starts from this cache)
+            from ...runtime.stages.compiled import save_compile_cache
+
+            log(f"saved compile cache {bench.args.compile_cache}: "
+                f"{save_compile_cache(bench.args.compile_cache) / 1e6:.1f} MB")
         try:
             for rate in rates:
                 if bench.over_budget():
