@@ -194,14 +194,19 @@ def test_stats_delta_reads_what_is_there():
 
 @pytest.fixture(scope="module")
 def tiny_open_loop(tmp_path_factory, one_torch_thread):
+    from cosytrt.runtime.stages import compiled
     from cosytrt.tools.trtbuild import main
 
     out = tmp_path_factory.mktemp("open_loop")
-    assert main(["bench", "--device", "cpu", "--model", "tiny", "--dtype", "float32", "--suite", "open_loop",
-                 "--variants", "eager", "--rates", "2", "--duration-s", "2", "--drain-s", "60", "--lengths",
-                 "1:0.3", "--min-s", "0.6", "--max-s", "1.6", "--stream-fraction", "0.5", "--seed", "3",
-                 "--ab", "async_d2h,no_such_flag", "--compile-cache", str(out / "cc.bin"), "--out", str(out)]) == 0
-    assert (out / "cc.bin").is_file()  # written once the first scheduler is ready (and after the section)
+    saves = []
+    with pytest.MonkeyPatch.context() as mp:  # the compile cache is saved once the first scheduler is ready, and
+        mp.setattr(compiled, "save_compile_cache", lambda path: saves.append(path) or 0)  # after the section
+        assert main(["bench", "--device", "cpu", "--model", "tiny", "--dtype", "float32", "--suite", "open_loop",
+                     "--variants", "eager", "--rates", "2", "--duration-s", "2", "--drain-s", "60", "--lengths",
+                     "1:0.3", "--min-s", "0.6", "--max-s", "1.6", "--stream-fraction", "0.5", "--seed", "3",
+                     "--ab", "async_d2h,no_such_flag", "--compile-cache", str(out / "cc.bin"),
+                     "--out", str(out)]) == 0
+    assert saves == [str(out / "cc.bin")] * 2
     return out, json.loads((out / "results.json").read_text())
 
 
