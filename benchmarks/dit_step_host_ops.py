@@ -1,0 +1,150 @@
+"""Host work per step-level DiT call (issue 18): aten ops that `step_cached` dispatches OUTSIDE the estimator call
+(the copies into the call's buffers, the K/V write-out, the conv tails, the Euler update), for B streams with k
+earlier hops committed each. On the GPU every such op is one kernel launch from the DiT thread's Python (~5-20 us
+each, under the GIL it shares with the AR thread); run 31 measured the DiT thread's host time as what limits
+step-level scheduling near saturation. CPU, tiny model (tests/data/golden), no timing claim: op counts, plus host
+microseconds per step on this machine's CPU as a rough guide.
+
+    python benchmarks/dit_step_host_ops.py [--batch 1,4,8] [--hops 1,4,8] [--json OUT.json]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GOLDEN = os.path.join(HERE, "..", "tests", "data", "golden")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops by name while `active`."""
+
+    def __init__(self):
+        super().__init__()
+        self.active = True
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.active:
+            self.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class PausedRun:
+    """Wraps a hop runner (EagerHops / CachedHopGraphs) so the estimator call itself is not counted."""
+
+    def __init__(self, hops, counter: OpCounter):
+        self.hops, self.counter = hops, counter
+
+    def open(self, *a, **kw):
+        call = self.hops.open(*a, **kw)
+        if call is None:
+            return None
+        run = call.run
+        counter = self.counter
+
+        def paused():
+            counter.active = False
+            try:
+                return run()
+            finally:
+                counter.active = True
+
+        call.run = paused
+        return call
+
+
+def setup(flow, B: int, k: int, P: int = 20):
+    """B streams, each with its first k hops committed; returns their (k+1)-th hop's solves."""
+    from cosytrt.runtime.models.flow import FlowInput
+    from cosytrt.runtime.stages.flow_cache import FlowCachePool
+    from cosytrt.runtime.stages.flow_hops import flow_rows, plan_hops, start_cached
+    from cosytrt.runtime.stages.token2wav import LOOKAHEAD
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    from test_flow_cache import hop_ends, make_prompt, make_tokens
+
+    pool = FlowCachePool(1 << 34, prompt_cache=False)
+    solves = []
+    for i in range(B):
+        prompt = make_prompt(flow, P, 10 + i)
+        tokens = make_tokens(flow, 25 + 100 * (k + 2), 100 + i)
+        ends = hop_ends(P, tokens.numel())
+        st = pool.new_state()
+        for j in range(k):
+            flow_rows(flow, [FlowInput(tokens[:ends[j] + LOOKAHEAD], *prompt, False, st)], True)
+        inp = FlowInput(tokens[:ends[k] + LOOKAHEAD], *prompt, False, st)
+        with torch.inference_mode():
+            plans, whole = plan_hops(flow, [inp], [flow.prepare_row(inp.token, *prompt, False)])
+            assert not whole
+            solves.append(start_cached(flow, plans[0]))
+    return solves
+
+
+def measure(flow, hops, B: int, k: int, steps: int = 4) -> dict:
+    from cosytrt.runtime.stages.flow_hops import step_cached
+
+    solves = setup(flow, B, k)
+    segs = [len(sv.plan.prefix.segments) if sv.plan.prefix is not None else 0 for sv in solves]
+    counter = OpCounter()
+    wrapped = PausedRun(hops, counter)
+    per_step, fresh_ops, host_us = [], None, []
+    with torch.inference_mode():
+        for s in range(steps):
+            counter.ops.clear()
+            t0 = time.perf_counter()
+            with counter:
+                step_cached(flow, solves, wrapped)
+            host_us.append((time.perf_counter() - t0) * 1e6)
+            n = sum(counter.ops.values())
+            if s == 0:
+                fresh_ops = n
+            else:
+                per_step.append(dict(counter.ops))
+    steady = sum(per_step[-1].values())
+    return dict(batch=B, prior_hops=k, segments_per_row=max(segs), ops_first_step=fresh_ops, ops_per_step=steady,
+                ops_by_name=dict(sorted(per_step[-1].items(), key=lambda kv: -kv[1])),
+                host_us_per_step_with_dit=round(sorted(host_us[1:])[len(host_us[1:]) // 2]))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", default="1,4,8")
+    ap.add_argument("--hops", default="1,4,8")
+    ap.add_argument("--through", default="graphs", choices=["graphs", "eager"])
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    from cosytrt.runtime.models.checkpoint import read_state_dict
+    from cosytrt.runtime.models.config import config_from_golden_json
+    from cosytrt.runtime.models.flow import Flow
+    from cosytrt.runtime.stages.flow_hop_calls import CachedGrid, CachedHopGraphs, EagerHops
+
+    cfg = config_from_golden_json(os.path.join(GOLDEN, "config.json")).flow
+    flow = Flow(cfg).eval().load_checkpoint(read_state_dict(os.path.join(GOLDEN, "flow.pt")))
+    rows = []
+    for B in map(int, a.batch.split(",")):
+        for k in map(int, a.hops.split(",")):
+            if a.through == "graphs":
+                hops = CachedHopGraphs(flow.estimator, CachedGrid((1, 4, 8), (64, 128, 256, 512),
+                                                                  (0, 200, 400, 800, 1600, 3200)), "cpu")
+            else:
+                hops = EagerHops(flow.estimator, flow.estimator.forward_cached)
+            r = measure(flow, hops, B, k)
+            rows.append(r)
+            top = ", ".join(f"{n} {c}" for n, c in list(r["ops_by_name"].items())[:5])
+            print(f"B={B:2d} prior hops={k:2d} segments/row={r['segments_per_row']:2d}  ops/step {r['ops_per_step']:4d} "
+                  f"(first {r['ops_first_step']:4d})  {r['host_us_per_step_with_dit']:7d} us/step  [{top}]", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(commit=os.environ.get("COSYTRT_COMMIT", ""), through=a.through, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
