@@ -1,6 +1,7 @@
 """Host work per step-level DiT call (issue 18): aten ops that `step_cached` dispatches OUTSIDE the estimator call
-(the copies into the call's buffers, the K/V write-out, the conv tails, the Euler update), for B streams with k
-earlier hops committed each. On the GPU every such op is one kernel launch from the DiT thread's Python (~5-20 us
+for B streams with k earlier hops committed each: with `--through graphs` what a CUDA-graph replay would not cover
+(the step's table and its upload; before the paged prefix store also the per-segment prefix copies, the K/V write-out,
+the conv tails and the Euler update, run 31's limit), with `--through eager` everything outside the estimator. On the GPU every such op is one kernel launch from the DiT thread's Python (~5-20 us
 each, under the GIL it shares with the AR thread); run 31 measured the DiT thread's host time as what limits
 step-level scheduling near saturation. CPU, tiny model (tests/data/golden), no timing claim: op counts, plus host
 microseconds per step on this machine's CPU as a rough guide.
@@ -38,30 +39,44 @@ class OpCounter(TorchDispatchMode):
 
 
 class PausedRun:
-    """Wraps a hop runner (EagerHops / CachedHopGraphs) so the estimator call itself is not counted."""
+    """Wraps a cached-hop graph set so what a CUDA graph replay would run (the whole `hop_step`: gathers, the
+    estimator, K/V / tail writes, the Euler update) is not counted: what remains is the host's work per step."""
 
     def __init__(self, hops, counter: OpCounter):
         self.hops, self.counter = hops, counter
+        if not hasattr(hops, "entry"):  # eager: pause around the estimator only
+            fn = hops.fn
 
-    def open(self, *a, **kw):
-        call = self.hops.open(*a, **kw)
-        if call is None:
-            return None
-        run = call.run
-        counter = self.counter
+            def paused_fn(*a):
+                counter.active = False
+                try:
+                    return fn(*a)
+                finally:
+                    counter.active = True
 
-        def paused():
-            counter.active = False
-            try:
-                return run()
-            finally:
-                counter.active = True
+            hops.fn = paused_fn
+            return
+        entry = hops.entry
 
-        call.run = paused
-        return call
+        def paused_entry(key):
+            got = entry(key)
+            if got is None:
+                return None
+            meta, replay = got
+
+            def paused():
+                counter.active = False
+                try:
+                    return replay()
+                finally:
+                    counter.active = True
+
+            return meta, paused
+
+        hops.entry = paused_entry
 
 
-def setup(flow, B: int, k: int, P: int = 20):
+def setup(flow, hops, B: int, k: int, P: int = 20):
     """B streams, each with its first k hops committed; returns their (k+1)-th hop's solves."""
     from cosytrt.runtime.models.flow import FlowInput
     from cosytrt.runtime.stages.flow_cache import FlowCachePool
@@ -70,7 +85,7 @@ def setup(flow, B: int, k: int, P: int = 20):
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     from test_flow_cache import hop_ends, make_prompt, make_tokens
 
-    pool = FlowCachePool(1 << 34, prompt_cache=False)
+    pool = FlowCachePool(1 << 31, prompt_cache=False)
     solves = []
     for i in range(B):
         prompt = make_prompt(flow, P, 10 + i)
@@ -83,24 +98,24 @@ def setup(flow, B: int, k: int, P: int = 20):
         with torch.inference_mode():
             plans, whole = plan_hops(flow, [inp], [flow.prepare_row(inp.token, *prompt, False)])
             assert not whole
-            solves.append(start_cached(flow, plans[0]))
+            solves.append(start_cached(flow, plans[0], hops))
     return solves
 
 
 def measure(flow, hops, B: int, k: int, steps: int = 4) -> dict:
     from cosytrt.runtime.stages.flow_hops import step_cached
 
-    solves = setup(flow, B, k)
+    solves = setup(flow, hops, B, k)
     segs = [len(sv.plan.prefix.segments) if sv.plan.prefix is not None else 0 for sv in solves]
     counter = OpCounter()
-    wrapped = PausedRun(hops, counter)
+    PausedRun(hops, counter)
     per_step, fresh_ops, host_us = [], None, []
     with torch.inference_mode():
         for s in range(steps):
             counter.ops.clear()
             t0 = time.perf_counter()
             with counter:
-                step_cached(flow, solves, wrapped)
+                step_cached(flow, solves, hops)
             host_us.append((time.perf_counter() - t0) * 1e6)
             n = sum(counter.ops.values())
             if s == 0:

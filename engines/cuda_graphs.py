@@ -14,7 +14,7 @@ import torch
 
 
 class GraphCache:
-    def __init__(self, fn: Callable, device: torch.device | str = "cuda", warmup: int = 2):
+    def __init__(self, fn: Callable | None, device: torch.device | str = "cuda", warmup: int = 2):
         self.fn = fn
         self.device = torch.device(device)
         self.warmup = warmup
@@ -24,22 +24,25 @@ class GraphCache:
     def __contains__(self, key) -> bool:
         return key in self.graphs
 
-    def capture(self, key, example_inputs: tuple, static: bool = False, collect: bool = True) -> None:
-        """Capture `fn(*example_inputs)` under `key`. `static`: the example inputs ARE the static buffers (the caller
-        fills them and calls `run(key)` with no inputs; buffers shared by several keys) instead of being copied.
-        `collect`: a garbage collection before the capture (a caller capturing many graphs does one itself)."""
+    def capture(self, key, example_inputs: tuple, static: bool = False, collect: bool = True,
+                fn: Callable | None = None) -> None:
+        """Capture `fn(*example_inputs)` under `key` (`fn`: this key's own function, default the cache's). `static`:
+        the example inputs ARE the static buffers (the caller fills them and calls `run(key)` with no inputs; buffers
+        shared by several keys) instead of being copied. `collect`: a garbage collection before the capture (a
+        caller capturing many graphs does one itself)."""
+        fn = fn or self.fn
         static_in = tuple(example_inputs) if static else static_copies(example_inputs)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(self.warmup):  # flush lazy init / autotuning outside the capture
-                self.fn(*static_in)
+                fn(*static_in)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if collect:
             gc.collect()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            static_out = self.fn(*static_in)
+            static_out = fn(*static_in)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[key] = (graph, static_in, static_out)

@@ -71,10 +71,14 @@ def test_graph_buckets_equal_eager_and_whole_history(flow):
 
 
 def test_static_buffers_allocated_with_the_first_bucket(flow):
+    from cosytrt.runtime.stages.flow_hops import step_consts
+
     graphs = graphs_for(flow)
     assert graphs.static_bytes == 0  # a set whose cache stays off holds no buffers
-    graphs.entry((1, 64, 96))
-    assert graphs.static_bytes > 0
+    store = FlowCachePool(BIG).storage(flow)
+    graphs.capture_all(store, step_consts(flow, "cpu", torch.float32))
+    assert graphs.static_bytes > 0 and graphs.counts["captured"] == len(graphs.grid.keys())
+    assert graphs.stats()["capture_failed"] == 0
 
 
 def test_no_bucket_runs_eagerly_and_is_counted(flow):
@@ -89,7 +93,7 @@ def test_no_bucket_runs_eagerly_and_is_counted(flow):
     assert graphs.counts["misses"] >= 1
     s = graphs.stats()
     assert s["grid"] == {"batch": [1], "frames": [64], "prefix": [0, 96]} and s["graphs"] is False
-    assert s["static_bytes"] == 0  # no bucket was ever used: no static buffers
+    assert s["hits"] + s["misses"] == 3 * flow.cfg.n_timesteps  # one estimator call per hop and Euler step
 
 
 def test_compiled_forward_cached_buckets_equal_eager(flow):
@@ -179,3 +183,149 @@ def test_stepped_solves_at_different_steps_equal_alone(flow, through):
             assert max_err(got, alone[:, :, row.prompt_frames:row.frames]) <= BATCH_TOL, (rnd, i)
             assert max_err(got, whole) <= BATCH_TOL, (rnd, i)
             assert ss[i].frames == sa[i].frames
+
+
+def _stream_solves(flow, hops, pool, B: int, k: int, with_inputs: bool = False):
+    """B streams with their first k hops committed (k segments each); their (k+1)-th hops' solves in `hops` (and
+    each hop's inputs without the cache, for its whole-history reference)."""
+    from cosytrt.runtime.stages.flow_hops import plan_hops, start_cached
+
+    solves, plain = [], []
+    for i in range(B):
+        P = 20
+        prompt, tokens = make_prompt(flow, P, 70 + i), make_tokens(flow, 25 + 100 * (k + 2), 170 + i)
+        ends = hop_ends(P, tokens.numel())
+        st = pool.new_state()
+        for j in range(k):
+            flow_rows(flow, [FlowInput(tokens[:ends[j] + LOOKAHEAD], *prompt, False, st)], True)
+        inp = FlowInput(tokens[:ends[k] + LOOKAHEAD], *prompt, False, st)
+        with torch.inference_mode():
+            plans, whole = plan_hops(flow, [inp], [flow.prepare_row(inp.token, *prompt, False)])
+            assert not whole
+            solves.append(start_cached(flow, plans[0], hops))
+        plain.append(FlowInput(tokens[:ends[k] + LOOKAHEAD], *prompt, False))
+    return (solves, plain) if with_inputs else solves
+
+
+def test_host_work_per_step_does_not_grow_with_rows_or_prefix(flow):
+    """What a step-level cached DiT call costs the host besides the graph replay: a fixed handful of ops (the step's
+    table and its upload), the same for 1 or 3 streams with 1 or 3 committed hops each. Before the paged prefix
+    store each step copied every prefix segment of every row and updated each row on the host (rows x segments x ~3
+    ops: the DiT thread's host time limited step-level scheduling near saturation, BENCHMARKS.md run 31)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cosytrt.runtime.stages.flow_hops import step_cached
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n, self.on = collections.Counter(), True
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.on:
+                self.n[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for B, k in ((1, 1), (3, 1), (1, 3), (3, 3)):
+        graphs = graphs_for(flow, batch=(1, 4), frames=(64, 128, 256), prefix=(0, 200, 400, 800))
+        solves = _stream_solves(flow, graphs, FlowCachePool(BIG), B, k)
+        assert max(len(sv.plan.prefix.segments) for sv in solves) == k
+        counter = Count()
+        entry = graphs.entry
+
+        def paused_entry(key, entry=entry, counter=counter):  # the replay (the whole hop_step) is not host work
+            meta, replay = entry(key)
+
+            def run():
+                counter.on = False
+                try:
+                    replay()
+                finally:
+                    counter.on = True
+            return meta, run
+
+        graphs.entry = paused_entry
+        with torch.inference_mode():
+            step_cached(flow, solves, graphs)  # the first call binds and fills the bucket's table
+            counter.n.clear()
+            with counter:
+                step_cached(flow, solves, graphs)
+        assert graphs.counts["misses"] == 0
+        counts[(B, k)] = sum(counter.n.values())
+        for sv in solves:
+            sv.release()
+    assert len(set(counts.values())) == 1 and max(counts.values()) <= 8, counts
+
+
+def test_failed_hop_leaves_the_prefix_and_gives_back_its_reservations(flow):
+    """A hop whose estimator fails mid-solve (after some steps wrote its reserved pages and tail slot) commits
+    nothing: the pool gets its pages and slots back, the committed prefix is untouched (its tail slot is never
+    written by a later hop: each hop writes a fresh one), and the next hop still equals the whole-history hop."""
+    from cosytrt.runtime.stages.flow_hop_calls import EagerHops
+    from cosytrt.runtime.stages.flow_hops import plan_hops, solve_cached
+
+    P = 20
+    prompt, toks = make_prompt(flow, P, 9), make_tokens(flow, 300, 10)
+    ends = hop_ends(P, 300)
+    pool = FlowCachePool(BIG, prompt_cache=False)
+    st = pool.new_state()
+    flow_rows(flow, [FlowInput(toks[:ends[0] + LOOKAHEAD], *prompt, False, st)], True)
+    used, frames, tail = pool.stats()["bytes_used"], st.frames, st.prefix.tail
+    saved = pool.store.tails.clone()
+    calls = [0]
+
+    def flaky(*a):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("estimator failed")
+        return flow.estimator.forward_cached(*a)
+
+    inp = FlowInput(toks[:ends[1] + LOOKAHEAD], *prompt, False, st)
+    with torch.inference_mode():
+        plans, _ = plan_hops(flow, [inp], [flow.prepare_row(inp.token, *prompt, False)])
+        assert pool.stats()["bytes_used"] > used  # the hop's pages and tail slot are reserved
+        with pytest.raises(RuntimeError, match="estimator failed"):
+            solve_cached(flow, plans, EagerHops(flow.estimator, flaky))
+    assert pool.stats()["bytes_used"] == used and st.frames == frames and st.prefix.tail == tail
+    rows = slice(tail * flow.cfg.n_timesteps * 4, (tail + 1) * flow.cfg.n_timesteps * 4)
+    assert torch.equal(pool.store.tails[rows], saved[rows])
+    for upto in ends[1:3]:
+        got = flow_rows(flow, [FlowInput(toks[:upto + LOOKAHEAD], *prompt, False, st)], True)[0]
+        whole = flow_rows(flow, [FlowInput(toks[:upto + LOOKAHEAD], *prompt, False)], True)[0]
+        assert max_err(got, whole) <= CACHE_TOL
+
+
+def test_capture_out_of_memory_runs_that_bucket_eagerly(flow):
+    """A bucket whose graph capture runs out of device memory (the compiled variant's cached-hop graphs did on an
+    80 GB H100) is marked failed and its calls run eagerly, exactly; the other buckets keep their graphs."""
+    from cosytrt.runtime.stages.flow_hops import finish_cached, step_consts, step_cached
+
+    class OOMOnBig:
+        graphs: dict = {}
+
+        def capture(self, key, inputs, static=False, collect=True, fn=None):
+            if key[0] > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+            self.graphs[key] = fn
+
+        def run(self, key):
+            return self.graphs[key]()
+
+    graphs = graphs_for(flow, batch=(1, 4), frames=(64, 128), prefix=(0, 200))
+    graphs.cache = OOMOnBig()
+    pool = FlowCachePool(BIG)
+    graphs.capture_all(pool.storage(flow), step_consts(flow, "cpu", torch.float32))
+    assert graphs.counts["capture_failed"] == 4 and graphs.counts["captured"] == 4
+    solves, plain = _stream_solves(flow, graphs, pool, 2, 1, with_inputs=True)
+    with torch.inference_mode():
+        for _ in range(flow.cfg.n_timesteps):
+            step_cached(flow, solves, graphs)
+        mels = finish_cached(flow, solves)
+    assert graphs.counts["misses"] == flow.cfg.n_timesteps and graphs.counts["hits"] == 0
+    for sv, mel, inp in zip(solves, mels, plain):
+        row = sv.plan.row
+        whole = flow_rows(flow, [inp], True)[0]
+        assert max_err(mel[:, :, row.prompt_frames:row.frames], whole) <= BATCH_TOL

@@ -145,16 +145,20 @@ class Scheduler:
         self.flow_prefix_cache = use_cache
         if use_cache:
             from ..stages.flow_cache import FlowCachePool, default_budget, model_fingerprint
+            from ..stages.flow_hops import step_consts
 
             # the weights fingerprint every cached hop checks its prefix against (hashed once, then memoized): now,
             # not in the first request's first hop (42 ms of its time to first audio at full size on the H200)
-            model_fingerprint(models.flow)
+            flow = models.flow
+            model_fingerprint(flow)
             hops = self.backends.dit_cached
-            if hops is not None:  # capture the cached-hop graphs now, not in the first requests' hops
-                hops.capture_all()
-            budget = cfg.flow_cache_budget_bytes  # the default counts the memory the graphs took
-            self.flow_cache = FlowCachePool(default_budget(self.device) if budget is None else budget,
-                                            prompt_cache=cfg.flow_prompt_cache)
+            budget = cfg.flow_cache_budget_bytes
+            if budget is None:  # leaves room for the cached-hop graphs, captured below
+                budget = default_budget(self.device, graphs_pending=hops is not None)
+            self.flow_cache = FlowCachePool(budget, prompt_cache=cfg.flow_prompt_cache)
+            store = self.flow_cache.storage(flow)  # the pages, before the graphs that bake in their addresses
+            if hops is not None and store is not None:  # capture the graphs now, not in the first requests' hops
+                hops.capture_all(store, step_consts(flow, flow.rand_noise.device, flow.rand_noise.dtype))
         self._switch_interval = None  # the interpreter's GIL switch interval before this scheduler (fast_gil_switch)
         if cfg.fast_gil_switch and self.device.type == "cuda":
             import sys
@@ -219,6 +223,10 @@ class Scheduler:
         self.frontend.shutdown()
         if self._owns_runner:
             self.runner.close()
+        if self.flow_cache is not None:  # the pages and the cached-hop graphs that read them
+            if self.backends.dit_cached is not None:
+                self.backends.dit_cached.release(self.flow_cache.store)
+            self.flow_cache.close()
         if self._switch_interval is not None:
             import sys
 

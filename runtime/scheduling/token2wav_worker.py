@@ -239,7 +239,11 @@ class Token2WavWorker:
                                             inp.ids_checked)
                 plans, whole = plan_hops(self.flow, [inp], [row])
                 if plans:
-                    return start_cached(self.flow, plans[0])
+                    try:
+                        return start_cached(self.flow, plans[0], self._hop_runner())
+                    except BaseException:
+                        release_plans(plans)
+                        raise
             self.dit_counters.frames_uncached += j.frames
             return self.stepper.start(inp, j.streaming, j.finalize)
         except Exception as e:
@@ -249,7 +253,7 @@ class Token2WavWorker:
     def _drop_active(self, key: int) -> None:
         _, st = self.active.pop(key)
         if isinstance(st, CachedSolve):
-            release_plans([st.plan])
+            st.release()
 
     def _run_dit_step(self, group: list[DitJob]) -> None:
         """One Euler step for the rows of `group` that share the first row's kind (the queued ones start now; rows
@@ -271,10 +275,12 @@ class Token2WavWorker:
         kind = self.describe(rows[0][0])[0]
         rows = [p for p in rows if self.describe(p[0])[0] == kind]
         if kind == "cached":
-            hops = self.backends.dit_cached or self._eager_hops()
+            hops = self._hop_runner()
 
-            def step(pairs):
-                step_cached(self.flow, [st for _, st in pairs], hops)
+            def step(pairs):  # (a row-by-row retry skips rows a failed batch had already finished)
+                live = [st for _, st in pairs if not st.done]
+                if live:
+                    step_cached(self.flow, live, hops)
                 return [None] * len(pairs)
         else:
             est = self.backends.estimator(kind == "stream")
@@ -311,7 +317,10 @@ class Token2WavWorker:
         if done:
             self._dit_done(done, 0.0)
 
-    def _eager_hops(self):
+    def _hop_runner(self):
+        """What runs cached hops: the backends' cached-hop graphs, else eager calls of the pipeline's DiT variant."""
+        if self.backends.dit_cached is not None:
+            return self.backends.dit_cached
         if self._hops is None:
             self._hops = EagerHops(self.flow.estimator, cached_dit_fn(self.flow, self.backends.estimator(True)))
         return self._hops

@@ -20,20 +20,29 @@ hop of a request commits those chunks as a shared `PromptEntry` keyed by a conte
 ~50 new frames instead of ~200). Entries are refcounted while requests use them and evicted LRU when the pool needs
 room.
 
-Memory: per frame 2 (K, V) x depth x n_timesteps x 2 CFG rows x dim elements (full size bf16: 1.8 MB), plus per request
-2 convs x n_timesteps x 2 rows x 30 x dim (full size bf16: 2.5 MB) of conv tails. `FlowCachePool(budget_bytes)` charges
-every commit; when a commit does not fit (after evicting unused prompt entries) the hop still runs against what the
-request already has but commits nothing, and a request with nothing cached runs today's whole-history hop through the
-pipeline's estimator (engine / CUDA graphs); both count as `fallback_hops`.
+Storage (`PageStore`: allocated once per pool, by the scheduler before it captures the cached-hop graphs, which
+bake in its addresses; else by the pool's first hop):
+K/V in pages of one attention chunk (50 frames) holding every (Euler step, layer, CFG row) of those frames, and the
+conv tails in slots. A prefix is a page table (page j = frames [50 j, 50 j + 50)) plus a tail slot, so a hop loads its
+prefix with one gather per K and V inside its estimator call (no per-segment copies from the host per Euler step)
+and writes its new frames' K/V straight into the pages it reserved. Page 0 and tail slot 0 stay zero (what padding
+reads), page 1 and tail slot 1 are written by padding and uncommitted frames and never read. A hop reserves the
+pages of the frames it will commit and a fresh tail slot when it is planned; the request's previous tail slot is
+given back when the hop commits, so a hop that fails leaves the committed prefix as it was.
+
+Memory: per frame 2 (K, V) x depth x n_timesteps x 2 CFG rows x dim elements (full size bf16: 1.8 MB; a page 90 MB),
+plus per tail slot 2 convs x n_timesteps x 2 rows x 30 x dim (full size bf16: 2.5 MB). `FlowCachePool(budget_bytes)`
+charges every page and tail slot a hop reserves against the budget; when a hop's commit does not fit (after evicting
+unused prompt entries) it still runs against what the request already has but commits nothing, and a request with
+nothing cached runs today's whole-history hop through the pipeline's estimator (engine / CUDA graphs); both count as
+`fallback_hops`.
 
 The final hop stays upstream's full-attention pass over everything (a streaming final loses quality) and frees the
 request's cache (`FlowPrefixState.close`).
 
-Engines: `BucketedDiT` / CUDA-graph runners run whole-history calls only, so a cached hop runs the eager DiT's
-`forward_cached` (torch.compile'd when the pipeline's DiT is compiled). A graph / engine for cached hops would need
-the prefix as extra inputs: per (step, layer) K/V in a paged pool with a page table per row (static buffers, as
-sglang-omni's prefix_cuda_graph), prefix lengths, RoPE offsets and conv tails, with buckets over (rows, new frames,
-prefix pages).
+Engines: `BucketedDiT` / engine runners run whole-history calls only; cached hops run `DiT.forward_cached` (eager or
+torch.compile'd) through `flow_hop_calls` (eagerly, or a CUDA graph per (requests, new frames, prefix) bucket that
+gathers the prefix from the page table inside the graph, as sglang-omni's prefix_cuda_graph does).
 """
 from __future__ import annotations
 
@@ -51,34 +60,33 @@ from ..models.flow import cfg_euler_step
 
 # ------------------------------------------------------------------------------------------------------- segments
 
+ZERO, TRASH = 0, 1   # page / tail slot that stays zero (read by padding) and the one padding writes (never read)
+
+
 @dataclass
 class Segment:
-    """Committed frames [start, start + n) of one stream: k / v [steps, depth, 2 (cond, uncond), n, dim] (post-RoPE
-    keys, values), mel [80, n] (the solved mel), cond [80, n] (the prompt-mel conditioning they were computed from)."""
+    """Committed frames [start, start + n) of one stream: mel [80, n] (the solved mel) and cond [80, n] (the
+    prompt-mel conditioning they were computed from). Their K/V are in the prefix's pages."""
     start: int
-    k: torch.Tensor
-    v: torch.Tensor
     mel: torch.Tensor
     cond: torch.Tensor
 
     @property
     def n(self) -> int:
-        return self.k.shape[3]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.mel, self.cond))
+        return self.mel.shape[1]
 
 
 @dataclass
 class Prefix:
-    """A committed prefix: segments covering frames [0, frames), the conv tails at `frames` (tail1 / tail2
-    [steps, 2, K-1, dim]), what it was computed from: the speaker embedding (embedding [192]), the token ids (prompt +
-    generated, at least the frames' tokens and their look-ahead) and the model fingerprint; `digest`: the
-    `prompt_digest` of the prompt it was computed with, when its hop knew it (then `tokens` are on the host)."""
+    """A committed prefix: segments covering frames [0, frames), `pages` (page j of the pool's `PageStore` holds the
+    K/V of frames [j C, (j + 1) C) of every Euler step, layer and CFG row; C = the attention chunk), `tail` (the tail
+    slot with the conv input tails at `frames`), what it was computed from: the speaker embedding (embedding [192]),
+    the token ids (prompt + generated, at least the frames' tokens and their look-ahead) and the model fingerprint;
+    `digest`: the `prompt_digest` of the prompt it was computed with, when its hop knew it (then `tokens` are on
+    the host)."""
     segments: list
-    tail1: torch.Tensor
-    tail2: torch.Tensor
+    pages: list
+    tail: int
     embedding: torch.Tensor
     tokens: torch.Tensor
     model: str = ""
@@ -91,17 +99,65 @@ class Prefix:
 
 @dataclass
 class PromptEntry:
-    """A speaker's shared prompt prefix (in the pool's LRU, refcounted by the requests that use it)."""
+    """A speaker's shared prompt prefix (in the pool's LRU, refcounted by the requests that use it); it owns the
+    prefix's pages and tail slot."""
     key: str
     prefix: Prefix
     nbytes: int
     refs: int = 0
 
 
+# ------------------------------------------------------------------------------------------------------- storage
+
+class PageStore:
+    """The device memory of a pool's cached K/V and conv tails, fixed once allocated (CUDA graphs capture it).
+
+    k / v [depth, pages x steps x 2 x C, D]: row ((page x steps + step) x 2 + cfg row) x C + frame of layer l holds
+    that frame's post-RoPE key / value. tails [slots x steps x 2 x 2, K-1, dim]: row ((slot x steps + step) x 2 +
+    conv) x 2 + cfg row holds a convolution's last K-1 input frames. Page / slot 0 is zero, 1 is the write sink."""
+
+    def __init__(self, flow, pages: int, tails: int):
+        c, dit = flow.cfg, flow.estimator
+        self.device, self.dtype = flow.rand_noise.device, flow.rand_noise.dtype
+        self.steps, self.depth, self.chunk = c.n_timesteps, c.dit.depth, c.dit.static_chunk_size
+        self.kv_dim, self.dim = c.dit.heads * c.dit.dim_head, c.dit.dim
+        self.k1 = dit.input_embed.conv_pos_embed.kernel_size - 1
+        self.pages, self.tail_slots = pages + 2, tails + 2
+        rows = self.pages * self.steps * 2 * self.chunk
+        with torch.inference_mode():
+            self.k = torch.empty(self.depth, rows, self.kv_dim, device=self.device, dtype=self.dtype)
+            self.v = torch.empty_like(self.k)
+            self.tails = torch.empty(self.tail_slots * self.steps * 4, self.k1, self.dim, device=self.device,
+                                     dtype=self.dtype)
+            for t in (self.k, self.v):
+                t[:, :2 * self.steps * 2 * self.chunk].zero_()  # the zero page and the sink (finite values)
+            self.tails[:2 * self.steps * 4].zero_()
+
+    @staticmethod
+    def sizes(flow) -> tuple[int, int]:
+        """(bytes of one page, bytes of one tail slot) for this flow."""
+        c = flow.cfg
+        esize = torch.empty((), dtype=flow.rand_noise.dtype).element_size()
+        k1 = flow.estimator.input_embed.conv_pos_embed.kernel_size - 1
+        page = 2 * c.dit.depth * c.n_timesteps * 2 * c.dit.heads * c.dit.dim_head * esize * c.dit.static_chunk_size
+        return page, c.n_timesteps * 2 * 2 * k1 * c.dit.dim * esize
+
+    def fits(self, flow) -> bool:
+        c = flow.cfg
+        return (flow.rand_noise.device, flow.rand_noise.dtype, c.n_timesteps, c.dit.depth, c.dit.static_chunk_size,
+                c.dit.heads * c.dit.dim_head, c.dit.dim) == (self.device, self.dtype, self.steps, self.depth,
+                                                            self.chunk, self.kv_dim, self.dim)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.tails))
+
+
 # ---------------------------------------------------------------------------------------------------------- pool
 
 class FlowCachePool:
-    """Memory budget (bytes) and counters shared by the requests' prefix states and the speaker prompt entries."""
+    """Memory budget (bytes), the page store and counters shared by the requests' prefix states and the speaker
+    prompt entries."""
 
     def __init__(self, budget_bytes: int, prompt_cache: bool = True):
         if not isinstance(budget_bytes, int) or budget_bytes < 0:
@@ -110,29 +166,77 @@ class FlowCachePool:
         self.prompt_cache = prompt_cache
         self._lock = threading.RLock()
         self.used = 0
+        self.store: Optional[PageStore] = None
+        self.page_bytes = self.tail_bytes = 0
+        self._free_pages: list = []
+        self._free_tails: list = []
         self._prompts: OrderedDict[str, PromptEntry] = OrderedDict()
         self.counts = dict(frames_computed=0, frames_reused=0, cached_hops=0, whole_hops=0, fallback_hops=0,
                            invalidations=0, prompt_hits=0, prompt_misses=0, prompt_evictions=0, peak_bytes=0)
 
-    # ------------------------------------------------------------------------------------------------ budget
-    def reserve(self, nbytes: int) -> bool:
-        """Charge nbytes if they fit, evicting least recently used prompt entries no request uses."""
+    # ------------------------------------------------------------------------------------------------ storage
+    def storage(self, flow) -> Optional[PageStore]:
+        """The pool's page store for `flow`, allocated on first use: as many pages as the budget holds and a tail
+        slot per page plus 64 (a tail slot costs ~3 % of a page; a request holds one per committed prefix, one
+        more while a hop runs). None when the budget holds no page."""
         with self._lock:
-            if self.used + nbytes > self.budget:
+            if self.store is None:
+                page, tail = PageStore.sizes(flow)
+                pages = self.budget // page
+                if pages < 1 or self.budget < page + tail:
+                    return None
+                self.page_bytes, self.tail_bytes = page, tail
+                self.store = PageStore(flow, pages, min(self.budget // tail, pages + 64))
+                self._free_pages = list(range(self.store.pages - 1, 1, -1))
+                self._free_tails = list(range(self.store.tail_slots - 1, 1, -1))
+            elif not self.store.fits(flow):
+                raise ValueError("this flow cache pool's pages were made for another flow (device, dtype or size)")
+            return self.store
+
+    def close(self) -> None:
+        """Free the page store (the requests' prefixes and prompt entries go with it)."""
+        with self._lock:
+            self._prompts.clear()
+            self.store = None
+            self._free_pages, self._free_tails = [], []
+            self.used = 0
+
+    # ------------------------------------------------------------------------------------------------ budget
+    def reserve(self, pages: int, tails: int) -> Optional[tuple[list, list]]:
+        """Take `pages` pages and `tails` tail slots if they fit the budget and the store, evicting least recently
+        used prompt entries no request uses; (page ids, slot ids) or None."""
+        with self._lock:
+            if self.store is None:
+                return None
+            nbytes = pages * self.page_bytes + tails * self.tail_bytes
+
+            def short() -> bool:
+                return (self.used + nbytes > self.budget or len(self._free_pages) < pages
+                        or len(self._free_tails) < tails)
+
+            if short():
                 for key in [k for k, e in self._prompts.items() if e.refs == 0]:
-                    if self.used + nbytes <= self.budget:
+                    if not short():
                         break
-                    self.used -= self._prompts.pop(key).nbytes
+                    e = self._prompts.pop(key)
+                    self._free(e.prefix.pages, [e.prefix.tail])
                     self.counts["prompt_evictions"] += 1
-            if self.used + nbytes > self.budget:
-                return False
+            if short():
+                return None
             self.used += nbytes
             self.counts["peak_bytes"] = max(self.counts["peak_bytes"], self.used)
-            return True
+            return [self._free_pages.pop() for _ in range(pages)], [self._free_tails.pop() for _ in range(tails)]
 
-    def release(self, nbytes: int) -> None:
+    def _free(self, pages: list, tails: list) -> None:
+        self.used -= len(pages) * self.page_bytes + len(tails) * self.tail_bytes
+        self._free_pages.extend(pages)
+        self._free_tails.extend(tails)
+
+    def release(self, pages: list, tails: list) -> None:
+        """Give back pages and tail slots taken by `reserve` (ids of a store that was closed are dropped)."""
         with self._lock:
-            self.used -= nbytes
+            if self.store is not None:
+                self._free([p for p in pages if p >= 2], [t for t in tails if t >= 2])
 
     def count(self, **kw: int) -> None:
         with self._lock:
@@ -142,7 +246,8 @@ class FlowCachePool:
     def stats(self) -> dict:
         with self._lock:
             return {**self.counts, "bytes_used": self.used, "budget_bytes": self.budget,
-                    "prompt_entries": len(self._prompts)}
+                    "prompt_entries": len(self._prompts),
+                    "pages_free": len(self._free_pages), "pages": 0 if self.store is None else self.store.pages - 2}
 
     # ------------------------------------------------------------------------------------------ prompt entries
     def prompt_get(self, key: str) -> Optional[PromptEntry]:
@@ -154,11 +259,11 @@ class FlowCachePool:
             self.counts["prompt_hits" if e is not None else "prompt_misses"] += 1
             return e
 
-    def prompt_put(self, key: str, prefix: Prefix) -> Optional[PromptEntry]:
-        """Register a prompt prefix (charged to the pool; None when it does not fit or the key exists)."""
-        nbytes = prefix_nbytes(prefix)
+    def prompt_register(self, key: str, prefix: Prefix, nbytes: int) -> Optional[PromptEntry]:
+        """Register a prompt prefix whose pages and tail slot the caller reserved (refs 1); None when the key
+        exists already (the caller keeps its pages)."""
         with self._lock:
-            if key in self._prompts or not self.reserve(nbytes):
+            if key in self._prompts:
                 return None
             e = self._prompts[key] = PromptEntry(key, prefix, nbytes, refs=1)
             return e
@@ -171,14 +276,11 @@ class FlowCachePool:
         """Drop every prompt entry no request uses (e.g. after the weights or the noise changed)."""
         with self._lock:
             for key in [k for k, e in self._prompts.items() if e.refs == 0]:
-                self.used -= self._prompts.pop(key).nbytes
+                e = self._prompts.pop(key)
+                self._free(e.prefix.pages, [e.prefix.tail])
 
     def new_state(self) -> "FlowPrefixState":
         return FlowPrefixState(self)
-
-
-def prefix_nbytes(p: Prefix) -> int:
-    return sum(s.nbytes for s in p.segments) + (p.tail1.numel() + p.tail2.numel()) * p.tail1.element_size()
 
 
 def bytes_per_frame(flow, dtype: Optional[torch.dtype] = None) -> int:
@@ -188,14 +290,14 @@ def bytes_per_frame(flow, dtype: Optional[torch.dtype] = None) -> int:
     return 2 * c.dit.depth * c.n_timesteps * 2 * c.dit.heads * c.dit.dim_head * esize
 
 
-def _release_bytes(pool: FlowCachePool, nbytes: list, entry: list) -> None:
-    """weakref finalizer of a state: give back what a state never closed still holds."""
-    if nbytes[0]:
-        pool.release(nbytes[0])
-        nbytes[0] = 0
-    if entry[0] is not None:
-        pool.prompt_unref(entry[0])
-        entry[0] = None
+def _release_owned(pool: FlowCachePool, owned: dict) -> None:
+    """weakref finalizer of a state (and `drop`): give back the pages / tail slot it owns and its prompt entry."""
+    if owned["pages"] or owned["tails"]:
+        pool.release(owned["pages"], owned["tails"])
+        owned["pages"], owned["tails"] = [], []
+    if owned["entry"] is not None:
+        pool.prompt_unref(owned["entry"])
+        owned["entry"] = None
 
 
 # --------------------------------------------------------------------------------------------- per-request state
@@ -209,40 +311,46 @@ class FlowPrefixState:
         self.prefix: Optional[Prefix] = None
         self.prompt_checked = False
         self.closed = False
-        self._nbytes = [0]        # own segments + tails charged to the pool
-        self._entry = [None]      # the shared prompt entry in use
-        self.own_start = 0        # frames below this come from the prompt entry
-        self.tails_charged = False
-        self._finalizer = weakref.finalize(self, _release_bytes, pool, self._nbytes, self._entry)
+        self._owned = {"pages": [], "tails": [], "entry": None}  # own pages / tail slot, the prompt entry in use
+        self._finalizer = weakref.finalize(self, _release_owned, pool, self._owned)
 
     @property
     def frames(self) -> int:
         return 0 if self.prefix is None or self.closed else self.prefix.frames
 
     def drop(self) -> None:
-        """Forget the prefix (and its pool charge); the next hop starts from scratch."""
-        _release_bytes(self.pool, self._nbytes, self._entry)
+        """Forget the prefix (and give back what it holds); the next hop starts from scratch."""
+        _release_owned(self.pool, self._owned)
         self.prefix = None
-        self.own_start = 0
-        self.tails_charged = False
 
     def close(self) -> None:
         self.closed = True
         self.drop()
 
-    # used by flow.Flow._solve_cached ------------------------------------------------------------------------
+    # used by flow_hops ---------------------------------------------------------------------------------------
     def attach_prompt(self, entry: PromptEntry) -> None:
-        self._entry[0] = entry
+        self._owned["entry"] = entry
         p = entry.prefix
-        self.prefix = Prefix(list(p.segments), p.tail1, p.tail2, p.embedding, p.tokens, p.model, p.digest)
-        self.own_start = p.frames
+        self.prefix = Prefix(list(p.segments), list(p.pages), p.tail, p.embedding, p.tokens, p.model, p.digest)
 
-    def add_bytes(self, n: int) -> None:
-        self._nbytes[0] += n
+    def use_entry(self, entry: PromptEntry) -> None:
+        """The prompt entry this request's first hop registered (its reference is this state's)."""
+        self._owned["entry"] = entry
+
+    def own(self, pages: list, tails: list) -> None:
+        """Take ownership of reserved pages / tail slots (they are given back with the state)."""
+        self._owned["pages"].extend(pages)
+        self._owned["tails"].extend(tails)
+
+    def disown_tail(self, slot: int) -> None:
+        """Give back an own tail slot a newer one replaced (the commit that replaced it has happened)."""
+        if slot in self._owned["tails"]:
+            self._owned["tails"].remove(slot)
+            self.pool.release([], [slot])
 
     @property
     def uses_prompt_entry(self) -> bool:
-        return self._entry[0] is not None
+        return self._owned["entry"] is not None
 
 
 # ------------------------------------------------------------------------------------------------- prompt keys
@@ -311,14 +419,16 @@ def prompt_cacheable_frames(flow, n_prompt_tokens: int) -> int:
     return (limit // chunk) * chunk
 
 
-def default_budget(device) -> int:
+def default_budget(device, graphs_pending: bool = False) -> int:
     """The pool budget when none is configured: 40 % of the GPU's memory, but never more than what is free now less
-    a reserve for the stages' working memory (a tenth of the GPU, at least 4 GiB); 1 GiB on CPU. Taken when the
-    scheduler starts, after its graphs are captured. (sglang-omni caps its pool at 24 GiB / 25 %: on the H200 that
-    pool filled at 8 req/s of mixed-length streams and 62 hops fell back to whole-history, BENCHMARKS.md run 28.)"""
+    a reserve for the stages' working memory (a tenth of the GPU, at least 4 GiB; a quarter, at least 8 GiB, when
+    the cached-hop graphs are still to be captured: they are captured after the pool's pages, whose addresses they
+    bake in, and take their working memory from what is left); 1 GiB on CPU. (sglang-omni caps its pool at 24 GiB /
+    25 %: on the H200 that pool filled at 8 req/s of mixed-length streams and 62 hops fell back to whole-history,
+    BENCHMARKS.md run 28.)"""
     device = torch.device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        reserve = max(4 << 30, total // 10)
+        reserve = max(8 << 30, total // 4) if graphs_pending else max(4 << 30, total // 10)
         return int(max(0, min(total * 2 // 5, free - reserve)))
     return 1 << 30

@@ -1,18 +1,28 @@
-"""How one cached streaming DiT hop calls the estimator: eagerly, or by replaying a CUDA graph per bucket.
+"""How one Euler step of prefix-cached streaming DiT hops runs: eagerly, or by replaying a CUDA graph per bucket.
 
 A cached hop (stages/flow_hops.py) runs `DiT.forward_cached` once per Euler step on its rows' new frames against
-their cached prefix K/V. Eagerly that is ~22 layers x ~30 small kernels per step, launch-bound on a GPU, while the
-whole-history hop it replaces replays one CUDA graph per step. `CachedHopGraphs` captures `forward_cached` per
-(requests, new frames, prefix frames) bucket of a profile's `dit.cached` grid, with every input in static buffers
-shared by all buckets (views of one allocation per input, sized for the largest bucket: the prefix K/V alone is
-depth x 2 rows x prefix x dim per request), so a hop copies its rows into the buffers and replays.
+their cached prefix K/V. Everything a step needs lives in device memory that outlives the call, addressed by a small
+integer table per row (`meta`, uploaded once per step):
 
-Both kinds hand the hop a `HopCall`: the call's input tensors, laid out with request b's conditional row at batch
-index b and its unconditional row at R + b (R = the call's row count: the request count eagerly, the bucket's in a
-graph), new frames right-padded to N, prefix frames right-padded to P (`prefix_valid` masks the padding, padded rows
-have an all-zero mask). Padding never changes a valid row: rows are independent, the convolutions are causal, padded
-keys are masked out of attention (exactness: tests/test_flow_hop_graphs.py). Rows may be at different Euler steps
-(t per row; each row's prefix K/V and tails are loaded for its own step), which step-level DiT scheduling uses.
+* the rows' solver state in a `SolveArena` slot (noisy mel x, mu, cond, speaker row), written once when the hop
+  starts;
+* the prefix K/V in the pool's pages (`flow_cache.PageStore`), named by the row's page table, and the conv input
+  tails in a tail slot.
+
+`hop_step` gathers the rows' inputs from the arena and their prefix from the pages, calls the estimator, writes the
+new frames' K/V to the pages the hop reserved (uncommitted frames to the sink page), the conv tails at the hop's commit
+points to their reserved slots, and applies the Euler update with CFG to x in the arena. So a step costs the host one
+small upload and one call whatever the rows' prefix lengths: no per-segment or per-row copies (before this layout a
+step-level call of 8 streams with 8 committed hops each dispatched ~860 small ops from the DiT thread,
+benchmarks/dit_step_host_ops.py).
+
+`CachedHopGraphs` captures `hop_step` (around the eager or torch.compile'd `forward_cached`) per (requests, new frames,
+prefix frames) bucket of a profile's `dit.cached` grid; `EagerHops` runs it directly. Rows are laid out with request
+b's conditional row at batch index b and its unconditional row at R + b (R = the call's rows: the request count
+eagerly, the bucket's in a graph); new frames right-padded to N, prefix frames to P (masked), padded rows read zeros
+and write only to the sinks. Padding never changes a valid row: rows are independent, the convolutions are causal,
+padded keys are masked out of attention (exactness: tests/test_flow_hop_graphs.py). Rows may be at different Euler
+steps (t, the prefix's K/V and tails per row and step), which step-level DiT scheduling uses.
 """
 from __future__ import annotations
 
@@ -24,10 +34,16 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ...engines.cuda_graphs import GraphCache
+from ...engines.cuda_graphs import GraphCache, upload
+from .flow_cache import TRASH, ZERO, PageStore
 
 _INPUTS = ("x", "mask", "mu", "t", "spks", "cond", "offsets", "kp", "vp", "prefix_valid", "tail1", "tail2",
            "k_out", "v_out")
+
+# a row's table: arena slot, Euler step, first new frame (= prefix frames), new frames, tail slot read, then two
+# (tail slot written, at new-frame index) commit points, then the prefix page table, then the new frames' pages
+META = 9
+PAD_HEAD = (0, 0, 0, 0, ZERO, TRASH, 0, TRASH, 0)
 
 
 @dataclass(frozen=True)
@@ -60,71 +76,13 @@ class CachedGrid:
         return {"batch": list(self.batch), "frames": list(self.frames), "prefix": list(self.prefix)}
 
 
-class HopCall:
-    """The estimator inputs of one cached hop (see the module doc for the layout) and how to run them.
-
-    `fresh`: the per-row inputs that stay fixed over a row's Euler steps (mu, cond, mask, spks, offsets,
-    prefix_valid) must be filled: False when the same rows, in the same order, used this call's buffers last (a hop's
-    ten steps, or stepped rows whose batch did not change), so a step only loads what changes per step."""
-    rows: int
-    frames: int
-    prefix: int
-    fresh: bool = True
-
-    def reset(self) -> None:
-        """Zero everything a hop fills per row (a graph's buffers still hold the previous hop)."""
-        for name in ("x", "mask", "mu", "spks", "cond", "offsets", "tail1", "tail2"):
-            getattr(self, name).zero_()
-        if self.prefix_valid is not None:
-            self.prefix_valid.zero_()
-
-    def load_prefix(self, b: int, s: int, prefix) -> None:
-        """Request b's cached prefix K/V of Euler step s (`flow_cache.Prefix`: segments with k / v [steps, depth,
-        2 (cond, uncond), frames, D]), copied segment by segment to frames [0, prefix.frames) of its rows."""
-        for dst, name in ((self.kp, "k"), (self.vp, "v")):
-            L, _, P, D = dst.shape
-            rows = dst.view(L, 2, self.rows, P, D)
-            for seg in prefix.segments:
-                rows[:, :, b, seg.start:seg.start + seg.n] = getattr(seg, name)[s]
-
-    def load_tails(self, b: int, s: int, prefix) -> None:
-        """Request b's conv input tails of Euler step s (left at zero at stream start: the left zero padding)."""
-        for name in ("tail1", "tail2"):
-            dst = getattr(self, name)
-            dst.view(2, self.rows, *dst.shape[1:])[:, b] = getattr(prefix, name)[s]
-
-    def run(self):  # pragma: no cover - interface
-        """One estimator call. Returns (velocity [2R, 80, N], in1, in2 [2R, K-1+N, D]) in the call's layout, and
-        leaves this call's K/V in k_out / v_out [depth, 2R, N, D] — all borrowed until the next call."""
-        raise NotImplementedError
-
-    def kv_rows(self, b: int, n: int):
-        """Request b's K and V of the last call as [depth, 2 (cond, uncond), n, D] views of k_out / v_out."""
-        L, _, N, D = self.k_out.shape
-        return tuple(t.view(L, 2, self.rows, N, D)[:, :, b, :n] for t in (self.k_out, self.v_out))
-
-
-class EagerHopCall(HopCall):
-    """Fresh tensors of exactly the hop's size; `fn` = DiT.forward_cached (or its compiled form)."""
-
-    def __init__(self, fn: Callable, shapes: dict, device, dtype, b: int, n: int, p: int):
-        self.fn, self.rows, self.frames, self.prefix = fn, b, n, p
-        for name in _INPUTS:
-            setattr(self, name, torch.zeros(shapes[name], device=device, dtype=input_dtype(name, dtype))
-                    if name in shapes else None)
-
-    def run(self):
-        return self.fn(self.x, self.mask, self.mu, self.t, self.spks, self.cond, self.offsets, self.kp, self.vp,
-                       self.prefix_valid, self.tail1, self.tail2, self.k_out, self.v_out)
-
-
 def input_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a cached-hop input: long offsets, a bool prefix mask, the model's dtype elsewhere."""
+    """The dtype of a forward_cached input: long offsets, a bool prefix mask, the model's dtype elsewhere."""
     return torch.long if name == "offsets" else torch.bool if name == "prefix_valid" else dtype
 
 
 def hop_shapes(dit, b: int, n: int, p: int) -> dict:
-    """Input shapes of a cached-hop call of b requests (2b rows), n new frames, p prefix frames (p = 0: no prefix
+    """forward_cached's input shapes for b requests (2b rows), n new frames, p prefix frames (p = 0: no prefix
     inputs)."""
     c = dit.cfg
     D, K1 = c.heads * c.dim_head, dit.input_embed.conv_pos_embed.kernel_size - 1
@@ -139,99 +97,277 @@ def hop_shapes(dit, b: int, n: int, p: int) -> dict:
     return shapes
 
 
+# ------------------------------------------------------------------------------------------------ solver state
+
+class SolveArena:
+    """Cached-hop rows' solver state between Euler steps, one slot per row: x (the noisy mel), mu, cond
+    [slots, 80, frames] and the speaker row spks [slots, 80]. Slot 0 is the padding rows' (zeros). A `growable`
+    arena (eager calls only: nothing captured its addresses) grows to fit; a fixed one (a graph set's) says no."""
+
+    def __init__(self, slots: int, frames: int, mel_dim: int, spk_dim: int, device, dtype, growable: bool):
+        self.growable = growable
+        self.mel_dim, self.spk_dim, self.device, self.dtype = mel_dim, spk_dim, torch.device(device), dtype
+        self._lock = threading.Lock()
+        self._alloc(slots, frames)
+        self.free = list(range(slots, 0, -1))
+
+    def _alloc(self, slots: int, frames: int) -> None:
+        with torch.inference_mode():
+            old = getattr(self, "x", None)
+            new = [torch.zeros(slots + 1, self.mel_dim, frames, device=self.device, dtype=self.dtype) for _ in range(3)]
+            spks = torch.zeros(slots + 1, self.spk_dim, device=self.device, dtype=self.dtype)
+            if old is not None:
+                s, f = old.shape[0], min(old.shape[2], frames)
+                for dst, src in zip(new, (self.x, self.mu, self.cond)):
+                    dst[:s, :, :f] = src[:, :, :f]
+                spks[:s] = self.spks
+            self.x, self.mu, self.cond = new
+            self.spks = spks
+        self.slots, self.frames = slots, frames
+
+    def take(self, n: int) -> Optional[int]:
+        """A free slot for a row of n new frames, or None (a fixed arena that is full or too short)."""
+        with self._lock:
+            if n > self.frames or not self.free:
+                if not self.growable:
+                    return None
+                more = 0 if self.free else self.slots
+                self._alloc(self.slots + more, max(n, self.frames))
+                self.free.extend(range(self.slots, self.slots - more, -1))
+            return self.free.pop()
+
+    def give(self, slot: int) -> None:
+        with self._lock:
+            self.free.append(slot)
+
+    def load(self, slot: int, x: torch.Tensor, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor) -> None:
+        """A row's fixed inputs and starting noise [80, n] (the rest of the slot zeroed)."""
+        n = x.shape[1]
+        for dst, src in ((self.x, x), (self.mu, mu), (self.cond, cond)):
+            dst[slot, :, :n] = src
+            dst[slot, :, n:] = 0
+        self.spks[slot] = spks
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.x, self.mu, self.cond, self.spks))
+
+
+# ------------------------------------------------------------------------------------------------- the step
+
+@dataclass
+class StepConsts:
+    """What every step reads besides its rows: the Euler table on the device (t and dt of each step, as the whole
+    solve's recurrence reaches them) and the CFG rate."""
+    ts: torch.Tensor
+    dts: torch.Tensor
+    cfg_rate: float
+
+
+def hop_step(fn: Callable, store: PageStore, arena: SolveArena, meta: torch.Tensor, N: int, P: int,
+             consts: StepConsts) -> None:
+    """One estimator call advancing the rows of `meta` [R, META + ceil(P/C) + ceil(N/C)] (long, on the device) by
+    one Euler step each, in place (arena x, the reserved pages and tail slots). `fn` = DiT.forward_cached or its
+    compiled form. Per row the arithmetic is the whole solve's: the same noise columns, t / dt values, CFG mix and
+    update; padded frames and rows are masked (mask, prefix_valid) and written as zeros or to the sinks."""
+    R = meta.shape[0]
+    S, C, L, D, K1, dim = store.steps, store.chunk, store.depth, store.kv_dim, store.k1, store.dim
+    dev = meta.device
+    slot, step, start, n = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3]
+    fr = torch.arange(N, device=dev)
+    cfg = torch.arange(2, device=dev)
+    valid = fr.unsqueeze(0) < n.unsqueeze(1)  # [R, N]
+    x = arena.x[:, :, :N].index_select(0, slot)
+    mu = arena.mu[:, :, :N].index_select(0, slot)
+    cond = arena.cond[:, :, :N].index_select(0, slot)
+    spks = arena.spks.index_select(0, slot)
+    mask = valid.unsqueeze(1).to(x.dtype)
+    t = consts.ts.index_select(0, step)
+    col = META
+    kp = vp = prefix_valid = None
+    if P:
+        pages = -(-P // C)
+        p = torch.arange(P, device=dev)
+        pv = p.unsqueeze(0) < start.unsqueeze(1)  # [R, P]
+        page = torch.where(pv, meta[:, col:col + pages].index_select(1, p // C), ZERO)
+        rows = ((page * S + step.unsqueeze(1)) * 2).unsqueeze(0) + cfg.view(2, 1, 1)  # [2 (cfg), R, P]
+        idx = (rows * C + p % C).reshape(-1)
+        kp = store.k.index_select(1, idx).view(L, 2 * R, P, D)
+        vp = store.v.index_select(1, idx).view(L, 2 * R, P, D)
+        prefix_valid = torch.cat((pv, pv))
+        col += pages
+
+    def tail_rows(slots: torch.Tensor) -> torch.Tensor:  # [2 (conv), 2 (cfg), R] rows of the tail store
+        return ((((slots * S + step) * 2).view(1, 1, R) + cfg.view(2, 1, 1)) * 2 + cfg.view(1, 2, 1)).reshape(-1)
+
+    tails = store.tails.index_select(0, tail_rows(meta[:, 4])).view(2, 2 * R, K1, dim)
+    k_out = x.new_empty(L, 2 * R, N, D)
+    v_out = torch.empty_like(k_out)
+    zeros = torch.zeros_like(x)
+    vel, in1, in2 = fn(torch.cat((x, x)), torch.cat((mask, mask)), torch.cat((mu, zeros)), torch.cat((t, t)),
+                       torch.cat((spks, torch.zeros_like(spks))), torch.cat((cond, zeros)), torch.cat((start, start)),
+                       kp, vp, prefix_valid, tails[0], tails[1], k_out, v_out)
+    # the new frames' K/V of this step: to the hop's reserved pages (uncommitted and padded frames: the sink page)
+    out_pages = meta[:, col:col + -(-N // C)].index_select(1, fr // C)  # [R, N]
+    rows = ((out_pages * S + step.unsqueeze(1)) * 2).unsqueeze(0) + cfg.view(2, 1, 1)
+    idx = (rows * C + fr % C).reshape(-1)
+    store.k.index_copy_(1, idx, k_out.view(L, 2 * R * N, D))
+    store.v.index_copy_(1, idx, v_out.view(L, 2 * R * N, D))
+    # the conv input tails at the commit points: in1 / in2 row position m holds frame start - (K-1) + m
+    k1 = torch.arange(K1, device=dev)
+    for slot_col, at_col in ((5, 6), (7, 8)):
+        g = meta[:, at_col].unsqueeze(1) + k1
+        g = torch.cat((g, g)).unsqueeze(-1).expand(2 * R, K1, dim)
+        src = torch.stack((in1.gather(1, g), in2.gather(1, g)))  # [2 (conv), 2R (cfg-major), K1, dim]
+        store.tails.index_copy_(0, tail_rows(meta[:, slot_col]), src.view(-1, K1, dim))
+    # the Euler step with CFG, as cfg_euler_step (padded frames stay zero)
+    v_mix = (1.0 + consts.cfg_rate) * vel[:R] - consts.cfg_rate * vel[R:]
+    dt = consts.dts.index_select(0, step).view(R, 1, 1)
+    arena.x[:, :, :N].index_copy_(0, slot, torch.where(valid.unsqueeze(1), x + dt * v_mix, zeros))
+
+
+def meta_rows(rows: Sequence[tuple], R: int, N: int, P: int, chunk: int) -> torch.Tensor:
+    """The [R, META + ceil(P/C) + ceil(N/C)] table of a call: each row (head, prefix pages, new-frame pages) padded
+    with the zero page / the sink, then padding rows (CPU, long)."""
+    pp, npg = -(-P // chunk), -(-N // chunk)
+    flat = []
+    for head, prefix, out in rows:
+        flat += head
+        flat += prefix
+        flat += [ZERO] * (pp - len(prefix))
+        flat += out
+        flat += [TRASH] * (npg - len(out))
+    flat += (list(PAD_HEAD) + [ZERO] * pp + [TRASH] * npg) * (R - len(rows))
+    return torch.tensor(flat, dtype=torch.long).view(R, META + pp + npg)
+
+
+# ----------------------------------------------------------------------------------------------------- runners
+
 class EagerHops:
-    """Cached hops through `fn` (DiT.forward_cached or its compiled form) with exactly-sized tensors; the last call
-    is kept for the next one of the same size and rows (`HopCall.fresh`)."""
+    """Cached-hop steps through `fn` (DiT.forward_cached or its compiled form) at exactly the call's size, solver
+    state in a growable arena."""
 
-    def __init__(self, dit, fn: Callable):
-        self.dit, self.fn = dit, fn
-        self._last = None  # ((b, n, p), rows, call)
+    def __init__(self, dit, fn: Callable, slots: int = 8):
+        self.dit, self.fn, self._slots = dit, fn, slots
+        self.arena: Optional[SolveArena] = None
 
-    def open(self, b: int, n: int, p: int, device, dtype, rows: Optional[tuple] = None) -> HopCall:
-        last = self._last
-        if rows is not None and last is not None and last[0] == (b, n, p) and last[1] == rows:
-            last[2].fresh = False
-            return last[2]
-        call = EagerHopCall(self.fn, hop_shapes(self.dit, b, n, p), device, dtype, b, n, p)
-        self._last = ((b, n, p), rows, call) if rows is not None else None
-        return call
+    def take(self, n: int, device, dtype) -> tuple[SolveArena, int]:
+        """(arena, slot) for a new row of n new frames."""
+        if self.arena is None or self.arena.device != torch.device(device) or self.arena.dtype != dtype:
+            c = self.dit.cfg
+            self.arena = SolveArena(self._slots, max(n, 64), c.mel_dim, c.spk_dim, device, dtype, growable=True)
+        return self.arena, self.arena.take(n)
 
-
-class GraphHopCall(HopCall):
-    """A bucket's static buffers (views of the shared ones) and its graph."""
-
-    def __init__(self, key: tuple, views: dict, replay: Callable, fresh: bool):
-        self._replay = replay
-        self.rows, self.frames, self.prefix = key
-        self.fresh = fresh
-        for name in _INPUTS:
-            setattr(self, name, views.get(name))
-
-    def run(self):
-        return self._replay()
+    def run(self, store: PageStore, arena: SolveArena, rows: Sequence[tuple], N: int, P: int,
+            consts: StepConsts) -> None:
+        """One step of `rows` ((head, prefix pages, new-frame pages) per row) of `arena`."""
+        meta = upload(meta_rows(rows, len(rows), N, P, store.chunk), arena.device)
+        hop_step(self.fn, store, arena, meta, N, P, consts)
 
 
 class CachedHopGraphs:
-    """`DiT.forward_cached` captured as one CUDA graph per bucket of a `CachedGrid` (eager `dit`, or `fn` for its
-    compiled form). Buckets are captured on first use or all at once by `capture_all` (the scheduler does it at
-    start when the prefix cache is on). Without CUDA (tests) a bucket "replays" by calling the function on its
-    static views, which checks everything but the capture itself. `open` returns None when no bucket fits (the
-    hop then runs eagerly); `counts` has hits and misses (estimator calls, one per Euler step, with / without a
-    bucket) and captures."""
+    """`hop_step` captured as one CUDA graph per bucket of a `CachedGrid`, around the eager `dit.forward_cached` or
+    `fn` (its compiled form). The graphs read and write one pool's `PageStore` and this set's own fixed `SolveArena`
+    (`slots` rows of up to the grid's largest new frames); rows that do not fit it, and calls no bucket holds, run
+    eagerly (`EagerHops`). Buckets are captured on first use or all at once by `capture_all` (the scheduler does it
+    at start, after allocating the pool's pages). Without CUDA (tests) a bucket "replays" by calling `hop_step` on
+    its static table, which checks everything but the capture itself. `counts`: hits and misses (estimator calls,
+    one per Euler step, with / without a bucket) and captures; `capture_failed`: buckets whose capture ran out of
+    memory (their calls run eagerly)."""
 
     def __init__(self, dit, grid: CachedGrid, device, dtype=None, fn: Optional[Callable] = None,
-                 graphs: Optional[bool] = None):
+                 graphs: Optional[bool] = None, slots: int = 64):
         self.dit, self.grid = dit, grid
         self.fn = fn or dit.forward_cached
         self.device = torch.device(device)
         self.dtype = dtype or next(dit.parameters()).dtype
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        self.cache = GraphCache(self.fn, self.device, warmup=1) if self.graphs else None
+        self._slots = slots
+        self.cache = GraphCache(None, self.device, warmup=1) if self.graphs else None
         self.entries: dict = {}
-        self.counts = dict(hits=0, misses=0, captured=0)
+        self.counts = dict(hits=0, misses=0, captured=0, capture_failed=0)
         self._lock = threading.Lock()
-        self._flat: dict = {}  # the shared static buffers, allocated with the first bucket (none while unused)
-        self._bound = None     # (bucket, rows) whose fixed inputs the shared buffers hold (HopCall.fresh)
+        self.arena: Optional[SolveArena] = None  # allocated with the first bucket or row (none while unused)
+        self._meta: Optional[torch.Tensor] = None
+        self._store: Optional[PageStore] = None  # the pages the captured graphs read and write
+        self._consts: Optional[StepConsts] = None
+        self.eager = EagerHops(dit, self.fn)
+        self._failed: set = set()
 
-    def _buffers(self) -> dict:
-        if not self._flat:
-            big = hop_shapes(self.dit, max(self.grid.batch), max(self.grid.frames), max(self.grid.prefix))
-            with torch.inference_mode():
-                for name, shape in big.items():
-                    self._flat[name] = torch.zeros(math.prod(shape), device=self.device,
-                                                   dtype=input_dtype(name, self.dtype))
-        return self._flat
+    def _arena(self) -> SolveArena:
+        if self.arena is None:
+            c = self.dit.cfg
+            self.arena = SolveArena(self._slots, max(self.grid.frames), c.mel_dim, c.spk_dim, self.device,
+                                    self.dtype, growable=False)
+        return self.arena
 
     @property
     def static_bytes(self) -> int:
-        """Bytes of the shared static buffers (0 until the first bucket is used or captured)."""
-        return sum(t.numel() * t.element_size() for t in self._flat.values())
+        """Bytes of the set's arena and tables (0 until the first bucket or row)."""
+        meta = 0 if self._meta is None else self._meta.numel() * 8
+        return (0 if self.arena is None else self.arena.nbytes) + meta
 
-    def _views(self, key: tuple) -> dict:
+    def take(self, n: int, device, dtype) -> tuple[SolveArena, int]:
+        if torch.device(device) == self.device and dtype == self.dtype:
+            slot = self._arena().take(n)
+            if slot is not None:
+                return self.arena, slot
+        return self.eager.take(n, device, dtype)
+
+    def bind(self, store: PageStore, consts: StepConsts) -> None:
+        """Use `store`'s pages from now on: graphs captured against other pages are dropped."""
+        with self._lock:
+            if store is not self._store:
+                if self._store is not None:  # graphs of the old pages: dropped, with their memory pool
+                    self.entries.clear()
+                    self._failed.clear()
+                    if self.cache is not None:
+                        self.cache = GraphCache(None, self.device, warmup=1)
+                self._store = store
+            self._consts = consts
+
+    def _meta_view(self, key: tuple) -> torch.Tensor:
+        C = self._store.chunk
+        if self._meta is None:
+            width = META + -(-max(self.grid.prefix) // C) + -(-max(self.grid.frames) // C)
+            self._meta = torch.zeros(max(self.grid.batch) * width, dtype=torch.long, device=self.device)
         b, n, p = key
-        flat = self._buffers()
-        shapes = hop_shapes(self.dit, b, n, p)
-        return {name: flat[name][:math.prod(shape)].view(shape) for name, shape in shapes.items()}
-
-    def _capture(self, key: tuple):
-        """(the bucket's views, its replay): a CUDA graph over the views, or (without CUDA) the call itself."""
-        views = self._views(key)
-        args = tuple(views.get(n) for n in _INPUTS)
-        if self.cache is None:
-            return views, lambda: self.fn(*args)
-        self.cache.capture(key, args, static=True, collect=False)  # capture_all collects once
-        return views, lambda: self.cache.run(key)
+        shape = (b, META + -(-p // C) + -(-n // C))
+        view = self._meta[:math.prod(shape)].view(shape)
+        view.copy_(meta_rows([], b, n, p, C))  # padding rows: what the warm-up / capture runs on
+        return view
 
     def entry(self, key: tuple):
+        """(the bucket's table, its replay); None when its capture ran out of memory."""
         with self._lock:
+            if key in self._failed:
+                return None
             if key not in self.entries:
-                self._bound = None  # a capture's warm-up runs write the shared buffers
-                self.entries[key] = self._capture(key)
+                arena, store, consts = self._arena(), self._store, self._consts
+                meta = self._meta_view(key)
+                _, n, p = key
+
+                def step(meta=meta, n=n, p=p):
+                    hop_step(self.fn, store, arena, meta, n, p, consts)
+
+                if self.cache is None:
+                    self.entries[key] = (meta, step)
+                else:
+                    try:
+                        self.cache.capture(key, (), static=True, collect=False, fn=step)
+                    except torch.OutOfMemoryError:
+                        self._failed.add(key)
+                        self.counts["capture_failed"] += 1
+                        self.cache.graphs.pop(key, None)
+                        torch.cuda.empty_cache()
+                        return None
+                    self.entries[key] = (meta, lambda key=key: self.cache.run(key))
                 self.counts["captured"] += 1
             return self.entries[key]
 
-    def capture_all(self, progress: bool = False) -> None:
-        """Capture every bucket, largest first (smaller graphs reuse the pool)."""
+    def capture_all(self, store: PageStore, consts: StepConsts, progress: bool = False) -> None:
+        """Bind `store` and capture every bucket, largest first (smaller graphs reuse the pool)."""
+        self.bind(store, consts)
         keys = sorted(self.grid.keys(), key=lambda k: -(k[0] * k[1] * (k[1] + k[2])))
         gc.collect()  # once, not per graph (a collection per capture was a third of the set-up)
         if progress:
@@ -241,27 +377,37 @@ class CachedHopGraphs:
         for k in keys:
             self.entry(k)
 
-    def open(self, b: int, n: int, p: int, device=None, dtype=None, rows: Optional[tuple] = None) \
-            -> Optional[HopCall]:
-        """The bucket call for b requests of n new frames after p cached ones, or None (no bucket: eagerly).
-        `rows`: ids of the call's rows in order; the call is not `fresh` when the same rows used the shared static
-        buffers last in the same bucket (every bucket's views alias the same memory)."""
-        key = self.grid.select(b, n, p)
-        if key is None or (dtype is not None and dtype != self.dtype):
-            self.counts["misses"] += 1
-            return None
-        self.counts["hits"] += 1
-        views, replay = self.entry(key)
-        fresh = rows is None or self._bound != (key, rows)
-        self._bound = (key, rows) if rows is not None else None
-        return GraphHopCall(key, views, replay, fresh)
+    def run(self, store: PageStore, arena: SolveArena, rows: Sequence[tuple], N: int, P: int,
+            consts: StepConsts) -> None:
+        """One step of `rows` of `arena`: the smallest bucket's graph when the rows are in this set's arena and one
+        holds them, else eagerly at the call's size."""
+        key = self.grid.select(len(rows), N, P) if arena is self.arena else None
+        if key is not None:
+            self.bind(store, consts)
+            got = self.entry(key)
+            if got is not None:
+                meta, replay = got
+                b, n, p = key
+                host = meta_rows(rows, b, n, p, store.chunk)
+                meta.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+                replay()
+                self.counts["hits"] += 1
+                return
+        self.counts["misses"] += 1
+        self.eager.run(store, arena, rows, N, P, consts)
 
     def stats(self) -> dict:
         return {**self.counts, "grid": self.grid.to_dict(), "graphs": self.graphs, "static_bytes": self.static_bytes}
 
+    def release(self, store: Optional[PageStore]) -> None:
+        """Drop the graphs (and the arena) when they were made for `store`'s pages (its pool is closing)."""
+        if store is not None and store is self._store:
+            self.close()
+
     def close(self) -> None:
         self.entries.clear()
-        self._flat.clear()
-        self._bound = None
+        self._failed.clear()
+        self.arena = self._meta = self._store = self._consts = None
+        self.eager.arena = None
         if self.cache is not None:
-            self.cache = GraphCache(self.fn, self.device, warmup=1)  # the graphs and their pool go
+            self.cache = GraphCache(None, self.device, warmup=1)  # the graphs and their pool go

@@ -17,10 +17,9 @@ from typing import Optional
 
 import torch
 
-from .flow_cache import (FlowPrefixState, Prefix, PromptEntry, Segment, model_fingerprint, prompt_cacheable_frames,
+from .flow_cache import (TRASH, ZERO, FlowPrefixState, Prefix, Segment, model_fingerprint, prompt_cacheable_frames,
                          prompt_key)
-from ...engines.cuda_graphs import upload
-from .flow_hop_calls import EagerHops
+from .flow_hop_calls import EagerHops, StepConsts
 
 
 # ------------------------------------------------------------------------------------------- estimator choice
@@ -48,7 +47,9 @@ def _is_compiled(est) -> bool:
 @dataclass
 class HopPlan:
     """One row of a cached hop: compute frames [start, row.frames) after `prefix`; then commit frames up to
-    commit_to (own segment from own_from; with split > 0 frames [0, split) become the prompt entry `key`)."""
+    commit_to (own segment from own_from, into `own_pages` with the conv tails in `own_tail`; with split > 0 frames
+    [0, split) become the prompt entry `key`, in `prompt_pages` / `prompt_tail`). Pages and tail slots are reserved
+    in the pool when planned and handed over (or given back) when the hop commits (or fails)."""
     index: int
     state: FlowPrefixState
     row: object                      # flow.FlowRow
@@ -56,24 +57,29 @@ class HopPlan:
     prefix: Optional[Prefix]
     commit_to: int
     own_from: int
-    own_bytes: int = 0               # reserved in the pool for the own segment (+ tails)
+    own_pages: list = field(default_factory=list)
+    own_tail: Optional[int] = None
     split: int = 0
     key: Optional[str] = None
-    prompt_bytes: int = 0            # reserved for the prompt entry
+    prompt_pages: list = field(default_factory=list)
+    prompt_tail: Optional[int] = None
     model: str = ""
     tokens: Optional[torch.Tensor] = None  # the row's token ids (prompt + generated; on the host with a digest)
     embedding: Optional[torch.Tensor] = None  # the row's speaker embedding [192]
     digest: Optional[str] = None           # the row's prompt_digest, when the caller gave one
 
-
-def _sizes(flow):
-    c = flow.cfg
-    dit = flow.estimator
-    esize = torch.empty((), dtype=flow.rand_noise.dtype).element_size()
-    kv = c.dit.heads * c.dit.dim_head
-    frame = (2 * c.dit.depth * c.n_timesteps * 2 * kv + 2 * c.output_size) * esize
-    tails = 2 * c.n_timesteps * 2 * (dit.input_embed.conv_pos_embed.kernel_size - 1) * c.dit.dim * esize
-    return frame, tails
+    def out_pages(self, chunk: int) -> list:
+        """The page each chunk of the new frames is written to: reserved pages for committed chunks, else the
+        sink."""
+        out = []
+        for a in range(self.start, self.row.frames, chunk):
+            if a < self.split:
+                out.append(self.prompt_pages[a // chunk])
+            elif self.own_from <= a < self.commit_to and self.own_tail is not None:
+                out.append(self.own_pages[(a - self.own_from) // chunk])
+            else:
+                out.append(TRASH)
+        return out
 
 
 def _row_tokens(inp) -> torch.Tensor:
@@ -119,14 +125,15 @@ def _plan_tokens(inp) -> torch.Tensor:
 
 def plan_hops(flow, inputs, rows):
     """Decide, per cached non-final row (FlowInput with .cache, its FlowRow), what it computes and commits, reserving
-    pool memory. Returns (plans, whole): `whole` are indices that run the whole-history call instead."""
-    frame_bytes, tail_bytes = _sizes(flow)
+    the pages and tail slots of its commits in the pool. Returns (plans, whole): `whole` are indices that run the
+    whole-history call instead."""
     chunk = flow.cfg.dit.static_chunk_size
     model = model_fingerprint(flow)
     plans, whole = [], []
     for k, (inp, row) in enumerate(zip(inputs, rows)):
         st: FlowPrefixState = inp.cache
         pool = st.pool
+        pool.storage(flow)
         if st.prefix is not None and not _matches(flow, st.prefix, inp, row, model):
             st.drop()
             pool.count(invalidations=1)
@@ -147,31 +154,31 @@ def plan_hops(flow, inputs, rows):
             pool.count(whole_hops=1, frames_computed=row.frames)
             continue
         commit_to = (row.frames // chunk) * chunk
-        split = prompt_bytes = 0
+        split, prompt_pages, prompt_tail = 0, [], None
         if key is not None and start == 0:
             split = prompt_cacheable_frames(flow, int(inp.prompt_token.numel()))
-            if not 0 < split <= commit_to:
+            got = pool.reserve(split // chunk, 1) if 0 < split <= commit_to else None
+            if got is None:
                 split = 0
-            elif pool.reserve(split * frame_bytes + tail_bytes):
-                prompt_bytes = split * frame_bytes + tail_bytes
             else:
-                split = 0
+                prompt_pages, (prompt_tail,) = got
         own_from = max(start, split)
-        own_bytes = 0
+        own_pages, own_tail = [], None
         if commit_to > own_from:
-            own_bytes = (commit_to - own_from) * frame_bytes + (0 if st.tails_charged else tail_bytes)
-            if not pool.reserve(own_bytes):
+            got = pool.reserve((commit_to - own_from) // chunk, 1)
+            if got is None:
                 pool.count(fallback_hops=1)
-                own_bytes = 0
                 commit_to = max(start, split)
                 if commit_to == 0:  # nothing cached, nothing to commit: today's whole-history hop
                     whole.append(k)
                     pool.count(whole_hops=1, frames_computed=row.frames)
                     continue
+            else:
+                own_pages, (own_tail,) = got
         else:
             commit_to = max(commit_to, start)
-        plans.append(HopPlan(k, st, row, start, st.prefix, commit_to, own_from, own_bytes, split,
-                             key if split else None, prompt_bytes, model, _plan_tokens(inp),
+        plans.append(HopPlan(k, st, row, start, st.prefix, commit_to, own_from, own_pages, own_tail, split,
+                             key if split else None, prompt_pages, prompt_tail, model, _plan_tokens(inp),
                              inp.embedding.reshape(-1).to(device=row.spks.device, dtype=row.spks.dtype).clone(),
                              inp.prompt_digest if inp.host_ids is not None else None))
         pool.count(cached_hops=1, frames_computed=row.frames - start, frames_reused=start)
@@ -179,12 +186,10 @@ def plan_hops(flow, inputs, rows):
 
 
 def _release_plan(p: HopPlan) -> None:
-    if p.own_bytes:
-        p.state.pool.release(p.own_bytes)
-        p.own_bytes = 0
-    if p.prompt_bytes:
-        p.state.pool.release(p.prompt_bytes)
-        p.prompt_bytes = 0
+    tails = [t for t in (p.own_tail, p.prompt_tail) if t is not None]
+    if p.own_pages or p.prompt_pages or tails:
+        p.state.pool.release(p.own_pages + p.prompt_pages, tails)
+    p.own_pages, p.prompt_pages, p.own_tail, p.prompt_tail = [], [], None, None
 
 
 def release_plans(plans: list) -> None:
@@ -200,32 +205,48 @@ _serial = itertools.count(1)
 
 @dataclass(eq=False)
 class CachedSolve:
-    """Solver state of one prefix-cached hop row between estimator calls: its new frames' noisy mel `x` [80, n]
-    after `step` of `n_steps` Euler steps, the K/V its finished steps computed (hop_k / hop_v [steps, depth,
-    2 (cond, uncond), n, D]) and the conv input tails at its commit points per step. `step_cached` advances any set
-    of solves by one step each, whatever step each is at, so a hop can join a DiT call mid-way through another's."""
+    """Solver state of one prefix-cached hop row between estimator calls: its slot in a `SolveArena` (noisy mel x
+    of its n new frames after `step` of `n_steps` Euler steps, mu, cond, speaker row) and its step table (`head`,
+    the prefix page table, the new frames' pages). Its K/V and conv tails go to the plan's reserved pages and tail
+    slots step by step. `step_cached` advances any set of solves by one step each, whatever step each is at, so a
+    hop can join a DiT call mid-way through another's."""
     plan: HopPlan
-    x: torch.Tensor
-    hop_k: torch.Tensor
-    hop_v: torch.Tensor
-    tails: dict
+    arena: object          # flow_hop_calls.SolveArena
+    slot: int
+    n: int
+    head: list
+    prefix_pages: list
+    out_pages: list
     n_steps: int
     step: int = 0
     serial: int = field(default_factory=lambda: next(_serial))
 
     @property
-    def n(self) -> int:
-        return self.x.shape[1]
-
-    @property
     def done(self) -> bool:
         return self.step >= self.n_steps
+
+    def row(self) -> tuple:
+        """This step's table row (head with the current step, prefix pages, new-frame pages)."""
+        self.head[1] = self.step
+        return self.head, self.prefix_pages, self.out_pages
+
+    def release(self) -> None:
+        """Give back the arena slot (once) and the plan's reservations (a solve that will not finish)."""
+        if self.slot:
+            self.arena.give(self.slot)
+            self.slot = 0
+        _release_plan(self.plan)
 
 
 def euler_table(flow, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(t [steps], dt [steps]) of every Euler step on the device: the recurrence of `Flow.solve` / `cfg_euler_step`
     (t += dt; dt = t_span[k + 1] - t) run once in the flow's dtype, so a row at step k uses exactly the values the
     whole solve would reach there."""
+    return step_consts(flow, device, dtype)[:2]
+
+
+def step_consts(flow, device, dtype) -> StepConsts:
+    """The `StepConsts` of this flow on `device` / `dtype` (one object per flow and place: graphs keep it)."""
     key = (str(device), dtype)
     memo = flow.__dict__.setdefault("_cosytrt_euler", {})
     if key not in memo:
@@ -238,89 +259,67 @@ def euler_table(flow, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
             t = t + dt
             if step < len(t_span) - 1:
                 dt = t_span[step + 1] - t
-        memo[key] = (torch.stack(ts), torch.stack(dts))
+        memo[key] = StepConsts(torch.stack(ts), torch.stack(dts), flow.cfg.inference_cfg_rate)
     return memo[key]
 
 
-def start_cached(flow, plan: HopPlan) -> CachedSolve:
-    """A plan's solver state before its first step: the noise columns of its new frames."""
+def hop_runner(flow, hops=None, fn=None):
+    """`hops` (CachedHopGraphs of the backends, or EagerHops), else eager hops through `fn` (default the eager
+    forward_cached), one per function kept on the flow (their arena outlives the call)."""
+    if hops is not None:
+        return hops
+    fn = fn or flow.estimator.forward_cached
+    memo = flow.__dict__.setdefault("_cosytrt_eager_hops", {})
+    if id(fn) not in memo or memo[id(fn)].fn is not fn:
+        memo[id(fn)] = EagerHops(flow.estimator, fn)
+    return memo[id(fn)]
+
+
+def start_cached(flow, plan: HopPlan, hops=None) -> CachedSolve:
+    """A plan's solver state before its first step: the noise columns of its new frames and its fixed inputs in a
+    slot of `hops`' arena (see `hop_runner`)."""
     cfg = flow.cfg
     device, dtype = flow.rand_noise.device, flow.rand_noise.dtype
-    n = plan.row.frames - plan.start
-    flow._check_frames(plan.row.frames)
-    S, L, D = cfg.n_timesteps, cfg.dit.depth, cfg.dit.heads * cfg.dit.dim_head
-    x = flow.rand_noise[0, :, plan.start:plan.row.frames].to(device=device, dtype=dtype)
-    hop_k = torch.empty(S, L, 2, n, D, device=device, dtype=dtype)
-    tails = {name: [None] * S for name in ("t1", "t2", "p1", "p2")}
-    return CachedSolve(plan, x, hop_k, torch.empty_like(hop_k), tails, S)
+    row, start = plan.row, plan.start
+    n = row.frames - start
+    flow._check_frames(row.frames)
+    chunk = cfg.dit.static_chunk_size
+    arena, slot = hop_runner(flow, hops).take(n, device, dtype)
+    try:
+        arena.load(slot, flow.rand_noise[0, :, start:row.frames].to(device=device, dtype=dtype),
+                   row.mu[:, start:], row.cond[:, start:], row.spks)
+    except BaseException:
+        arena.give(slot)
+        raise
+    prefix = plan.prefix
+    tail_in = prefix.tail if prefix is not None else ZERO
+    head = [slot, 0, start, n, tail_in,
+            TRASH if plan.own_tail is None else plan.own_tail, 0 if plan.own_tail is None else plan.commit_to - start,
+            TRASH if plan.prompt_tail is None else plan.prompt_tail, plan.split - start if plan.split else 0]
+    return CachedSolve(plan, arena, slot, n, head, list(prefix.pages) if prefix is not None else [],
+                       plan.out_pages(chunk), cfg.n_timesteps)
 
 
-def _open_call(flow, hops, B: int, N: int, P: int, device, dtype, rows: tuple):
-    call = hops.open(B, N, P, device, dtype, rows=rows)
-    if call is None:  # no graph bucket holds it: the eager DiT
-        call = EagerHops(flow.estimator, flow.estimator.forward_cached).open(B, N, P, device, dtype)
-    return call
-
-
-def step_cached(flow, solves: list, hops) -> None:
-    """ONE estimator call advancing every solve by one Euler step (each at its own step: t per row). `hops`:
-    `EagerHops` or `CachedHopGraphs` (a graph runner with no bucket for the call falls back to the eager DiT). Each
-    row's arithmetic is the whole solve's (same noise columns, t / dt values, CFG mix and update); only the batch it
-    shares the call with differs. The solves change only once the call has succeeded."""
+def step_cached(flow, solves: list, hops=None) -> None:
+    """ONE estimator call per arena advancing every solve by one Euler step (each at its own step: t per row).
+    `hops`: `EagerHops` or `CachedHopGraphs` (solves in its arena run in a graph bucket when one holds the call,
+    else eagerly). Each row's arithmetic is the whole solve's (same noise columns, t / dt values, CFG mix and
+    update); only the batch it shares the call with differs. A solve's step counter moves once its call was
+    launched."""
     if not solves or any(sv.done for sv in solves):
         raise ValueError("step_cached needs solves that have steps left")
-    cfg = flow.cfg
-    device, dtype = flow.rand_noise.device, flow.rand_noise.dtype
-    B = len(solves)
-    N = max(sv.n for sv in solves)
-    P = max(sv.plan.start for sv in solves)
-    call = _open_call(flow, hops, B, N, P, device, dtype, tuple(sv.serial for sv in solves))
-    R = call.rows
-    ts, dts = euler_table(flow, device, dtype)
-    if call.fresh:
-        call.reset()
-        for b, sv in enumerate(solves):
-            p, n = sv.plan, sv.n
-            call.mu[b, :, :n] = p.row.mu[:, p.start:]
-            call.cond[b, :, :n] = p.row.cond[:, p.start:]
-            call.mask[b, :, :n] = 1
-            call.mask[R + b, :, :n] = 1
-            call.spks[b] = p.row.spks
-            if p.start:
-                call.prefix_valid[b, :p.start] = True
-                call.prefix_valid[R + b, :p.start] = True
-        starts = [sv.plan.start for sv in solves] + [0] * (R - B)
-        call.offsets.copy_(upload(torch.tensor(starts + starts, dtype=torch.long), call.offsets.device))
-    t_rows = torch.stack([ts[sv.step] for sv in solves] + [ts[0]] * (R - B))  # on the device: no upload, no sync
-    call.t.copy_(torch.cat((t_rows, t_rows)))
-    for b, sv in enumerate(solves):
-        call.x[b, :, :sv.n] = sv.x
-        call.x[R + b, :, :sv.n] = sv.x
-        if sv.plan.prefix is not None:
-            if sv.plan.start:
-                call.load_prefix(b, sv.step, sv.plan.prefix)
-            call.load_tails(b, sv.step, sv.plan.prefix)
-    v, in1, in2 = call.run()
-    K1 = flow.estimator.input_embed.conv_pos_embed.kernel_size - 1
-    rate = cfg.inference_cfg_rate
-    v_mix = (1.0 + rate) * v[:B] - rate * v[R:R + B]  # as cfg_euler_step, elementwise
-    updates = []
-    for b, sv in enumerate(solves):
-        s, n, p = sv.step, sv.n, sv.plan
-        k, vv = call.kv_rows(b, n)
-        sv.hop_k[s].copy_(k)
-        sv.hop_v[s].copy_(vv)
-        points = [(p.commit_to, "t1", "t2")] if p.commit_to > p.own_from else []
-        if p.split:
-            points.append((p.split, "p1", "p2"))
-        for at, a1, a2 in points:  # in1/in2 row position m holds frame start - K1 + m
-            m = at - p.start
-            sv.tails[a1][s] = torch.stack((in1[b, m:m + K1], in1[R + b, m:m + K1]))
-            sv.tails[a2][s] = torch.stack((in2[b, m:m + K1], in2[R + b, m:m + K1]))
-        updates.append(sv.x + dts[s] * v_mix[b, :, :n])
-    for sv, x in zip(solves, updates):
-        sv.x = x
-        sv.step += 1
+    runner = hop_runner(flow, hops)
+    store = solves[0].plan.state.pool.store
+    consts = step_consts(flow, flow.rand_noise.device, flow.rand_noise.dtype)
+    groups: dict = {}
+    for sv in solves:
+        groups.setdefault(id(sv.arena), []).append(sv)
+    for group in groups.values():
+        N = max(sv.n for sv in group)
+        P = max(sv.plan.start for sv in group)
+        runner.run(store, group[0].arena, [sv.row() for sv in group], N, P, consts)
+        for sv in group:
+            sv.step += 1
 
 
 def finish_cached(flow, solves: list) -> list:
@@ -330,72 +329,69 @@ def finish_cached(flow, solves: list) -> list:
         if not sv.done:
             raise ValueError(f"cached hop at step {sv.step} of {sv.n_steps}: no mel yet")
         segs = sv.plan.prefix.segments if sv.plan.prefix is not None else []
-        mels.append(torch.cat([s.mel for s in segs] + [sv.x], dim=1).unsqueeze(0).float())
+        mels.append(torch.cat([s.mel for s in segs] + [sv.arena.x[sv.slot, :, :sv.n]], dim=1).unsqueeze(0).float())
     for sv in solves:
         _commit(flow, sv)
+        sv.release()
     return mels
 
 
-def solve_cached(flow, plans: list, hops) -> list:
+def solve_cached(flow, plans: list, hops=None) -> list:
     """The 10 Euler steps with CFG for the planned rows' new frames only, all rows in every call (`step_cached`),
     then the commits. Returns one mel [1, 80, frames] per plan (cached prefix mel + new frames), float32. Commits
     happen only after every step succeeded; on an error the reservations are given back."""
+    solves = []
     try:
         with torch.inference_mode():
-            solves = [start_cached(flow, p) for p in plans]
+            for p in plans:
+                solves.append(start_cached(flow, p, hops))
             for _ in range(flow.cfg.n_timesteps):
                 step_cached(flow, solves, hops)
             return finish_cached(flow, solves)
     except BaseException:
+        for sv in solves:
+            sv.release()
         release_plans(plans)
         raise
 
 
 def _commit(flow, sv: CachedSolve) -> None:
-    """Store what the solve computed and its plan commits."""
+    """Hand what the solve computed and its plan commits to the request's prefix (and the prompt entry)."""
     p = sv.plan
     st, pool = p.state, p.state.pool
     if st.closed or st.prefix is not p.prefix:  # cancelled (or changed) while the hop ran
         _release_plan(p)
         return
-    n = sv.n
+    x = sv.arena.x[sv.slot]
 
     def segment(a: int, e: int) -> Segment:
-        i, j = a - p.start, e - p.start
-        whole = (i, j) == (0, n)  # the solve's own tensors; a part is copied so the rest is not kept alive
-        k, v = (sv.hop_k, sv.hop_v) if whole else (sv.hop_k[:, :, :, i:j].clone(), sv.hop_v[:, :, :, i:j].clone())
-        return Segment(a, k, v, sv.x[:, i:j].clone(), p.row.cond[:, a:e].clone())
-
-    def tails(a: str, c: str):
-        return torch.stack(sv.tails[a]), torch.stack(sv.tails[c])
+        return Segment(a, x[:, a - p.start:e - p.start].clone(), p.row.cond[:, a:e].clone())
 
     segs = list(p.prefix.segments) if p.prefix is not None else []
+    pages = list(p.prefix.pages) if p.prefix is not None else []
+    tail = None
     embedding = p.embedding
-    t1 = t2 = None
     if p.split:
-        pt1, pt2 = tails("p1", "p2")
-        entry_prefix = Prefix([segment(0, p.split)], pt1, pt2, embedding,
+        entry_prefix = Prefix([segment(0, p.split)], list(p.prompt_pages), p.prompt_tail, embedding,
                               p.tokens[:_tokens_needed(flow, p.split)].clone(), p.model, p.digest)
-        entry = None
-        with pool._lock:
-            if p.key not in pool._prompts:
-                entry = pool._prompts[p.key] = PromptEntry(p.key, entry_prefix, p.prompt_bytes, refs=1)
+        nbytes = len(p.prompt_pages) * pool.page_bytes + pool.tail_bytes
+        entry = pool.prompt_register(p.key, entry_prefix, nbytes)
         if entry is not None:
-            st._entry[0] = entry
-            st.own_start = p.split
+            st.use_entry(entry)
         else:  # another request registered this prompt meanwhile: keep our own copy of the frames we computed
-            st.add_bytes(p.prompt_bytes)
-        p.prompt_bytes = 0
-        segs = list(entry_prefix.segments)
-        t1, t2 = pt1, pt2
-    if p.commit_to > p.own_from:
+            st.own(p.prompt_pages, [p.prompt_tail])
+        segs, pages, tail = list(entry_prefix.segments), list(entry_prefix.pages), p.prompt_tail
+        p.prompt_pages, p.prompt_tail = [], None
+    if p.commit_to > p.own_from and p.own_tail is not None:
         segs.append(segment(p.own_from, p.commit_to))
-        t1, t2 = tails("t1", "t2")
-        st.add_bytes(p.own_bytes)
-        p.own_bytes = 0
-        st.tails_charged = True
-    if t1 is not None:
-        st.prefix = Prefix(segs, t1, t2, embedding, p.tokens.clone(), p.model, p.digest)
+        pages += p.own_pages
+        st.own(p.own_pages, [p.own_tail])
+        if p.prefix is not None:
+            st.disown_tail(p.prefix.tail)  # replaced by this hop's (an entry's tail is not the request's own)
+        tail = p.own_tail
+        p.own_pages, p.own_tail = [], None
+    if tail is not None:
+        st.prefix = Prefix(segs, pages, tail, embedding, p.tokens.clone(), p.model, p.digest)
 
 
 def flow_rows(flow, rows, streaming: bool, estimator=None, finalize=None, pad_to=None, hops=None) -> list:
@@ -433,7 +429,7 @@ def flow_rows(flow, rows, streaming: bool, estimator=None, finalize=None, pad_to
             out[i] = mel[k:k + 1, :, prepared[i].prompt_frames:prepared[i].frames]
     if plans:
         if hops is None:
-            hops = EagerHops(flow.estimator, cached_dit_fn(flow, estimator))
+            hops = hop_runner(flow, None, cached_dit_fn(flow, estimator))
         mels = solve_cached(flow, plans, hops)
         for plan, m in zip(plans, mels):
             i = cached[plan.index]
