@@ -97,6 +97,14 @@ def hop_shapes(dit, b: int, n: int, p: int) -> dict:
     return shapes
 
 
+def _device(d) -> torch.device:
+    """`d` as a torch.device with its index ("cuda" and "cuda:0" name the same device)."""
+    d = torch.device(d)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 # ------------------------------------------------------------------------------------------------ solver state
 
 class SolveArena:
@@ -106,7 +114,7 @@ class SolveArena:
 
     def __init__(self, slots: int, frames: int, mel_dim: int, spk_dim: int, device, dtype, growable: bool):
         self.growable = growable
-        self.mel_dim, self.spk_dim, self.device, self.dtype = mel_dim, spk_dim, torch.device(device), dtype
+        self.mel_dim, self.spk_dim, self.device, self.dtype = mel_dim, spk_dim, _device(device), dtype
         self._lock = threading.Lock()
         self._alloc(slots, frames)
         self.free = list(range(slots, 0, -1))
@@ -253,7 +261,7 @@ class EagerHops:
 
     def take(self, n: int, device, dtype) -> tuple[SolveArena, int]:
         """(arena, slot) for a new row of n new frames."""
-        if self.arena is None or self.arena.device != torch.device(device) or self.arena.dtype != dtype:
+        if self.arena is None or self.arena.device != _device(device) or self.arena.dtype != dtype:
             c = self.dit.cfg
             self.arena = SolveArena(self._slots, max(n, 64), c.mel_dim, c.spk_dim, device, dtype, growable=True)
         return self.arena, self.arena.take(n)
@@ -279,7 +287,7 @@ class CachedHopGraphs:
                  graphs: Optional[bool] = None, slots: int = 64):
         self.dit, self.grid = dit, grid
         self.fn = fn or dit.forward_cached
-        self.device = torch.device(device)
+        self.device = _device(device)
         self.dtype = dtype or next(dit.parameters()).dtype
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self._slots = slots
@@ -308,7 +316,7 @@ class CachedHopGraphs:
         return (0 if self.arena is None else self.arena.nbytes) + meta
 
     def take(self, n: int, device, dtype) -> tuple[SolveArena, int]:
-        if torch.device(device) == self.device and dtype == self.dtype:
+        if _device(device) == self.device and dtype == self.dtype:
             slot = self._arena().take(n)
             if slot is not None:
                 return self.arena, slot

@@ -238,17 +238,12 @@ class CachedSolve:
         _release_plan(self.plan)
 
 
-def euler_table(flow, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t [steps], dt [steps]) of every Euler step on the device: the recurrence of `Flow.solve` / `cfg_euler_step`
-    (t += dt; dt = t_span[k + 1] - t) run once in the flow's dtype, so a row at step k uses exactly the values the
-    whole solve would reach there."""
-    return step_consts(flow, device, dtype)[:2]
-
-
 def step_consts(flow, device, dtype) -> StepConsts:
-    """The `StepConsts` of this flow on `device` / `dtype` (one object per flow and place: graphs keep it)."""
+    """The `StepConsts` of this flow on `device` / `dtype` (one object per flow and place: graphs keep it). The Euler
+    table is the recurrence of `Flow.solve` / `cfg_euler_step` (t += dt; dt = t_span[k + 1] - t) run once in the
+    flow's dtype, so a row at step k uses exactly the values the whole solve would reach there."""
     key = (str(device), dtype)
-    memo = flow.__dict__.setdefault("_cosytrt_euler", {})
+    memo = flow.__dict__.setdefault("_cosytrt_step_consts", {})
     if key not in memo:
         t_span = flow.time_span(device, dtype)
         t, dt = t_span[0], t_span[1] - t_span[0]
