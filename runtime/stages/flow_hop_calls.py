@@ -151,10 +151,11 @@ class SolveArena:
     def load(self, slot: int, x: torch.Tensor, mu: torch.Tensor, cond: torch.Tensor, spks: torch.Tensor) -> None:
         """A row's fixed inputs and starting noise [80, n] (the rest of the slot zeroed)."""
         n = x.shape[1]
-        for dst, src in ((self.x, x), (self.mu, mu), (self.cond, cond)):
-            dst[slot, :, :n] = src
-            dst[slot, :, n:] = 0
-        self.spks[slot] = spks
+        with torch.inference_mode():
+            for dst, src in ((self.x, x), (self.mu, mu), (self.cond, cond)):
+                dst[slot, :, :n] = src
+                dst[slot, :, n:] = 0
+            self.spks[slot] = spks
 
     @property
     def nbytes(self) -> int:
@@ -270,7 +271,8 @@ class EagerHops:
             consts: StepConsts) -> None:
         """One step of `rows` ((head, prefix pages, new-frame pages) per row) of `arena`."""
         meta = upload(meta_rows(rows, len(rows), N, P, store.chunk), arena.device)
-        hop_step(self.fn, store, arena, meta, N, P, consts)
+        with torch.inference_mode():  # the store and arena are inference tensors
+            hop_step(self.fn, store, arena, meta, N, P, consts)
 
 
 class CachedHopGraphs:
@@ -336,13 +338,14 @@ class CachedHopGraphs:
 
     def _meta_view(self, key: tuple) -> torch.Tensor:
         C = self._store.chunk
-        if self._meta is None:
-            width = META + -(-max(self.grid.prefix) // C) + -(-max(self.grid.frames) // C)
-            self._meta = torch.zeros(max(self.grid.batch) * width, dtype=torch.long, device=self.device)
         b, n, p = key
         shape = (b, META + -(-p // C) + -(-n // C))
-        view = self._meta[:math.prod(shape)].view(shape)
-        view.copy_(meta_rows([], b, n, p, C))  # padding rows: what the warm-up / capture runs on
+        with torch.inference_mode():  # an inference tensor, filled in or out of inference mode alike
+            if self._meta is None:
+                width = META + -(-max(self.grid.prefix) // C) + -(-max(self.grid.frames) // C)
+                self._meta = torch.zeros(max(self.grid.batch) * width, dtype=torch.long, device=self.device)
+            view = self._meta[:math.prod(shape)].view(shape)
+            view.copy_(meta_rows([], b, n, p, C))  # padding rows: what the warm-up / capture runs on
         return view
 
     def entry(self, key: tuple):
@@ -397,7 +400,8 @@ class CachedHopGraphs:
                 meta, replay = got
                 b, n, p = key
                 host = meta_rows(rows, b, n, p, store.chunk)
-                meta.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+                with torch.inference_mode():
+                    meta.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
                 replay()
                 self.counts["hits"] += 1
                 return
