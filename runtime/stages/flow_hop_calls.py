@@ -174,14 +174,22 @@ class StepConsts:
 
 
 def hop_step(fn: Callable, store: PageStore, arena: SolveArena, meta: torch.Tensor, N: int, P: int,
-             consts: StepConsts) -> None:
+             consts: StepConsts, bufs: Optional[dict] = None) -> None:
     """One estimator call advancing the rows of `meta` [R, META + ceil(P/C) + ceil(N/C)] (long, on the device) by
     one Euler step each, in place (arena x, the reserved pages and tail slots). `fn` = DiT.forward_cached or its
     compiled form. Per row the arithmetic is the whole solve's: the same noise columns, t / dt values, CFG mix and
-    update; padded frames and rows are masked (mask, prefix_valid) and written as zeros or to the sinks."""
+    update; padded frames and rows are masked (mask, prefix_valid) and written as zeros or to the sinks. `bufs`:
+    flat buffers for the gathered prefix K/V and this step's K/V ("kp", "vp", "k_out", "v_out"; a graph set shares
+    one of each among its graphs, so their memory does not grow with the number of buckets), else fresh tensors."""
     R = meta.shape[0]
     S, C, L, D, K1, dim = store.steps, store.chunk, store.depth, store.kv_dim, store.k1, store.dim
     dev = meta.device
+
+    def buf(name: str, shape: tuple) -> torch.Tensor:
+        if bufs is None:
+            return torch.empty(shape, device=dev, dtype=store.dtype)
+        return bufs[name][:math.prod(shape)].view(shape)
+
     slot, step, start, n = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3]
     fr = torch.arange(N, device=dev)
     cfg = torch.arange(2, device=dev)
@@ -201,8 +209,8 @@ def hop_step(fn: Callable, store: PageStore, arena: SolveArena, meta: torch.Tens
         page = torch.where(pv, meta[:, col:col + pages].index_select(1, p // C), ZERO)
         rows = ((page * S + step.unsqueeze(1)) * 2).unsqueeze(0) + cfg.view(2, 1, 1)  # [2 (cfg), R, P]
         idx = (rows * C + p % C).reshape(-1)
-        kp = store.k.index_select(1, idx).view(L, 2 * R, P, D)
-        vp = store.v.index_select(1, idx).view(L, 2 * R, P, D)
+        kp = torch.index_select(store.k, 1, idx, out=buf("kp", (L, 2 * R * P, D))).view(L, 2 * R, P, D)
+        vp = torch.index_select(store.v, 1, idx, out=buf("vp", (L, 2 * R * P, D))).view(L, 2 * R, P, D)
         prefix_valid = torch.cat((pv, pv))
         col += pages
 
@@ -210,8 +218,7 @@ def hop_step(fn: Callable, store: PageStore, arena: SolveArena, meta: torch.Tens
         return ((((slots * S + step) * 2).view(1, 1, R) + cfg.view(2, 1, 1)) * 2 + cfg.view(1, 2, 1)).reshape(-1)
 
     tails = store.tails.index_select(0, tail_rows(meta[:, 4])).view(2, 2 * R, K1, dim)
-    k_out = x.new_empty(L, 2 * R, N, D)
-    v_out = torch.empty_like(k_out)
+    k_out, v_out = buf("k_out", (L, 2 * R, N, D)), buf("v_out", (L, 2 * R, N, D))
     zeros = torch.zeros_like(x)
     vel, in1, in2 = fn(torch.cat((x, x)), torch.cat((mask, mask)), torch.cat((mu, zeros)), torch.cat((t, t)),
                        torch.cat((spks, torch.zeros_like(spks))), torch.cat((cond, zeros)), torch.cat((start, start)),
@@ -299,6 +306,7 @@ class CachedHopGraphs:
         self._lock = threading.Lock()
         self.arena: Optional[SolveArena] = None  # allocated with the first bucket or row (none while unused)
         self._meta: Optional[torch.Tensor] = None
+        self._bufs: Optional[dict] = None  # the graphs' shared K/V buffers (`hop_step`'s bufs)
         self._store: Optional[PageStore] = None  # the pages the captured graphs read and write
         self._consts: Optional[StepConsts] = None
         self.eager = EagerHops(dit, self.fn)
@@ -311,11 +319,24 @@ class CachedHopGraphs:
                                     self.dtype, growable=False)
         return self.arena
 
+    def _buffers(self) -> dict:
+        """Flat K/V buffers for the largest bucket, shared by every graph (replays never overlap)."""
+        if self._bufs is None:
+            c = self.dit.cfg
+            D, R = c.heads * c.dim_head, 2 * max(self.grid.batch)
+            prefix, new = c.depth * R * max(self.grid.prefix) * D, c.depth * R * max(self.grid.frames) * D
+            sizes = {"kp": prefix, "vp": prefix, "k_out": new, "v_out": new}
+            with torch.inference_mode():
+                self._bufs = {name: torch.empty(max(1, n), device=self.device, dtype=self.dtype)
+                              for name, n in sizes.items()}
+        return self._bufs
+
     @property
     def static_bytes(self) -> int:
-        """Bytes of the set's arena and tables (0 until the first bucket or row)."""
+        """Bytes of the set's arena, tables and shared K/V buffers (0 until the first bucket or row)."""
         meta = 0 if self._meta is None else self._meta.numel() * 8
-        return (0 if self.arena is None else self.arena.nbytes) + meta
+        bufs = 0 if self._bufs is None else sum(t.numel() * t.element_size() for t in self._bufs.values())
+        return (0 if self.arena is None else self.arena.nbytes) + meta + bufs
 
     def take(self, n: int, device, dtype) -> tuple[SolveArena, int]:
         if _device(device) == self.device and dtype == self.dtype:
@@ -354,12 +375,12 @@ class CachedHopGraphs:
             if key in self._failed:
                 return None
             if key not in self.entries:
-                arena, store, consts = self._arena(), self._store, self._consts
+                arena, store, consts, bufs = self._arena(), self._store, self._consts, self._buffers()
                 meta = self._meta_view(key)
                 _, n, p = key
 
                 def step(meta=meta, n=n, p=p):
-                    hop_step(self.fn, store, arena, meta, n, p, consts)
+                    hop_step(self.fn, store, arena, meta, n, p, consts, bufs)
 
                 if self.cache is None:
                     self.entries[key] = (meta, step)
@@ -419,7 +440,7 @@ class CachedHopGraphs:
     def close(self) -> None:
         self.entries.clear()
         self._failed.clear()
-        self.arena = self._meta = self._store = self._consts = None
+        self.arena = self._meta = self._store = self._consts = self._bufs = None
         self.eager.arena = None
         if self.cache is not None:
             self.cache = GraphCache(None, self.device, warmup=1)  # the graphs and their pool go
