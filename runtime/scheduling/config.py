@@ -31,8 +31,9 @@ class SchedulerConfig:
     # on: the DiT worker advances rows one Euler step per call (prefix-cached hops too, each row at its own step), so
     # a new first hop joins the next step instead of waiting for a long final. On by default: on the H200 (open loop,
     # graphs_ar, runs 29-31) TTFA p95 1.5-1.6x lower at 4-8 req/s in the same run; near saturation (8 req/s) 13 %
-    # less audio per second and twice the streams with an underrun (host time per step: BENCHMARKS.md). Off: the
-    # whole 10-step solve per call (for offline batch jobs near saturation)
+    # less audio per second and twice the streams with an underrun (the DiT thread's host time per step, which the
+    # paged prefix store cut 11-35x since: run 35, open loop not re-run; BENCHMARKS.md). Off: the whole 10-step
+    # solve per call (for offline batch jobs near saturation)
     dit_step_level: bool = True
     hift_length_aware: bool = True    # off: offline HiFT batches in arrival order, no padding-waste limit
     async_d2h: bool = True            # off (CUDA): each chunk's device-to-host copy blocks the HiFT worker
@@ -54,8 +55,8 @@ class SchedulerConfig:
     ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)
     # Flow prefix KV cache (stages/flow_cache.py, flow_hops.py): non-final DiT hops compute only their new frames; a
     # saved speaker's prompt chunks are computed once (flow_prompt_cache). Budget in bytes (None: 40 % of the GPU, at
-    # most what is free at start less a reserve; 1 GiB on CPU: flow_cache.default_budget); a hop that does not fit
-    # runs as today (stats()["dit"]["cache_fallbacks"]).
+    # most what is free at start less a reserve; 1 GiB on CPU: flow_cache.default_budget), allocated as pages when the
+    # scheduler starts; a hop that does not fit runs as today (stats()["dit"]["cache_fallbacks"]).
     # None (auto): on where the backends capture cached hops in CUDA graphs (`StageBackends.dit_cached`, from a
     # profile's dit.cached grid), off elsewhere: on the H200 graphed cached hops served 1.26x the audio of
     # whole-history hops with 5x fewer stall seconds, while eager cached hops (launch-bound) were 1.6x slower
