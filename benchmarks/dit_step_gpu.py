@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     from cosytrt.runtime.models.flow import FlowInput
     from cosytrt.runtime.stages.flow_cache import FlowCachePool
     from cosytrt.runtime.stages.flow_hop_calls import CachedGrid, CachedHopGraphs
-    from cosytrt.runtime.stages.token2wav import LOOKAHEAD, TOKEN_MAX_HOP, first_hop
+    from cosytrt.runtime.stages.hop_schedule import LOOKAHEAD, HopSchedule
 
     device = torch.device(a.device)
     cuda = device.type == "cuda"
@@ -66,14 +66,10 @@ def main(argv=None) -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    def ends_for(P, n):
-        res, off, base = [], 0, 25
-        hop = first_hop(P, base)
-        while n - off >= hop + LOOKAHEAD:
-            off += hop
-            res.append(off)
-            base = min(TOKEN_MAX_HOP, base * 2)
-            hop = base
+    def ends_for(P, n):  # the runtime's non-final hop schedule: generated tokens covered after each hop
+        sched, res = HopSchedule(P), []
+        while sched.ready(n):
+            res.append(sched.advance()[1])
         return res
 
     P = 75

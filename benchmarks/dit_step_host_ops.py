@@ -76,30 +76,13 @@ class PausedRun:
         hops.entry = paused_entry
 
 
-def setup(flow, hops, B: int, k: int, P: int = 20):
-    """B streams, each with its first k hops committed; returns their (k+1)-th hop's solves."""
-    from cosytrt.runtime.models.flow import FlowInput
+def setup(flow, hops, B: int, k: int):
+    """B streams, each with its first k hops committed; their (k+1)-th hop's solves (the tests' helper)."""
     from cosytrt.runtime.stages.flow_cache import FlowCachePool
-    from cosytrt.runtime.stages.flow_hops import flow_rows, plan_hops, start_cached
-    from cosytrt.runtime.stages.token2wav import LOOKAHEAD
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-    from test_flow_cache import hop_ends, make_prompt, make_tokens
+    from test_flow_hop_graphs import stream_solves
 
-    pool = FlowCachePool(1 << 31, prompt_cache=False)
-    solves = []
-    for i in range(B):
-        prompt = make_prompt(flow, P, 10 + i)
-        tokens = make_tokens(flow, 25 + 100 * (k + 2), 100 + i)
-        ends = hop_ends(P, tokens.numel())
-        st = pool.new_state()
-        for j in range(k):
-            flow_rows(flow, [FlowInput(tokens[:ends[j] + LOOKAHEAD], *prompt, False, st)], True)
-        inp = FlowInput(tokens[:ends[k] + LOOKAHEAD], *prompt, False, st)
-        with torch.inference_mode():
-            plans, whole = plan_hops(flow, [inp], [flow.prepare_row(inp.token, *prompt, False)])
-            assert not whole
-            solves.append(start_cached(flow, plans[0], hops))
-    return solves
+    return stream_solves(flow, hops, FlowCachePool(1 << 31, prompt_cache=False), B, k)
 
 
 def measure(flow, hops, B: int, k: int, steps: int = 4) -> dict:

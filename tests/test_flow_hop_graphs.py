@@ -185,7 +185,7 @@ def test_stepped_solves_at_different_steps_equal_alone(flow, through):
             assert ss[i].frames == sa[i].frames
 
 
-def _stream_solves(flow, hops, pool, B: int, k: int, with_inputs: bool = False):
+def stream_solves(flow, hops, pool, B: int, k: int, with_inputs: bool = False):
     """B streams with their first k hops committed (k segments each); their (k+1)-th hops' solves in `hops` (and
     each hop's inputs without the cache, for its whole-history reference)."""
     from cosytrt.runtime.stages.flow_hops import plan_hops, start_cached
@@ -231,7 +231,7 @@ def test_host_work_per_step_does_not_grow_with_rows_or_prefix(flow):
     counts = {}
     for B, k in ((1, 1), (3, 1), (1, 3), (3, 3)):
         graphs = graphs_for(flow, batch=(1, 4), frames=(64, 128, 256), prefix=(0, 200, 400, 800))
-        solves = _stream_solves(flow, graphs, FlowCachePool(BIG), B, k)
+        solves = stream_solves(flow, graphs, FlowCachePool(BIG), B, k)
         assert max(len(sv.plan.prefix.segments) for sv in solves) == k
         counter = Count()
         entry = graphs.entry
@@ -319,7 +319,7 @@ def test_capture_out_of_memory_runs_that_bucket_eagerly(flow):
     pool = FlowCachePool(BIG)
     graphs.capture_all(pool.storage(flow), step_consts(flow, "cpu", torch.float32))
     assert graphs.counts["capture_failed"] == 4 and graphs.counts["captured"] == 4
-    solves, plain = _stream_solves(flow, graphs, pool, 2, 1, with_inputs=True)
+    solves, plain = stream_solves(flow, graphs, pool, 2, 1, with_inputs=True)
     with torch.inference_mode():
         for _ in range(flow.cfg.n_timesteps):
             step_cached(flow, solves, graphs)
@@ -348,7 +348,7 @@ def test_graph_buckets_share_one_set_of_kv_buffers(flow):
                              fn=recording, graphs=False)
     pool = FlowCachePool(BIG)
     for B, k in ((1, 1), (3, 2)):  # two different buckets
-        solves = _stream_solves(flow, graphs, pool, B, k)
+        solves = stream_solves(flow, graphs, pool, B, k)
         with torch.inference_mode():
             for _ in range(flow.cfg.n_timesteps):
                 step_cached(flow, solves, graphs)
