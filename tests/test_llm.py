@@ -67,6 +67,27 @@ def test_build_lm_input_rejects_bad_ids(lm):
         lm.build_lm_input(torch.zeros(1, 0, dtype=torch.long), None)
 
 
+def test_build_lm_input_checks_ids_on_the_host_before_uploading(lm, monkeypatch):
+    """The scheduler's frontend hands host ids: they are checked where they are, then uploaded (pinned, without
+    blocking), and [sos, task_id] is made once per device. On a GPU a check of uploaded ids, or a tensor built from a
+    list on the device, would wait for every kernel queued on the stream (other requests' DiT steps)."""
+    import cosytrt.runtime.models.llm as llm_mod
+
+    uploaded = []
+    real = llm_mod.upload
+    monkeypatch.setattr(llm_mod, "upload", lambda t, dev: (uploaded.append(t.device.type), real(t, dev))[1])
+    with pytest.raises(InputError, match="text id out of range"):
+        lm.build_lm_input(torch.tensor([1, 512]), torch.tensor([3]))
+    with pytest.raises(InputError, match="prompt speech token out of range"):
+        lm.build_lm_input(torch.tensor([1, 2]), torch.tensor([-1]))
+    assert uploaded == []  # refused before anything moved
+    with torch.inference_mode():
+        a = lm.build_lm_input(torch.tensor([1, 2, 3]), torch.tensor([4, 5]))
+    b = lm.build_lm_input(torch.tensor([1, 2, 3]), torch.tensor([4, 5]))
+    assert uploaded == ["cpu"] * 4 and torch.equal(a, b)
+    assert lm._special_ids(lm.device) is lm._special_ids(lm.device) and not lm._special_ids(lm.device).is_inference()
+
+
 # ---------------------------------------------------------------- checkpoint layout
 
 def test_full_size_meta_keys_equal_released_layout():

@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .checkpoint import read_state_dict, validate_state_dict
 from .config import LLMConfig, QwenConfig
+from ...engines.cuda_graphs import upload
 from ...engines.errors import InputError
 from . import batch_invariant as _bi
 from .rope import apply_rope, rope_cos_sin
@@ -307,21 +308,32 @@ class CosyVoice3LM(nn.Module):
         if text_ids.numel() == 0:
             raise InputError("build_lm_input: text_ids is empty")
         dev = self.device
-        text_ids = text_ids.to(dev)
+        # ids are checked where they are (the tokenizer's are on the host) before they move: a check of device ids
+        # reads them back, which waits for every kernel queued on the stream (under load: other requests' DiT steps)
         vocab = self.config.qwen.vocab_size
         if int(text_ids.min()) < 0 or int(text_ids.max()) >= vocab:
             raise InputError(f"build_lm_input: text id out of range [0, {vocab}): "
                              f"min {int(text_ids.min())}, max {int(text_ids.max())}")
         if prompt_speech_ids is None:
             prompt_speech_ids = torch.zeros(0, dtype=torch.long)
-        speech = _as_ids(prompt_speech_ids, "prompt_speech_ids").to(dev)
+        speech = _as_ids(prompt_speech_ids, "prompt_speech_ids")
         n_fsq = self.config.speech_token_size
         if speech.numel() and (int(speech.min()) < 0 or int(speech.max()) >= n_fsq):
             raise InputError(f"build_lm_input: prompt speech token out of range [0, {n_fsq}): "
                              f"min {int(speech.min())}, max {int(speech.max())}")
-        special = torch.tensor([self.config.sos, self.config.task_id], device=dev)
+        text_ids, speech = upload(text_ids, dev), upload(speech, dev)
+        special = self._special_ids(dev)
         se = self.speech_embedding(special)
         return torch.cat([se[:1], self.backbone.embed_tokens(text_ids), se[1:], self.speech_embedding(speech)], dim=0)
+
+    def _special_ids(self, dev) -> torch.Tensor:
+        """[sos, task_id] on `dev`, made once (a tensor built from a list is a blocking host-to-device copy)."""
+        memo = self.__dict__.setdefault("_cosytrt_special", {})
+        key = str(dev)
+        if key not in memo:
+            with torch.inference_mode(False):  # a normal tensor: usable in and out of inference mode
+                memo[key] = torch.tensor([self.config.sos, self.config.task_id], device=dev)
+        return memo[key]
 
     # ------------------------------------------------------------------ full forward (no cache)
 

@@ -151,8 +151,9 @@ class ARWorker:
     def _prefill(self, rows: list[RequestState]) -> None:
         t0 = time.perf_counter()
         for r in rows:
-            if r.inputs_ready is not None:
+            if r.inputs_ready is not None:  # lm_input was made on the frontend's stream
                 torch.cuda.current_stream().wait_event(r.inputs_ready)
+                r.lm_input.record_stream(torch.cuda.current_stream())
         for r in rows:
             r.metrics.t_queue = max(0.0, t0 - r.metrics.t_submit - r.metrics.t_tokenizer)
             r.metrics.mark("prefill", t0)

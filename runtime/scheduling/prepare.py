@@ -3,16 +3,18 @@ from __future__ import annotations
 
 import torch
 
+from ...engines.cuda_graphs import upload
 from ...engines.errors import EngineSetError, RequestTooLongError
 from ..models.sampling import TokenPolicy
 from .state import RequestState
 
 
 def lm_input(r: RequestState, inputs, lm, device) -> None:
-    """The request's LM input embeddings on the device; on CUDA an event marks the end of this thread's work on
-    them (the AR stream waits for it before the prefill)."""
+    """The request's LM input embeddings on the device (ids checked on the host, uploaded without blocking); on CUDA
+    an event marks the end of this thread's work on them and on the flow prompt (the AR stream waits for it before
+    the prefill, the DiT's before the first hop)."""
     with torch.inference_mode():
-        r.lm_input = lm.build_lm_input(inputs.text_ids.to(device), inputs.prompt_speech_tokens.to(device))
+        r.lm_input = lm.build_lm_input(inputs.text_ids, inputs.prompt_speech_tokens)
     if torch.device(device).type == "cuda":
         r.inputs_ready = torch.cuda.Event()
         r.inputs_ready.record()
@@ -36,7 +38,7 @@ def flow_prompt(r: RequestState, inputs, device) -> None:
     tok, mel, emb = inputs.flow_prompt_tokens, inputs.flow_prompt_mel, inputs.embedding
     r.prompt_ids = tok.reshape(-1).long().cpu()
     r.prompt_digest = prompt_digest(r.prompt_ids, mel.cpu(), emb.cpu())
-    r.prompt = (tok.to(device), mel.to(device), emb.to(device))
+    r.prompt = tuple(upload(t, device) for t in (tok, mel, emb))
 
 
 def token_policy(r: RequestState, inputs, lm, max_len: int, slots_name: str = "the KV-cache slots",

@@ -17,6 +17,8 @@ there): to compare batching policies, build one Scheduler per SchedulerConfig ov
 """
 from __future__ import annotations
 
+import contextlib
+
 import threading
 import time
 from typing import Callable
@@ -166,6 +168,11 @@ class Scheduler:
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self._switch_interval, 0.0005))
         self.clock = StageClock(self.device.type == "cuda")  # busy time per stage (stats()["busy_s"])
+        # CUDA: the frontend's uploads and LM-input embeddings run on a stream of their own, so a new request's
+        # inputs do not queue behind the DiT / HiFT work on the default stream (its AR prefill and first DiT call
+        # wait for exactly them, by event)
+        self._frontend_stream = (torch.cuda.Stream(self.device, priority=-100) if self.device.type == "cuda"
+                                 else None)
         self.requests = Lifecycle(cfg, on_finish, on_dead=self._on_dead, admission=admission)
         self.admission = self.requests.admission
         self.token2wav = Token2WavWorker(models, self.backends, cfg, self.sample_rate, self.device, self.clock,
@@ -239,6 +246,11 @@ class Scheduler:
             r.stream.flow_cache.close()  # its prefix K/V back to the pool
         self.ar.wake()  # the AR worker frees the slot of a dead running row
 
+    def _frontend_stream_ctx(self):
+        if self._frontend_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._frontend_stream)
+
     def _more_tokens(self) -> bool:
         """Can more DiT jobs arrive soon?"""
         return bool(self.ar.active() or self.frontend.pending)
@@ -247,8 +259,9 @@ class Scheduler:
         t0 = time.perf_counter()
         inputs = prepare_inputs(self.pipeline.frontend, r.req, self.pipeline.default_speaker)
         r.metrics.t_tokenizer = time.perf_counter() - t0
-        flow_prompt(r, inputs, self.device)
-        lm_input(r, inputs, self.lm, self.device)
+        with self._frontend_stream_ctx():
+            flow_prompt(r, inputs, self.device)
+            lm_input(r, inputs, self.lm, self.device)
         runner_ids(r, inputs, self.runner)
         self.pipeline._check_noise(inputs, r.req)
         token_policy(r, inputs, self.lm, self.ar_max_len, noise_room=self.pipeline.noise_room(inputs))

@@ -28,6 +28,7 @@ class RequestState:
         self.lm_input: torch.Tensor | None = None
         self.lm_ids: torch.Tensor | None = None   # the prompt as the AR runner's input ids (None: embeddings only)
         self.inputs_ready = None                  # CUDA: event after the frontend thread built lm_input / prompt
+        self.prompt_fenced = False                # CUDA: the DiT's stream waited for inputs_ready (prompt in use)
         self.prompt: tuple | None = None          # flow prompt (tokens [P], mel [2P, 80], embedding [192])
         self.prompt_ids: torch.Tensor | None = None  # the prompt's token ids on the host (checked by the DiT worker)
         self.prompt_digest: str | None = None     # flow_cache.prompt_digest of the prompt

@@ -197,6 +197,12 @@ class Token2WavWorker:
         """The job's FlowInput with what the host knows (ids checked here, host ids, prompt digest): its DiT calls
         then read nothing back from the device."""
         r = j.r
+        if r.inputs_ready is not None and not r.prompt_fenced:  # made on the frontend's stream: wait, keep alive
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(r.inputs_ready)
+            for t in r.prompt:
+                t.record_stream(stream)
+            r.prompt_fenced = True
         ids_checked = r.prompt_ids is not None
         host_ids = None
         if ids_checked:
