@@ -351,3 +351,21 @@ def test_cached_hops_follow_the_pipelines_dit_variant(flow):
     compiled = CompiledDiT.of(flow.estimator)  # lazy: nothing compiles until called
     fn = cached_dit_fn(flow, SimpleNamespace(eager=compiled))
     assert fn != eager and fn is cached_dit_fn(flow, compiled)
+
+
+def test_closed_pool_takes_no_late_page_ids(flow, vectors):
+    """A state that outlives its pool's close (dropped later, garbage collected) gives nothing back into a store:
+    the pool stays closed, later hops run whole-history (exact) and reserve nothing."""
+    prompt = (vectors["flow.prompt_token"][0], vectors["flow.prompt_feat"][0], vectors["flow.embedding"][0])
+    tokens = make_tokens(flow, 200, 1)
+    ends = hop_ends(20, 200)
+    pool = FlowCachePool(BIG)
+    st = pool.new_state()
+    hop(flow, tokens, prompt, ends[0], st)
+    assert pool.stats()["bytes_used"] > 0
+    pool.close()
+    st.close()  # late: its page ids must not reach any store
+    assert pool.storage(flow) is None and pool.stats()["bytes_used"] == 0
+    st2 = pool.new_state()
+    assert torch.equal(hop(flow, tokens, prompt, ends[1], st2), hop(flow, tokens, prompt, ends[1]))
+    assert pool.stats()["bytes_used"] == 0 and st2.frames == 0

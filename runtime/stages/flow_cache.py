@@ -167,6 +167,7 @@ class FlowCachePool:
         self._lock = threading.RLock()
         self.used = 0
         self.store: Optional[PageStore] = None
+        self.closed = False
         self.page_bytes = self.tail_bytes = 0
         self._free_pages: list = []
         self._free_tails: list = []
@@ -180,6 +181,8 @@ class FlowCachePool:
         slot per page plus 64 (a tail slot costs ~3 % of a page; a request holds one per committed prefix, one
         more while a hop runs). None when the budget holds no page."""
         with self._lock:
+            if self.closed:
+                return None
             if self.store is None:
                 page, tail = PageStore.sizes(flow)
                 pages = self.budget // page
@@ -194,8 +197,10 @@ class FlowCachePool:
             return self.store
 
     def close(self) -> None:
-        """Free the page store (the requests' prefixes and prompt entries go with it)."""
+        """Free the page store for good (the requests' prefixes and prompt entries go with it; later hops run whole
+        and page ids given back later are dropped)."""
         with self._lock:
+            self.closed = True
             self._prompts.clear()
             self.store = None
             self._free_pages, self._free_tails = [], []
