@@ -59,6 +59,17 @@ def hop(flow, tokens, prompt, upto, cache=None):
     return flow_rows(flow, [FlowInput(tokens[:upto + LOOKAHEAD], pt, pf, emb, False, cache)], True)[0]
 
 
+def golden_stream(flow, vectors, n_tokens: int = 200):
+    """The golden prompt, n_tokens random tokens, their hop ends, a fresh pool and a state after the first hop."""
+    prompt = (vectors["flow.prompt_token"][0], vectors["flow.prompt_feat"][0], vectors["flow.embedding"][0])
+    tokens = make_tokens(flow, n_tokens, 1)
+    ends = hop_ends(20, n_tokens)
+    pool = FlowCachePool(BIG)
+    st = pool.new_state()
+    hop(flow, tokens, prompt, ends[0], st)
+    return prompt, tokens, ends, pool, st
+
+
 def max_err(a, b) -> float:
     assert a.shape == b.shape
     return (a - b).abs().max().item()
@@ -277,12 +288,7 @@ def test_pool_overflow_falls_back_and_is_counted(flow, vectors):
 
 
 def test_changed_input_invalidates(flow, vectors):
-    prompt = (vectors["flow.prompt_token"][0], vectors["flow.prompt_feat"][0], vectors["flow.embedding"][0])
-    tokens = make_tokens(flow, 200, 1)
-    ends = hop_ends(20, 200)
-    pool = FlowCachePool(BIG)
-    st = pool.new_state()
-    hop(flow, tokens, prompt, ends[0], st)
+    prompt, tokens, ends, pool, st = golden_stream(flow, vectors)
     changed = tokens.clone()
     changed[ends[0] + 1] = (changed[ends[0] + 1] + 1) % flow.cfg.vocab_size  # a look-ahead token of hop 1 changed
     assert max_err(hop(flow, changed, prompt, ends[1], st), hop(flow, changed, prompt, ends[1])) <= CACHE_TOL
@@ -293,18 +299,14 @@ def test_changed_input_invalidates(flow, vectors):
 
 
 def test_cancelled_state_frees_and_commits_nothing(flow, vectors):
-    prompt = (vectors["flow.prompt_token"][0], vectors["flow.prompt_feat"][0], vectors["flow.embedding"][0])
-    tokens = make_tokens(flow, 200, 1)
-    pool = FlowCachePool(BIG)
-    st = pool.new_state()
-    hop(flow, tokens, prompt, hop_ends(20, 200)[0], st)
+    prompt, tokens, ends, pool, st = golden_stream(flow, vectors)
     assert pool.stats()["bytes_used"] > 0
     st.close()
     assert pool.stats()["bytes_used"] == 0 and st.frames == 0
-    hop(flow, tokens, prompt, hop_ends(20, 200)[1], st)  # a closed state is ignored: whole-history hop
+    hop(flow, tokens, prompt, ends[1], st)  # a closed state is ignored: whole-history hop
     assert pool.stats()["bytes_used"] == 0
     st2 = pool.new_state()
-    hop(flow, tokens, prompt, hop_ends(20, 200)[0], st2)
+    hop(flow, tokens, prompt, ends[0], st2)
     del st2  # dropped without close (garbage collected): the pool gets its bytes back
     import gc
     gc.collect()
@@ -356,12 +358,7 @@ def test_cached_hops_follow_the_pipelines_dit_variant(flow):
 def test_closed_pool_takes_no_late_page_ids(flow, vectors):
     """A state that outlives its pool's close (dropped later, garbage collected) gives nothing back into a store:
     the pool stays closed, later hops run whole-history (exact) and reserve nothing."""
-    prompt = (vectors["flow.prompt_token"][0], vectors["flow.prompt_feat"][0], vectors["flow.embedding"][0])
-    tokens = make_tokens(flow, 200, 1)
-    ends = hop_ends(20, 200)
-    pool = FlowCachePool(BIG)
-    st = pool.new_state()
-    hop(flow, tokens, prompt, ends[0], st)
+    prompt, tokens, ends, pool, st = golden_stream(flow, vectors)
     assert pool.stats()["bytes_used"] > 0
     pool.close()
     st.close()  # late: its page ids must not reach any store
