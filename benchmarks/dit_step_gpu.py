@@ -118,8 +118,8 @@ def main(argv=None) -> None:
                    mel_vs_whole_max_abs=err, setup_s=round(setup_s, 1), graph_counts=dict(graphs.counts))
         out["cases"].append(rec)
         print(json.dumps(rec), flush=True)
-        for sv_state in [p.state for p in (sv.plan for sv in solves)]:
-            sv_state.close()
+        for sv in solves:
+            sv.plan.state.close()
     if not a.no_capture_all and cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

@@ -64,7 +64,8 @@ class Token2WavWorker:
         self.stepper = FlowStepper(self.flow)
         # step-level DiT: id(job) -> (job, its solver state: CachedSolve or FlowSteps) mid-solve
         self.active: dict[int, tuple[DitJob, object]] = {}
-        self._hops = None        # eager cached-hop calls when the backends have no cached-hop graphs
+        self._hops = None        # eager cached-hop calls when the backends have no cached-hop graphs (this
+        # worker's own: its arena is used by this thread only, unlike the flow's shared `flow_hops.hop_runner`)
         self._in_flight = None   # CUDA event of the last DiT step launched (`_fence`)
         self.hift_cond = threading.Condition()
         self.hift_queue: list[HiftJob] = []

@@ -103,7 +103,6 @@ class PromptEntry:
     prefix's pages and tail slot."""
     key: str
     prefix: Prefix
-    nbytes: int
     refs: int = 0
 
 
@@ -139,8 +138,7 @@ class PageStore:
         c = flow.cfg
         esize = torch.empty((), dtype=flow.rand_noise.dtype).element_size()
         k1 = flow.estimator.input_embed.conv_pos_embed.kernel_size - 1
-        page = 2 * c.dit.depth * c.n_timesteps * 2 * c.dit.heads * c.dit.dim_head * esize * c.dit.static_chunk_size
-        return page, c.n_timesteps * 2 * 2 * k1 * c.dit.dim * esize
+        return bytes_per_frame(flow) * c.dit.static_chunk_size, c.n_timesteps * 2 * 2 * k1 * c.dit.dim * esize
 
     def fits(self, flow) -> bool:
         c = flow.cfg
@@ -264,13 +262,13 @@ class FlowCachePool:
             self.counts["prompt_hits" if e is not None else "prompt_misses"] += 1
             return e
 
-    def prompt_register(self, key: str, prefix: Prefix, nbytes: int) -> Optional[PromptEntry]:
+    def prompt_register(self, key: str, prefix: Prefix) -> Optional[PromptEntry]:
         """Register a prompt prefix whose pages and tail slot the caller reserved (refs 1); None when the key
         exists already (the caller keeps its pages)."""
         with self._lock:
             if key in self._prompts:
                 return None
-            e = self._prompts[key] = PromptEntry(key, prefix, nbytes, refs=1)
+            e = self._prompts[key] = PromptEntry(key, prefix, refs=1)
             return e
 
     def prompt_unref(self, e: PromptEntry) -> None:
@@ -334,7 +332,7 @@ class FlowPrefixState:
 
     # used by flow_hops ---------------------------------------------------------------------------------------
     def attach_prompt(self, entry: PromptEntry) -> None:
-        self._owned["entry"] = entry
+        self.use_entry(entry)
         p = entry.prefix
         self.prefix = Prefix(list(p.segments), list(p.pages), p.tail, p.embedding, p.tokens, p.model, p.digest)
 

@@ -369,8 +369,7 @@ def _commit(flow, sv: CachedSolve) -> None:
     if p.split:
         entry_prefix = Prefix([segment(0, p.split)], list(p.prompt_pages), p.prompt_tail, embedding,
                               p.tokens[:_tokens_needed(flow, p.split)].clone(), p.model, p.digest)
-        nbytes = len(p.prompt_pages) * pool.page_bytes + pool.tail_bytes
-        entry = pool.prompt_register(p.key, entry_prefix, nbytes)
+        entry = pool.prompt_register(p.key, entry_prefix)
         if entry is not None:
             st.use_entry(entry)
         else:  # another request registered this prompt meanwhile: keep our own copy of the frames we computed
