@@ -121,10 +121,29 @@ def assert_streams_match(outs, refs) -> None:
         assert np.abs(a - b).max() <= BATCHED_ATOL and snr_db(b, a) >= BATCHED_SNR_DB
 
 
-def test_concurrent_requests_fully_batched(tts, mixed):
+def hold_hift_for_a_pair(monkeypatch, timeout_s: float = 10.0) -> None:
+    """The HiFT thread waits (up to `timeout_s`) until chunks of two streams are ready before its first call (streams
+    advance in one `push_batch`), so that the test sees a batched vocoder call whatever the machine's timing (with the
+    10 ms batching window alone, a slow CI core sometimes found one ready job at every call)."""
+    from cosytrt.runtime.scheduling import token2wav_worker
+    from cosytrt.runtime.scheduling.policies import first_per_request
+    real, deadline, paired = token2wav_worker.pick_hift_jobs, time.monotonic() + timeout_s, []
+
+    def held(queue, cfg, now, more_coming):
+        streams = [j for j in first_per_request(queue) if j.r.stream is not None]
+        if not paired and len(streams) < 2 and time.monotonic() < deadline:
+            return [], 0.002
+        paired.append(True)
+        return real(queue, cfg, now, more_coming)
+
+    monkeypatch.setattr(token2wav_worker, "pick_hift_jobs", held)
+
+
+def test_concurrent_requests_fully_batched(tts, mixed, monkeypatch):
     """Every stage batched (through TTS.submit from threads): tokens identical, audio equal up to the float noise of
     batched GEMMs (mel ~1e-6, which HiFT's f0 -> phase integration amplifies to ~1e-4 in the waveform)."""
     reqs, refs, ref_tokens = mixed
+    hold_hift_for_a_pair(monkeypatch)
     before = tts.scheduler.stats()
     handles = submit_from_threads(tts.submit, reqs)
     outs = [list(h.chunks(timeout=120)) for h in handles]
