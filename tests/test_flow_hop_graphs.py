@@ -357,3 +357,20 @@ def test_graph_buckets_share_one_set_of_kv_buffers(flow):
     prefix_ptrs = {p for p, _ in seen if p is not None}
     assert prefix_ptrs == {bufs["kp"].data_ptr()} and {o for _, o in seen} == {bufs["k_out"].data_ptr()}
     assert len({k for k in graphs.entries}) >= 2
+
+
+def test_eager_hop_runner_is_one_per_thread(flow):
+    """Callers without graphs share the flow's eager cached-hop runner within a thread, never across threads (its
+    growable arena is not thread-safe)."""
+    import threading
+
+    from cosytrt.runtime.stages.flow_hops import hop_runner
+    mine = hop_runner(flow)
+    assert hop_runner(flow) is mine
+    other = []
+    t = threading.Thread(target=lambda: other.append(hop_runner(flow)))
+    t.start()
+    t.join()
+    assert other[0] is not mine and other[0].fn == mine.fn
+    fn = lambda *a, **k: flow.estimator.forward_cached(*a, **k)  # noqa: E731
+    assert hop_runner(flow, fn=fn) is not mine and hop_runner(flow, fn=fn).fn is fn

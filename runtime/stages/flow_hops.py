@@ -12,6 +12,7 @@ join the next call; `solve_cached` runs the same three for a whole call.
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -260,14 +261,20 @@ def step_consts(flow, device, dtype) -> StepConsts:
 
 def hop_runner(flow, hops=None, fn=None):
     """`hops` (CachedHopGraphs of the backends, or EagerHops), else eager hops through `fn` (default the eager
-    forward_cached), one per function kept on the flow (their arena outlives the call)."""
+    forward_cached), one per function and thread kept on the flow (their arena outlives the call; a growable arena
+    is not safe to share between threads, so two threads running cached hops of one flow never share one)."""
     if hops is not None:
         return hops
     fn = fn or flow.estimator.forward_cached
-    memo = flow.__dict__.setdefault("_cosytrt_eager_hops", {})
-    if id(fn) not in memo or memo[id(fn)].fn is not fn:
-        memo[id(fn)] = EagerHops(flow.estimator, fn)
-    return memo[id(fn)]
+    local = flow.__dict__.get("_cosytrt_eager_hops")
+    if local is None:
+        local = flow.__dict__.setdefault("_cosytrt_eager_hops", threading.local())
+    runners = local.__dict__.setdefault("runners", [])
+    for r in runners:  # `==`: a bound method is a new object at every attribute access
+        if r.fn == fn:
+            return r
+    runners.append(EagerHops(flow.estimator, fn))
+    return runners[-1]
 
 
 def start_cached(flow, plan: HopPlan, hops=None) -> CachedSolve:
