@@ -15,7 +15,7 @@ from cosytrt.runtime.models.hift_stream import HiFTStream
 from cosytrt.runtime.stages.hop_schedule import streaming_schedule
 from cosytrt.runtime.stages.profile import load_profile
 from cosytrt.tools.coverage_profile import derive_grid
-from cosytrt.tools.coverage_sim import FINAL, HiFTGeometry, HiFTWindows, hit_rates, rate_calls, simulate
+from cosytrt.tools.coverage_sim import FINAL, CachedHops, HiFTGeometry, HiFTWindows, hit_rates, rate_calls, simulate
 from cosytrt.tools.coverage_workload import WorkloadRequest
 from cosytrt.tools.trtbuild import main
 
@@ -89,12 +89,115 @@ def test_simulate_and_derive_a_profile(tmp_path, capsys):
         assert (out / "heatmap_derived.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_shipped_open_loop_profile_loads_and_covers_its_simulation():
-    p = load_profile(os.path.join(os.path.dirname(__file__), "..", "profiles", "h200-open-loop.yaml"))
+@pytest.mark.parametrize("name,cached", [("h200-open-loop", False), ("h200-cached-open-loop", True)])
+def test_shipped_open_loop_profile_loads_and_covers_its_simulation(name, cached):
+    from cosytrt.tools.coverage_sim import rate_cached
+
+    p = load_profile(os.path.join(os.path.dirname(__file__), "..", "profiles", f"{name}.yaml"))
     assert p.model == "full" and p.max_padding_waste == 1.5
     assert all(len(p.buckets(s, m)) <= 32 for s in ("dit", "hift") for m in ("stream", "offline"))
     reqs = [WorkloadRequest(None, 8, n, None, s, "g", 0, t)
-            for t, n, s in ((0.0, 150, True), (0.1, 400, False), (0.15, 90, True))]
-    calls = simulate(reqs)
+            for t, n, s in ((0.0, 150, True), (0.1, 400, False), (0.15, 90, True), (0.2, 1000, True))]
+    ch = CachedHops(cap=max(p.stage("dit").cached.batch)) if cached else None
+    calls = simulate(reqs, cached=ch)
     tables = {(s, m): p.table(s, m) for s in ("dit", "hift") for m in ("stream", "offline")}
     assert hit_rates(rate_calls(calls, tables))["total"]["hit_rate"] == 1.0
+    if cached:  # a 40 s stream's last hops too; fewer graphs than h200-graphs' 160
+        grid = p.stage("dit").cached
+        assert rate_cached(ch.calls, grid)["hit_rate"] == 1.0 and len(grid.keys()) <= 64
+
+
+def _stream_runtime_calls(flow, P: int, n_tokens: list[int]) -> list[tuple]:
+    """(requests, new frames, prefix frames) of every cached-hop estimator call the runtime makes for streams of one
+    saved voice run one after another (flow_rows through CachedHopGraphs, each non-final hop of upstream's
+    schedule)."""
+    from cosytrt.runtime.models.flow import FlowInput
+    from cosytrt.runtime.stages.flow_cache import FlowCachePool
+    from cosytrt.runtime.stages.flow_hop_calls import CachedGrid, CachedHopGraphs
+    from cosytrt.runtime.stages.flow_hops import flow_rows
+    from cosytrt.runtime.stages.token2wav import LOOKAHEAD
+
+    from test_flow_cache import hop_ends, make_prompt, make_tokens
+
+    hops = CachedHopGraphs(flow.estimator, CachedGrid((1,), (400,), (0, 2000)), "cpu", graphs=False)
+    seen = []
+    real_run = hops.run
+
+    def run(store, arena, rows, N, P_, consts):
+        seen.append((len(rows), N, P_))
+        return real_run(store, arena, rows, N, P_, consts)
+
+    hops.run = run
+    prompt = make_prompt(flow, P, 7)
+    pool = FlowCachePool(1 << 30)
+    for i, n in enumerate(n_tokens):
+        st, tokens = pool.new_state(), make_tokens(flow, n, 10 + i)
+        for upto in hop_ends(P, n):
+            flow_rows(flow, [FlowInput(tokens[:upto + LOOKAHEAD], *prompt, False, st)], True, hops=hops)
+        st.close()
+    return seen
+
+
+def test_simulated_cached_hops_are_the_runtimes():
+    """With CachedHops, a stream's simulated cached-hop calls (requests, new frames, prefix frames: 10 per hop) are
+    exactly the ones the runtime's prefix-cached hops make (the real flow_rows through CachedHopGraphs, golden
+    full-geometry flow): the first stream of a voice computes its prompt, later ones start after the cached prompt
+    chunks; finals stay full-attention DiT calls."""
+    from cosytrt.runtime.models.checkpoint import read_state_dict
+    from cosytrt.runtime.models.config import config_from_golden_json
+    from cosytrt.runtime.models.flow import Flow
+    from cosytrt.runtime.stages.flow_cache import prompt_cacheable_frames
+
+    golden = os.path.join(os.path.dirname(__file__), "data", "golden")
+    flow = Flow(config_from_golden_json(os.path.join(golden, "config.json")).flow).eval().load_checkpoint(
+        read_state_dict(os.path.join(golden, "flow.pt")))
+    P, lengths = 60, [260, 140]
+    ch = CachedHops()
+    assert ch.prompt_split(P) == prompt_cacheable_frames(flow, P) == 100
+    reqs = [WorkloadRequest(None, 8, n, None, True, "s", 0, 100.0 * i) for i, n in enumerate(lengths)]
+    calls = simulate(reqs, prompt_tokens=P, cached=ch)
+    assert ch.calls == _stream_runtime_calls(flow, P, lengths)
+    assert ch.calls[0] == (1, 2 * (P + 40), 0)  # the voice's first hop: prompt + 40 tokens, no prefix
+    assert (1, 2 * (P + 40) - 100, 100) in ch.calls  # the next stream's: after the 2 cached prompt chunks
+    assert not [c for c in calls if c[:2] == ("dit", "stream")]  # no whole-history hop left
+    assert Counter(c[1] for c in calls if c[0] == "dit") == {"offline": 20}  # two finals, 10 steps each
+
+
+def test_step_level_cached_hops_share_calls_and_derive_a_grid():
+    """Overlapping streams: step-level calls hold rows at different steps and prefixes (the call's new frames and
+    prefix are the largest of its rows); the derived cached grid holds every call, within the graph budget."""
+    from cosytrt.runtime.stages.flow_hop_calls import CachedGrid
+    from cosytrt.tools.coverage_profile import derive_cached_grid
+    from cosytrt.tools.coverage_sim import rate_cached
+
+    reqs = [WorkloadRequest(None, 8, n, None, True, "s", 0, t)
+            for t, n in ((0.0, 600), (0.05, 300), (0.3, 900), (0.35, 450), (0.4, 200), (0.9, 700))]
+    ch = CachedHops(cap=4)
+    simulate(reqs, prompt_tokens=75, cached=ch)
+    assert 2 <= max(b for b, _, _ in ch.calls) <= 4
+    for max_graphs in (64, 16):
+        g = derive_cached_grid(ch.calls, max_graphs)
+        grid = CachedGrid(g["batch"], g["frames"], g["prefix"])
+        r = rate_cached(ch.calls, grid)
+        assert r["hit_rate"] == 1.0 and r["graphs"] == g["graphs"] <= max_graphs
+        assert g["batch"] == [1, 2, 4][:len(g["batch"])] and 0 in g["prefix"]
+        assert all(any(p <= q <= p * g["prefix_ratio"] + 1e-9 for q in g["prefix"]) for _, _, p in ch.calls if p)
+    top = max(p for _, _, p in ch.calls)
+    assert derive_cached_grid(ch.calls, 64, ceiling=10 * top)["prefix"][-1] == 10 * top  # the old grid's reach kept
+    assert rate_cached(ch.calls, None)["hit_rate"] == 0.0
+
+
+def test_coverage_cli_cached_hops(tmp_path, capsys):
+    """`trtbuild coverage --simulate --cached-hops --derive-profile`: the cached-hop calls rated against the
+    profile's dit.cached grid and derived into the written profile, which the runtime loads."""
+    out = tmp_path / "derived.yaml"
+    assert main(["coverage", "--simulate", "--open-loop", "rate=4,duration=6,seed=1,stream=0.8", "--cached-hops",
+                 "--max-cached-graphs", "32", "--derive-profile", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "dit/cached (prefix-cached hops, one call per Euler step)" in text and "160 graphs" in text
+    prof = load_profile(str(out))
+    grid = prof.stage("dit").cached
+    assert grid is not None and len(grid.keys()) <= 32
+    assert "--cached-hops --max-cached-graphs 32" in out.read_text()
+    assert main(["coverage", "--engines", str(tmp_path), "--cached-hops"]) == 2
+    assert "--cached-hops goes with --simulate" in capsys.readouterr().err

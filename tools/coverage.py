@@ -14,6 +14,10 @@ eager fallbacks with their share of time, and the extra buckets that would remov
 `--derive-profile OUT.yaml` writes a profile derived from the call shapes (tools/coverage_profile.py; at most
 `--max-buckets` per stage/mode) and prints the hit rates of the old and the derived profile on the same calls.
 `--out DIR` writes report.json and heatmap.png there (with --derive-profile also hit_rates.png, heatmap_derived.png).
+`--cached-hops` (with --simulate): simulate the runtime's defaults where the profile has a cached-hop grid (flow prefix
+cache, saved-voice prompt cache, Euler-step DiT scheduling): streaming hops become cached-hop calls (requests, new
+frames, prefix frames) rated against the profile's `dit.cached` grid (hit rate, padded work, graphs) and, with
+--derive-profile, a `dit.cached` grid derived from them (at most `--max-cached-graphs` graphs).
 """
 from __future__ import annotations
 
@@ -51,6 +55,11 @@ def add_arguments(p) -> None:
     p.add_argument("--derive-profile", default=None, metavar="OUT.yaml",
                    help="write a profile derived from the call shapes; compare hit rates old vs derived")
     p.add_argument("--max-buckets", type=int, default=32, help="with --derive-profile: buckets per stage/mode")
+    p.add_argument("--cached-hops", action="store_true",
+                   help="with --simulate: prefix-cached streaming hops and step-level DiT (the runtime's defaults "
+                        "with a cached-hop grid), rated against and derived into dit.cached")
+    p.add_argument("--max-cached-graphs", type=int, default=64,
+                   help="with --cached-hops --derive-profile: most cached-hop graphs (batch x frames x prefix)")
 
 
 def _f(v, fmt=".3f"):
@@ -130,6 +139,12 @@ def format_report(r: dict) -> str:
     if w["failed"]:
         out.append(f"\n{len(w['failed'])} request(s) failed, first: {w['failed'][0]['group']}: "
                    f"{w['failed'][0]['error']}")
+    if r.get("dit_cached"):
+        c = r["dit_cached"]
+        out.append(f"\ndit/cached (prefix-cached hops, one call per Euler step): {c['calls']} calls, bucket hit rate "
+                   f"{_f(100 * c['hit_rate'], '.1f')}% in {c['graphs']} graphs {c['grid']}, padded work "
+                   f"x{_f(c['work_ratio'])}; requests per call {c['requests']}, new frames {c['new_frames']}, "
+                   f"prefix frames p50 {c['prefix']['p50']} p95 {c['prefix']['p95']} max {c['prefix']['max']}")
     if r.get("heatmap"):
         out.append(f"\nheatmap: {r['heatmap']}")
     return "\n".join(out)
@@ -157,31 +172,55 @@ def _workload(args):
                                                                            else ""))
 
 
-def _simulate(args, reqs, source: str) -> tuple[dict, list, object, str]:
-    """(report, unrated calls, old profile, its label) of a shape-only run."""
+def _simulate(args, reqs, source: str) -> tuple[dict, list, object, str, list]:
+    """(report, unrated calls, old profile, its label, cached-hop calls) of a shape-only run."""
     import os
 
     from ..runtime.stages.profile import load_profile
     from .coverage_derive import tables_of
     from .coverage_plot import write_heatmap
     from .coverage_report import build_report
-    from .coverage_sim import rate_calls, simulate
+    from .coverage_sim import CachedHops, rate_calls, simulate
 
     label = args.profile or "h200-graphs"
     base = load_profile(label)
     runs: dict = {}  # one simulated run per group: an open-loop rate, or a matrix cell submitted at t = 0
     for r in reqs:
         runs.setdefault(r.group, []).append(r)
-    calls = [c for group in runs.values() for c in simulate(group, args.prompt_tokens)]
+    grid = base.stage("dit").cached if base.stage("dit") is not None else None
+    calls, cached_calls = [], []
+    for group in runs.values():
+        ch = CachedHops(cap=max(grid.batch) if grid is not None else 8) if args.cached_hops else None
+        calls += simulate(group, args.prompt_tokens, cached=ch)
+        cached_calls += ch.calls if ch is not None else []
     tables = tables_of(base)
     meta = {"engines": f"profile {label}", "backend": "shape-only simulation", "device": "none", "simulated": True,
             "model": base.model, "max_padding_waste": base.max_padding_waste,
             "workload": {"source": source, "requests": len(reqs), "groups": 1, "wall_seconds": 0.0, "failed": []}}
     report = build_report(rate_calls(calls, tables), tables, meta)
+    if args.cached_hops:
+        report["dit_cached"] = cached_summary(cached_calls, grid)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         report["heatmap"] = os.path.basename(write_heatmap(report, tables, os.path.join(args.out, "heatmap.png")))
-    return report, calls, base, label
+    return report, calls, base, label, cached_calls
+
+
+def cached_summary(cached_calls: list[tuple], grid) -> dict:
+    """Cached-hop calls against `grid`: rate_cached's numbers plus the shapes seen (requests, new frames, prefix
+    quantiles)."""
+    from collections import Counter
+
+    from .coverage_sim import rate_cached
+
+    out = rate_cached(cached_calls, grid)
+    prefixes = sorted(p for _, _, p in cached_calls)
+    q = (lambda f: prefixes[min(len(prefixes) - 1, int(f * len(prefixes)))]) if prefixes else (lambda f: None)
+    out.update(grid=grid.to_dict() if grid is not None else None,
+               requests=dict(sorted(Counter(b for b, _, _ in cached_calls).items())),
+               new_frames=dict(sorted(Counter(n for _, n, _ in cached_calls).items())),
+               prefix={"p50": q(0.5), "p95": q(0.95), "max": prefixes[-1] if prefixes else None})
+    return out
 
 
 def run(args) -> int:
@@ -189,9 +228,12 @@ def run(args) -> int:
 
     if args.simulate == bool(args.engines):
         raise InputError("coverage: give --engines DIR (replay through the runtime) or --simulate (shape-only)")
+    if args.cached_hops and not args.simulate:
+        raise InputError("coverage: --cached-hops goes with --simulate (a replay records the runtime's own calls)")
     reqs, source = _workload(args)
+    cached_calls: list = []
     if args.simulate:
-        report, calls, base, label = _simulate(args, reqs, source)
+        report, calls, base, label, cached_calls = _simulate(args, reqs, source)
     else:
         from .coverage_run import run_coverage
 
@@ -201,7 +243,7 @@ def run(args) -> int:
     extra = ""
     if args.derive_profile:
         extra = _derive(args, report, calls if args.simulate else None, base if args.simulate else None,
-                        label if args.simulate else None, source)
+                        label if args.simulate else None, source, cached_calls)
     if args.out:
         import os
 
@@ -214,7 +256,7 @@ def run(args) -> int:
     return 0
 
 
-def _derive(args, report: dict, calls, base, label, source: str) -> str:
+def _derive(args, report: dict, calls, base, label, source: str, cached_calls: list | None = None) -> str:
     import os
 
     from .coverage_derive import calls_from_shapes, derive_and_compare, format_comparison, tables_of
@@ -230,13 +272,20 @@ def _derive(args, report: dict, calls, base, label, source: str) -> str:
     else:
         how = (f"a shape-only simulation (tools/coverage_sim.py: hop schedule, the scheduler's batching policies with "
                f"the default SchedulerConfig, SimCosts clock) of {source}, prompt {args.prompt_tokens} speech tokens "
-               "(dit/stream: whole-history hops, as with flow_prefix_cache off; prefix-cached hops run in the "
-               "dit.cached grid, kept from the base profile)")
+               + ("(the runtime's defaults with a cached-hop grid: streaming hops prefix-cached, the saved voice's "
+                  "prompt cached after its first stream, Euler-step DiT scheduling; dit.cached derived from the "
+                  "cached-hop calls, dit/offline from the finals' per-step calls, dit/stream kept from the base "
+                  "profile: only hops the prefix cache cannot serve use it)" if args.cached_hops else
+                  "(dit/stream: whole-history hops, as with flow_prefix_cache off; prefix-cached hops run in the "
+                  "dit.cached grid, kept from the base profile)"))
         workload = (f"--open-loop {args.open_loop}" + (f" --rates {args.rates}" if args.rates else "")
                     if args.open_loop else f"--workload {args.workload}" if args.workload else "--matrix default")
         how += (f".\nCommand: trtbuild coverage --simulate {workload} --profile {label} --prompt-tokens "
-                f"{args.prompt_tokens} --derive-profile {args.derive_profile} --max-buckets {args.max_buckets}")
-    res = derive_and_compare(calls, base, label, args.derive_profile, args.max_buckets, how, args.simulate)
+                f"{args.prompt_tokens}" + (f" --cached-hops --max-cached-graphs {args.max_cached_graphs}"
+                                           if args.cached_hops else "")
+                + f" --derive-profile {args.derive_profile} --max-buckets {args.max_buckets}")
+    res = derive_and_compare(calls, base, label, args.derive_profile, args.max_buckets, how, args.simulate,
+                             cached_calls or None, args.max_cached_graphs)
     report["profile_comparison"] = res
     text = format_comparison(res["comparison"]) + f"\nderived profile: {res['profile']}"
     if args.out:

@@ -141,10 +141,54 @@ def derive_grid(stage: str, shapes: dict, waste: float = 1.5, max_buckets: int =
     return {"batch": batches, "frames": ls, "covered_calls": cov, "calls": total}
 
 
+def _chunk_rungs(values: list[int], ratio: float, chunk: int) -> list[int]:
+    """Fewest rungs (multiples of `chunk` where that still covers) so that every value v has one in [v, v * ratio]."""
+    pts: list[int] = []
+    for v in sorted(set(values)):
+        if not any(v <= q <= v * ratio for q in pts):
+            hi = int(v * ratio)
+            r = hi - hi % chunk
+            pts.append(r if r >= v else v)
+    return pts
+
+
+def derive_cached_grid(calls: list[tuple], max_graphs: int = 64, chunk: int = 50, ceiling: int | None = None) -> dict:
+    """A cached-hop grid {batch, frames, prefix, graphs, calls} for cached-hop calls [(requests, new frames, prefix
+    frames)] (`coverage_sim.CachedHops.calls`) that holds every call, with at most `max_graphs` graphs (the product
+    of the three ladders) where it can: batch = powers of two up to the largest call (graphs are replayed for every
+    Euler step, so the few batch sizes all matter); new frames = each distinct value (hops add whole chunks: few
+    values) unless that needs more than a quarter of the budget, then rungs within x1.25; prefix = 0 (a first hop)
+    and rungs within xR of every prefix, R the smallest of 1.1, 1.2, ... that fits the budget, plus `ceiling` (the
+    old grid's longest prefix) when that is longer than every call's: the traffic's longest streams are its rarest,
+    and a step whose longest row no bucket holds runs eagerly with all its rows."""
+    if not calls:
+        return {"batch": [], "frames": [], "prefix": [], "graphs": 0, "calls": 0}
+    top = max(b for b, _, _ in calls)
+    batch = sorted({1 << k for k in range(top.bit_length()) if 1 << k < top} | {top})
+    news = sorted({n for _, n, _ in calls})
+    frames = news if len(batch) * len(news) <= max_graphs // 4 else _chunk_rungs(news, 1.25, chunk)
+    prefixes = [p for _, _, p in calls if p > 0]
+    ratio, prefix = 1.1, []
+    while True:
+        prefix = sorted(({0} if any(p == 0 for _, _, p in calls) else set()) | set(_chunk_rungs(prefixes, ratio,
+                                                                                                  chunk)))
+        if ceiling is not None and (not prefix or ceiling > prefix[-1]):
+            prefix.append(ceiling)
+        if len(batch) * len(frames) * max(1, len(prefix)) <= max_graphs or ratio >= 4:
+            break
+        ratio = round(ratio + 0.1, 2)
+    if not prefix:
+        prefix = [0]
+    return {"batch": batch, "frames": frames, "prefix": prefix, "prefix_ratio": ratio,
+            "graphs": len(batch) * len(frames) * len(prefix), "calls": len(calls)}
+
+
 def derive_profile(calls: list[tuple], base, max_buckets: int = 32, waste: float | None = None,
-                   description: str | None = None) -> tuple[dict, dict]:
+                   description: str | None = None, cached_calls: list[tuple] | None = None,
+                   max_cached_graphs: int = 64) -> tuple[dict, dict]:
     """(profile dict, per stage/mode derivation summary) from `calls` (CallRecorder / simulate tuples) and the
-    `base` Profile, whose non-derived parts are kept."""
+    `base` Profile, whose non-derived parts are kept. `cached_calls` (simulated cached-hop calls): dit.cached is
+    derived from them too (`derive_cached_grid`), summary key "dit/cached"."""
     d = base.to_dict()
     waste = float(waste if waste is not None else d.get("max_padding_waste", 1.5))
     shapes: dict = {}
@@ -159,6 +203,12 @@ def derive_profile(calls: list[tuple], base, max_buckets: int = 32, waste: float
         if g["frames"]:
             sd[mode] = {"batch": g["batch"], "frames": g["frames"]}
         summary[f"{stage}/{mode}"] = g
+    if cached_calls:
+        dit = base.stage("dit")
+        old = dit.cached if dit is not None else None
+        g = derive_cached_grid(cached_calls, max_cached_graphs, ceiling=max(old.prefix) if old is not None else None)
+        d["stages"].setdefault("dit", {})["cached"] = {k: g[k] for k in ("batch", "frames", "prefix")}
+        summary["dit/cached"] = g
     d["max_padding_waste"] = waste
     if description:
         d["description"] = description

@@ -13,11 +13,18 @@ BENCHMARKS.md micro rows; only the order and overlap of events depend on it, not
 `simulate(requests, ...)` returns call tuples like the ones `CallRecorder` records (bucket None: `rate_calls` assigns
 the buckets of a profile), so the report, the heatmap and the profile derivation work on either. Final streaming HiFT
 windows are recorded at n + 4 frames, as `BucketedStreamDecoder` records them.
+
+`CachedHops` switches the simulation to the runtime's defaults where a profile has a cached-hop grid: the flow
+prefix cache (a non-final hop computes only the frames past its committed prefix, `flow_hops.plan_hops`: commits end
+on 50-frame chunks), the speaker prompt cache (a saved voice's whole prompt chunks are computed by its first stream
+and reused by the later ones) and, with `step_level`, Euler-step DiT scheduling (`pick_dit_step`: one call per step,
+rows at different steps together). Its `calls` collect one (requests, new frames, prefix frames) per cached-hop
+estimator call, the shape `CachedGrid.select` sees (`rate_cached`, `coverage_profile.derive_cached_grid`).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..engines.buckets import CFG_ROWS
 
@@ -54,6 +61,24 @@ class HiFTGeometry:
     @classmethod
     def of(cls, hift) -> "HiFTGeometry":
         return cls(hift.decode_left_context(), hift.f0_look_right, hift.f0_left_context, hift.conv_pre_look_right)
+
+
+@dataclass
+class CachedHops:
+    """Simulate prefix-cached hops (see the module doc). `cap`: most requests per cached-hop call (the runtime caps
+    them at the grid's largest batch); `prompt_cache`: a saved voice's prompt chunks are reused after its first
+    stream; `step_level`: Euler-step DiT scheduling (the runtime's default); `chunk`: the DiT's attention chunk."""
+    cap: int = 8
+    prompt_cache: bool = True
+    step_level: bool = True
+    chunk: int = 50
+    lookahead: int = 3
+    calls: list = field(default_factory=list)
+
+    def prompt_split(self, prompt_tokens: int) -> int:
+        """`flow_cache.prompt_cacheable_frames`: whole chunks before 2 * (prompt - look-ahead) frames."""
+        limit = 2 * max(0, prompt_tokens - self.lookahead)
+        return limit // self.chunk * self.chunk
 
 
 class HiFTWindows:
@@ -100,6 +125,7 @@ class _Req:
         self.produced = 0
         self.hops = HopSchedule(prompt_tokens) if stream else None
         self.stream = HiFTWindows(g) if stream else None  # pick_hift_jobs: stream jobs have r.stream
+        self.committed = 0  # prefix-cached frames (CachedHops)
 
 
 @dataclass
@@ -111,6 +137,8 @@ class _Job:
     t_enqueue: float
     new: int = 0         # DiT job: the new mel frames it hands to HiFT
     audio: float = 0.0   # HiFT job: audio seconds it delivered
+    start: int | None = None  # cached-hop DiT job: its committed prefix frames (None: a whole-history call)
+    steps: int = STEPS   # DiT job: Euler steps left
 
     @property
     def kind(self) -> tuple[bool, bool]:
@@ -122,11 +150,13 @@ class _Job:
 
 
 def simulate(requests, prompt_tokens: int = 75, config=None, costs: SimCosts | None = None,
-             geometry: HiFTGeometry | None = None, sample_rate: int = 24000) -> list[tuple]:
+             geometry: HiFTGeometry | None = None, sample_rate: int = 24000,
+             cached: CachedHops | None = None) -> list[tuple]:
     """The stage calls of `requests` (coverage WorkloadRequests with speech_tokens; arrival_s, else all at 0):
-    [(stage, mode, b, n, None, seconds, None)], in simulated time order."""
+    [(stage, mode, b, n, None, seconds, None)], in simulated time order. `cached`: simulate prefix-cached hops (and
+    Euler-step scheduling, `cached.step_level`); their estimator calls go to `cached.calls`, not to the list."""
     from ..runtime.scheduling.config import SchedulerConfig
-    from ..runtime.scheduling.policies import hift_offline_groups, pick_dit_group, pick_hift_jobs
+    from ..runtime.scheduling.policies import hift_offline_groups, pick_dit_group, pick_dit_step, pick_hift_jobs
 
     cfg = config or SchedulerConfig()
     c = costs or SimCosts()
@@ -135,9 +165,50 @@ def simulate(requests, prompt_tokens: int = 75, config=None, costs: SimCosts | N
     pending = sorted(((r.arrival_s or 0.0, r) for r in requests), key=lambda x: x[0])
     reqs = [_Req(i, t, max(1, int(r.speech_tokens or 1)), r.stream, prompt_tokens, g)
             for i, (t, r) in enumerate(pending)]
-    waiting, decoding, dit_q, hift_q, dit_out = [], [], [], [], []
+    waiting, decoding, dit_q, hift_q, dit_out, active = [], [], [], [], [], []
     calls: list[tuple] = []
     t, nxt, ar_next, dit_free, hift_free, done = 0.0, 0, 0.0, 0.0, 0.0, 0
+    voice = {"warm": False}  # one saved voice: its prompt chunks are cached once its first stream committed them
+    split = cached.prompt_split(prompt_tokens) if cached is not None else 0
+
+    def hop_start(j: _Job) -> int:  # flow_hops.plan_hops: the committed prefix, or the cached prompt chunks
+        if j.start is not None:
+            return j.start
+        if j.r.committed == 0 and voice["warm"] and 0 < split <= j.frames // cached.chunk * cached.chunk:
+            return split
+        return j.r.committed
+
+    def describe(j: _Job) -> tuple:  # token2wav_worker.describe
+        if j.start is not None or (cached is not None and j.streaming and not j.finalize):
+            return "cached", max(1, j.frames - hop_start(j))
+        return ("stream" if j.streaming else "offline"), j.frames
+
+    def cap(kind) -> int:
+        return min(cfg.dit_max_requests, cached.cap) if kind == "cached" and cached is not None else \
+            cfg.dit_max_requests
+
+    def dit_call(group: list, steps: int) -> float:
+        """Record `steps` estimator calls of `group` (one kind); the simulated seconds they take."""
+        kind = describe(group[0])[0]
+        if kind == "cached":
+            for j in group:
+                if j.start is None:
+                    j.start = hop_start(j)
+            n = max(j.frames - j.start for j in group)
+            p = max(j.start for j in group)
+            cached.calls.extend([(len(group), n, p)] * steps)
+            return steps * (c.dit_step_s + c.dit_row_frame_s * CFG_ROWS * len(group) * n)
+        b, n = CFG_ROWS * len(group), max(j.frames for j in group)
+        calls.extend([("dit", "stream" if kind == "stream" else "offline", b, n, None,
+                       c.dit_step_s + c.dit_row_frame_s * b * n, None)] * steps)
+        return steps * (c.dit_step_s + c.dit_row_frame_s * b * n)
+
+    def dit_finished(j: _Job, at: float) -> None:
+        if j.start is not None:  # its commit: whole chunks up to its last frame; the first one caches the prompt
+            j.r.committed = j.frames // cached.chunk * cached.chunk
+            voice["warm"] = voice["warm"] or (cached.prompt_cache and split > 0)
+        dit_out.append((at, j))
+
     while done < len(reqs):
         while nxt < len(reqs) and reqs[nxt].metrics.t_submit <= t:
             waiting.append(reqs[nxt])
@@ -157,24 +228,36 @@ def simulate(requests, prompt_tokens: int = 75, config=None, costs: SimCosts | N
                     dit_q.append(_Job(r, False, True, 2 * (r.P + r.tokens), t, new=2 * (r.tokens - off)))
             decoding = [r for r in decoding if r.produced < r.tokens]
             ar_next = t + c.ar_step_s + (c.ar_prefill_s if prefill else 0.0)
-        if t >= dit_free and dit_q:
+        if t >= dit_free and (dit_q or active):
             more = bool(waiting or decoding or nxt < len(reqs))
-            group, _ = pick_dit_group(dit_q, cfg, t, more)
-            if group:
-                taken = {id(j) for j in group}
-                dit_q = [j for j in dit_q if id(j) not in taken]
-                b, n = CFG_ROWS * len(group), max(j.frames for j in group)
-                step = c.dit_step_s + c.dit_row_frame_s * b * n
-                mode = "stream" if group[0].streaming else "offline"
-                calls += [("dit", mode, b, n, None, step, None)] * STEPS
-                dit_free = t + STEPS * step
-                dit_out += [(dit_free, j) for j in group]
+            if cached is not None and cached.step_level:
+                group, _ = pick_dit_step(dit_q, active, cfg, t, more, describe, cap)
+                if group:
+                    taken = {id(j) for j in group}
+                    dit_q = [j for j in dit_q if id(j) not in taken]
+                    active += [j for j in group if not any(j is a for a in active)]
+                    dit_free = t + dit_call(group, 1)
+                    for j in group:
+                        j.steps -= 1
+                        if j.steps == 0:
+                            dit_finished(j, dit_free)
+                    active = [j for j in active if j.steps > 0]
+            else:
+                group, _ = pick_dit_group(dit_q, cfg, t, more, describe if cached is not None else None,
+                                          cap if cached is not None else None)
+                if group:
+                    taken = {id(j) for j in group}
+                    dit_q = [j for j in dit_q if id(j) not in taken]
+                    dit_free = t + dit_call(group, STEPS)
+                    for j in group:
+                        j.steps = 0
+                        dit_finished(j, dit_free)
         for item in [x for x in dit_out if x[0] <= t]:
             dit_out.remove(item)
             j = item[1]
             hift_q.append(_Job(j.r, j.r.stream is not None, j.finalize, j.new, item[0]))
         if t >= hift_free and hift_q:
-            jobs, _ = pick_hift_jobs(hift_q, cfg, t, bool(dit_q or dit_out or t < dit_free))
+            jobs, _ = pick_hift_jobs(hift_q, cfg, t, bool(dit_q or dit_out or active or t < dit_free))
             if jobs:
                 taken = {id(j) for j in jobs}
                 hift_q = [j for j in hift_q if id(j) not in taken]
@@ -248,3 +331,27 @@ def hit_rates(calls: list[tuple]) -> dict:
     for d in out.values():
         d["hit_rate"] = d["hits"] / d["calls"] if d["calls"] else math.nan
     return out
+
+
+LINEAR_FRAMES = 3072  # cached-hop work model: a frame's linear layers cost about as much as attending 3072 frames
+
+
+def hop_work(b: int, n: int, p: int) -> int:
+    """Relative work of a cached-hop call of b requests, n new frames after p cached ones: per new frame its linear
+    layers (~12 d^2 FLOPs per layer, d = 1024) plus attention over the n + p frames (~4 d per frame), i.e.
+    b n (3072 + n + p); the in-graph prefix gather adds b p copies, small beside it."""
+    return b * n * (LINEAR_FRAMES + n + p)
+
+
+def rate_cached(calls: list[tuple], grid) -> dict:
+    """{calls, hits, hit_rate, work_ratio, graphs} of cached-hop calls [(b, n, p)] in `grid` (a CachedGrid; None:
+    no grid, every call eager). work_ratio: padded work / real work of the calls that hit (`hop_work`)."""
+    hits, real, padded = 0, 0, 0
+    for b, n, p in calls:
+        key = grid.select(b, n, p) if grid is not None else None
+        if key is not None:
+            hits += 1
+            real += hop_work(b, n, p)
+            padded += hop_work(*key)
+    return {"calls": len(calls), "hits": hits, "hit_rate": hits / len(calls) if calls else math.nan,
+            "work_ratio": padded / real if real else math.nan, "graphs": len(grid.keys()) if grid is not None else 0}
