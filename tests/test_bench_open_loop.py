@@ -188,6 +188,15 @@ def test_stats_delta_reads_what_is_there():
                                                                                                  "rows": 3}}}}, 1.0)
     assert kinds["dit_calls"] == {"cached/step": {"calls": 20, "rows": 40, "rows_per_call": 2.0},
                                   "offline": {"calls": 2, "rows": 3, "rows_per_call": 1.5}}
+    assert bare["cached_hops"] is None
+    hops = stats_delta({"flow_cache": {"hop_graphs": {"hits": 5, "misses": 1, "shapes": {"1,100,200": 5},
+                                                      "replays": {"1,100,200": 5}}}},
+                       {"flow_cache": {"hop_graphs": {"hits": 25, "misses": 1, "capture_failed": 0,
+                                                      "shapes": {"1,100,200": 15, "2,200,400": 10},
+                                                      "replays": {"1,100,200": 15, "2,200,400": 10}}}}, 1.0)
+    assert hops["cached_hops"] == {"hits": 20, "misses": 0, "capture_failed": 0,
+                                   "shapes": {"1,100,200": 10, "2,200,400": 10},
+                                   "replays": {"1,100,200": 10, "2,200,400": 10}}
 
 
 # ------------------------------------------------------------------ end to end (tiny model, CPU) and report
@@ -259,7 +268,10 @@ def _cell(setting, rate, offered, achieved, p50, under):
             "peak_gpu_gb": 30.0,
             "ttfa_parts": {k: {"p50": 0.01, "p95": 0.02, "share": 0.2}
                            for k in ("frontend_queue", "ar", "dit_wait", "dit", "vocoder")},
-            "dit_calls": {"cached/step": {"calls": 40, "rows": 100, "rows_per_call": 2.5}}}
+            "dit_calls": {"cached/step": {"calls": 40, "rows": 100, "rows_per_call": 2.5}},
+            "cached_hops": {"hits": 30, "misses": 10, "capture_failed": 0,
+                            "shapes": {"1,100,200": 25, "2,200,400": 5, "9,100,0": 10},
+                            "replays": {"1,100,200": 25, "2,200,400": 5}}}
 
 
 def test_report_of_a_small_open_loop_json(tmp_path):
@@ -280,6 +292,7 @@ def test_report_of_a_small_open_loop_json(tmp_path):
     assert "error: RuntimeError('x')" in md and "A/B: --ab nope" in md
     assert "where time to first audio goes" in md and "| 0.010 / 0.020 (20%) |" in md
     assert "| cached/step |" in md and "| 40 / 2.50 |" in md
+    assert "cached-hop graphs" in md and "| 40 | 0.75 | 10 | 0 | 2 | 3 | 1,100,200 (25), 9,100,0 (10), 2,200,400 (5) |" in md
     path = report.open_loop_plot(res, str(tmp_path))
     assert path == str(tmp_path / "bench_open_loop.png") and (tmp_path / "bench_open_loop.png").stat().st_size > 0
     assert report.open_loop_tables({"serving": {}}) == "" and report.open_loop_plot({}, str(tmp_path)) is None

@@ -84,7 +84,7 @@ def test_static_buffers_allocated_with_the_first_bucket(flow):
 def test_no_bucket_runs_eagerly_and_is_counted(flow):
     P = 20
     prompt, toks = make_prompt(flow, P, 5), make_tokens(flow, 300, 6)
-    graphs = graphs_for(flow, batch=(1,), frames=(64,), prefix=(0, 96))  # first hop has 90 new frames: no bucket
+    graphs = graphs_for(flow, batch=(1,), frames=(64,), prefix=(0, 96))  # hops of 100+ new frames: no bucket
     st_g, st_e = FlowCachePool(BIG).new_state(), FlowCachePool(BIG).new_state()
     for upto in hop_ends(P, 300)[:3]:
         got = flow_rows(flow, [FlowInput(toks[:upto + LOOKAHEAD], *prompt, False, st_g)], True, hops=graphs)[0]
@@ -94,6 +94,9 @@ def test_no_bucket_runs_eagerly_and_is_counted(flow):
     s = graphs.stats()
     assert s["grid"] == {"batch": [1], "frames": [64], "prefix": [0, 96]} and s["graphs"] is False
     assert s["hits"] + s["misses"] == 3 * flow.cfg.n_timesteps  # one estimator call per hop and Euler step
+    assert sum(s["shapes"].values()) == s["hits"] + s["misses"] and sum(s["replays"].values()) == s["hits"]
+    n = flow.cfg.n_timesteps  # (requests, new frames, prefix frames) per call: hops of 100, 100 and 200 frames
+    assert s["shapes"] == {"1,100,0": n, "1,100,100": n, "1,200,200": n} and s["replays"] == {}
 
 
 def test_compiled_forward_cached_buckets_equal_eager(flow):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import math
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -303,6 +304,8 @@ class CachedHopGraphs:
         self.cache = GraphCache(None, self.device, warmup=1) if self.graphs else None
         self.entries: dict = {}
         self.counts = dict(hits=0, misses=0, captured=0, capture_failed=0)
+        self.shapes: Counter = Counter()  # (requests, new frames, prefix frames) of every call: what a grid must hold
+        self.replays: Counter = Counter()  # bucket key -> replays
         self._lock = threading.Lock()
         self.arena: Optional[SolveArena] = None  # allocated with the first bucket or row (none while unused)
         self._meta: Optional[torch.Tensor] = None
@@ -413,6 +416,7 @@ class CachedHopGraphs:
             consts: StepConsts) -> None:
         """One step of `rows` of `arena`: the smallest bucket's graph when the rows are in this set's arena and one
         holds them, else eagerly at the call's size."""
+        self.shapes[(len(rows), N, P)] += 1
         key = self.grid.select(len(rows), N, P) if arena is self.arena else None
         if key is not None:
             self.bind(store, consts)
@@ -425,12 +429,17 @@ class CachedHopGraphs:
                     meta.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
                 replay()
                 self.counts["hits"] += 1
+                self.replays[key] += 1
                 return
         self.counts["misses"] += 1
         self.eager.run(store, arena, rows, N, P, consts)
 
     def stats(self) -> dict:
-        return {**self.counts, "grid": self.grid.to_dict(), "graphs": self.graphs, "static_bytes": self.static_bytes}
+        """Counts, the grid, and per call shape "b,n,p" (requests, new frames, prefix frames) and per bucket key the
+        calls so far (`trtbuild coverage`'s derive_cached_grid takes the shapes)."""
+        return {**self.counts, "grid": self.grid.to_dict(), "graphs": self.graphs, "static_bytes": self.static_bytes,
+                "shapes": {",".join(map(str, k)): v for k, v in sorted(self.shapes.items())},
+                "replays": {",".join(map(str, k)): v for k, v in sorted(self.replays.items())}}
 
     def release(self, store: Optional[PageStore]) -> None:
         """Drop the graphs (and the arena) when they were made for `store`'s pages (its pool is closing)."""

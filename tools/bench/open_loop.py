@@ -126,7 +126,25 @@ def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
             kinds[k] = {"calls": calls, "rows": rows, "rows_per_call": rows / calls}
     return {"busy": busy, "buckets": buckets if sa else None,
             "fallbacks": sum(b["fallbacks"] for b in buckets.values()) if sa else None,
-            "fallback_reasons": reasons, "dit_frames": frames, "dit_calls": kinds}
+            "fallback_reasons": reasons, "dit_frames": frames, "dit_calls": kinds,
+            "cached_hops": cached_hops_delta(before, after)}
+
+
+def cached_hops_delta(before: dict, after: dict) -> dict | None:
+    """The cell's cached-hop graph calls: hits / misses, calls per shape "b,n,p" (requests, new frames, prefix
+    frames; `tools/coverage_profile.derive_cached_grid` takes them) and replays per bucket key."""
+    a = ((after.get("flow_cache") or {}).get("hop_graphs")) or None
+    if not isinstance(a, dict):
+        return None
+    b = ((before.get("flow_cache") or {}).get("hop_graphs")) or {}
+
+    def diff(name: str) -> dict:
+        prev = b.get(name) or {}
+        return {k: v - prev.get(k, 0) for k, v in (a.get(name) or {}).items() if v - prev.get(k, 0)}
+
+    out = {k: a.get(k, 0) - b.get(k, 0) for k in ("hits", "misses", "capture_failed")}
+    out.update(shapes=diff("shapes"), replays=diff("replays"))
+    return out
 
 
 def _record(a: Arrival, h, t0: float, sample_rate: int, error: str | None, cut: bool) -> RequestRecord:

@@ -321,10 +321,25 @@ def open_loop_tables(res: dict) -> str:
                            [[c.get("setting"), c.get("rate")]
                             + [_calls(((c.get("dit_calls") or {}).get(k))) for k in kinds]
                             for c in cells if "error" not in c]))
+    hop_rows = [[c.get("setting"), c.get("rate")] + _hop_row(c["cached_hops"])
+                for c in cells if "error" not in c and c.get("cached_hops")]
+    if hop_rows:
+        parts.append("**Open loop: cached-hop graphs** (estimator calls of prefix-cached hops: in a bucket / eager; "
+                     "the buckets replayed; the call shapes requests x new frames x prefix frames; the shapes feed "
+                     "`tools/coverage_profile.derive_cached_grid`)\n\n"
+                     + _md(["setting", "req/s", "calls", "hit rate", "eager", "capture failed", "buckets replayed",
+                            "distinct shapes", "most frequent shapes"], hop_rows))
     skipped = ol.get("ab_skipped") or []
     if skipped:
         parts.append("A/B: " + "; ".join(skipped))
     return "\n\n".join(parts)
+
+
+def _hop_row(h: dict) -> list:
+    calls = h.get("hits", 0) + h.get("misses", 0)
+    shapes = sorted((h.get("shapes") or {}).items(), key=lambda kv: -kv[1])
+    return [calls, h.get("hits", 0) / calls if calls else None, h.get("misses"), h.get("capture_failed"),
+            len(h.get("replays") or {}), len(shapes), ", ".join(f"{k} ({v})" for k, v in shapes[:4])]
 
 
 def _p50_p95(d) -> str:
