@@ -380,3 +380,63 @@ def test_step_level_cached_hops_in_scheduler(tts, speakers):
         m = h.metrics.marks
         assert 0 <= m["prefill"] <= m["dit_queued"] <= m["dit_start"] <= m["dit_end"] <= h.metrics.ttfa, m
 
+
+
+def test_cache_pressure_cancels_and_voices_soak(tts, speakers):
+    """A seeded soak of the cached streaming path under pressure: step-level DiT, prefix and prompt caches in a pool
+    too small for every stream (commits that do not fit fall back to whole-history hops), three voices, mixed
+    streams / offline / sampled lengths, arrivals spread out and some streams cancelled after their first chunk.
+    Every request that ran to the end equals Pipeline.run alone; nothing is left in flight."""
+    import dataclasses
+    import random
+
+    from cosytrt.runtime.stages.flow_hop_calls import CachedGrid, CachedHopGraphs
+
+    rng = random.Random(4)
+    voices = list(speakers) + [tts.make_speaker(default_voice_wav(16000, 2.2), "The longest voice of the three.",
+                                                16000)]
+    reqs = []
+    for i in range(12):
+        kw = dict(force_tokens=rng.randint(20, 180)) if rng.random() < 0.7 else dict(max_tokens=rng.randint(30, 150))
+        reqs.append(make_request(f"Soak request {i}.", speaker=voices[rng.randrange(3)], seed=300 + i,
+                                 stream=rng.random() < 0.75, **kw))
+    refs = [reference(tts, r) for r in reqs]
+    cancel = {i for i, r in enumerate(reqs) if r.stream and rng.random() < 0.3}
+    flow = tts.pipeline.models.flow
+    graphs = CachedHopGraphs(flow.estimator, CachedGrid((1, 2, 4), (64, 128, 256), (0, 128, 256, 512)), "cpu",
+                             graphs=False)
+    backends = dataclasses.replace(tts.pipeline.backends, dit_cached=graphs, closers=[])
+    cfg = SchedulerConfig(dit_max_requests=4, hift_max_batch=4, dit_step_level=True, flow_prefix_cache=True,
+                          flow_cache_budget_bytes=20_000_000)
+    sched = Scheduler(tts.pipeline, cfg, backends=backends)
+    outs, errors = [None] * len(reqs), []
+
+    def consume(i, h):
+        try:
+            chunks = []
+            for c in h.chunks(timeout=120):
+                chunks.append(c)
+                if i in cancel:
+                    h.cancel()
+                    break
+            outs[i] = chunks
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append((i, repr(e)))
+
+    try:
+        threads = []
+        for i, r in enumerate(reqs):
+            time.sleep(rng.random() * 0.15)
+            threads.append(threading.Thread(target=consume, args=(i, sched.submit(r))))
+            threads[-1].start()
+        for t in threads:
+            t.join()
+        _wait(lambda: sched.stats()["in_flight"] == 0)
+        st = sched.stats()["dit"]
+    finally:
+        sched.close()
+    assert not errors
+    assert_streams_match([o for i, o in enumerate(outs) if i not in cancel],
+                         [r for i, r in enumerate(refs) if i not in cancel])
+    assert st["cache_fallbacks"] > 0 and st["frames_reused"] > 0 and "cached/step" in st["kinds"], st
+    assert st["flow_cache"]["hop_graphs"]["misses"] == 0
