@@ -67,11 +67,13 @@ class TTS:
     @classmethod
     def load(cls, model: str = "tiny", engines: str | None = None, device: str = "cpu",
              dtype: torch.dtype | None = None, scheduler: SchedulerConfig | None = None,
-             cuda_graphs: bool | str = True, compile: bool = False, compile_cache: str | None = None) -> "TTS":
+             cuda_graphs: bool | str = True, compile: bool | str = False,
+             compile_cache: str | None = None) -> "TTS":
         """`cuda_graphs` (CUDA only): capture the eager DiT / offline HiFT per bucket of a profile when no engine set
         is given (True: `h200-graphs` for full-size models, `tiny` otherwise; or a profile name/path). AR decode graphs
         are the scheduler's (SchedulerConfig.cuda_graphs). `compile`: torch.compile the AR prefill / decode step and
-        (without an engine set) the DiT; on CUDA the compiled functions are what the graphs capture. Everything is
+        (without an engine set) the DiT; on CUDA the compiled functions are what the graphs capture; "regional" (or
+        "whole", = True): how the DiT is compiled (`stages.compiled.set_compile_scope`, process-wide). Everything is
         compiled here, not at the first request (minutes for the full-size model on a cold cache); `compile_cache`
         (a file) is loaded first when it exists and (re)written afterwards, so restarts reuse the compiled code.
         `engines` may also be a `compiled` engine set (`trtbuild build --backend compiled`): its cache is checked and
@@ -79,6 +81,11 @@ class TTS:
         Inductor compile work at start-up)."""
         import dataclasses
 
+        if isinstance(compile, str):
+            from .stages.compiled import set_compile_scope
+
+            set_compile_scope(compile)
+            compile = True
         compiled_set = None
         if engines is not None:  # a `compiled` set (torch.compile's cache): loaded first, then compile as usual
             from .stages.engine_set import open_compiled_set

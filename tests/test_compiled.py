@@ -68,6 +68,53 @@ def test_compiled_dit_matches_eager(streaming, tiny_tts):
         assert graphs() == before
 
 
+def test_regional_compiled_dit_matches_eager(tiny_tts, monkeypatch):
+    """Regional compilation (`set_compile_scope("regional")`): the transformer block compiled once and reused by
+    every block, mode and length; the DiT equals the eager one in both attention modes at three shapes."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from cosytrt.runtime.stages.compiled import compile_scope, set_compile_scope
+
+    dit = tiny_tts.pipeline.models.flow.estimator
+    reg = CompiledDiT.of(dit, "regional")
+    assert reg is CompiledDiT.of(dit, "regional") and reg is not CompiledDiT.of(dit, "whole") and reg.scope == "regional"
+    dynamo_utils.counters.clear()
+    with torch.inference_mode():
+        for streaming in (False, True):
+            for b, t in ((2, 60), (4, 97), (16, 40)):
+                args = example_inputs(dit, b, t, seed=b)
+                ref = dit(*args, streaming=streaming)
+                assert (reg(*args, streaming=streaming) - ref).abs().max() <= ATOL
+                assert (reg.fixed(streaming)(*args) - ref).abs().max() <= ATOL
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, "one block graph for all blocks, modes and shapes"
+    # the scope: argument, else set_compile_scope, else $COSYTRT_COMPILE_SCOPE, else whole
+    try:
+        monkeypatch.delenv("COSYTRT_COMPILE_SCOPE", raising=False)
+        assert compile_scope() == "whole"
+        monkeypatch.setenv("COSYTRT_COMPILE_SCOPE", "regional")
+        assert compile_scope() == "regional" and CompiledDiT.of(dit) is reg
+        set_compile_scope("whole")
+        assert compile_scope() == "whole"
+        with pytest.raises(InputError, match="compile scope must be one of whole, regional"):
+            set_compile_scope("layers")
+        set_compile_scope(None)
+        monkeypatch.setenv("COSYTRT_COMPILE_SCOPE", "nope")
+        with pytest.raises(InputError, match="COSYTRT_COMPILE_SCOPE"):
+            compile_scope()
+        monkeypatch.delenv("COSYTRT_COMPILE_SCOPE")
+        with pytest.raises(InputError, match="compile scope must be one of"):  # before any model work
+            TTS.load("tiny", compile="layers")
+    finally:
+        set_compile_scope(None)
+    from cosytrt.runtime.serving.settings import ServerSettings
+
+    assert ServerSettings(compile=True, compile_scope="regional").compile_scope == "regional"
+    with pytest.raises(InputError, match="compile_scope needs compile"):
+        ServerSettings(compile_scope="regional")
+    with pytest.raises(InputError, match="compile_scope must be"):
+        ServerSettings(compile=True, compile_scope="blocks")
+
+
 def test_scheduler_compiles_once_at_start():
     """A compiled scheduler compiles one prefill graph at start; the decode step compiles once for <= 2 rows (the
     reduce-form attention) and once for more rows (SDPA); with `batch_invariant` (the default) the decode step has one

@@ -99,20 +99,23 @@ def test_no_bucket_runs_eagerly_and_is_counted(flow):
     assert s["shapes"] == {"1,100,0": n, "1,100,100": n, "1,200,200": n} and s["replays"] == {}
 
 
-def test_compiled_forward_cached_buckets_equal_eager(flow):
-    """The compiled variant's cached hops (`GraphedEagerSet(compile=True)` hands CachedHopGraphs the torch.compile'd
-    forward_cached): the same hops through the compiled function, bucket after bucket of different (rows, frames,
-    prefix) sizes, equal the eager cached hops; dynamic shapes, so new buckets do not recompile each time."""
+@pytest.mark.parametrize("scope", ["whole", "regional"])
+def test_compiled_forward_cached_buckets_equal_eager(flow, scope):
+    """The compiled variant's cached hops (`GraphedEagerSet(compile=True)` hands CachedHopGraphs the compiled
+    forward_cached of `CompiledDiT`, whole-graph or regional): the same hops through the compiled function, bucket
+    after bucket of different (rows, frames, prefix) sizes, equal the eager cached hops; dynamic shapes, so new
+    buckets do not recompile each time."""
     import torch._dynamo
 
-    from cosytrt.runtime.stages.compiled import compile_fn
+    from cosytrt.runtime.stages.compiled import CompiledDiT
 
     specs = [(20, 8, 250), (33, 9, 250)]
     prompts = [make_prompt(flow, P, s) for P, s, _ in specs]
     tokens = [make_tokens(flow, n, s + 100) for _, s, n in specs]
     ends = [hop_ends(P, n) for P, _, n in specs]
     grid = CachedGrid((1, 2), (64, 128, 256, 512), (0, 96, 200, 400, 800))
-    compiled = CachedHopGraphs(flow.estimator, grid, "cpu", fn=compile_fn(flow.estimator.forward_cached), graphs=False)
+    fn = CompiledDiT.of(flow.estimator, scope).forward_cached
+    compiled = CachedHopGraphs(flow.estimator, grid, "cpu", fn=fn, graphs=False)
     pool_c, pool_e = FlowCachePool(BIG), FlowCachePool(BIG)
     sc = [pool_c.new_state() for _ in specs]
     se = [pool_e.new_state() for _ in specs]

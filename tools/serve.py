@@ -24,6 +24,9 @@ def add_arguments(p) -> None:
     p.add_argument("--drain-timeout-s", type=float, default=30.0, help="shutdown waits this long for requests")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the LM and DiT at start-up (minutes on a cold cache; faster serving)")
+    p.add_argument("--compile-scope", default=None, choices=["whole", "regional"],
+                   help="with --compile: the DiT compiled as whole graphs (default) or one transformer block reused "
+                        "by all 22 (regional: a shorter compile, GPU speed not measured yet)")
     p.add_argument("--compile-cache", default=None, metavar="FILE",
                    help="with --compile: reuse / write torch.compile's artifacts in FILE (fast restarts)")
     p.add_argument("--api-key-file", default=None, metavar="FILE",
@@ -92,6 +95,7 @@ def run(args) -> int:
                               max_in_flight=args.max_in_flight, max_queue=args.max_queue,
                               queue_timeout_s=args.queue_timeout_s, drain_timeout_s=args.drain_timeout_s,
                               log_level=args.log_level, compile=args.compile, compile_cache=args.compile_cache,
+                              compile_scope=args.compile_scope,
                               api_key_file=args.api_key_file, strict=args.strict,
                               allowed_hosts=args.allowed_hosts, ref_audio_dir=args.ref_audio_dir,
                               ref_audio_hosts=args.ref_audio_hosts, ref_audio_timeout_s=args.ref_audio_timeout_s,

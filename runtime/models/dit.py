@@ -311,8 +311,9 @@ class DiT(nn.Module):
         self.proj_out = nn.Linear(cfg.dim, cfg.mel_dim)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
-                spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
-        """x, mu, cond [B, 80, T]; mask [B, 1, T] (1 = valid frame); t [B] (or scalar); spks [B, 80]."""
+                spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False, blocks=None) -> torch.Tensor:
+        """x, mu, cond [B, 80, T]; mask [B, 1, T] (1 = valid frame); t [B] (or scalar); spks [B, 80]. `blocks`:
+        callables run in place of the transformer blocks (their compiled forms, `stages/compiled.py`)."""
         B, _, T = x.shape
         if t.ndim == 0:
             t = t.expand(B)
@@ -322,7 +323,7 @@ class DiT(nn.Module):
 
         temb = self.time_embed(t.to(x.dtype))
         h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
-        for block in self.transformer_blocks:
+        for block in self.transformer_blocks if blocks is None else blocks:
             h = block(h, temb, attn_mask, key_valid, rope)
         h = self.norm_out(h, temb)
         return self.proj_out(h).transpose(1, 2)
@@ -330,7 +331,7 @@ class DiT(nn.Module):
     def forward_cached(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
                        spks: torch.Tensor, cond: torch.Tensor, offsets: torch.Tensor,
                        k_prefix, v_prefix, prefix_valid, tail1: torch.Tensor, tail2: torch.Tensor,
-                       k_out: torch.Tensor, v_out: torch.Tensor):
+                       k_out: torch.Tensor, v_out: torch.Tensor, blocks=None):
         """Streaming forward of new frames only, after a cached prefix (the flow prefix cache, stages/flow_cache).
 
         x, mu, cond [B, 80, T] and mask [B, 1, T] hold each row's new frames (right-padded); row b's first new frame
@@ -340,7 +341,8 @@ class DiT(nn.Module):
         prefix_valid [B, Tp]; tail1 / tail2 [B, K-1, D] the conv position embedding's input tails. This call's K/V
         go to k_out / v_out [depth, B, T, D]. Returns (velocity [B, 80, T], in1, in2) with in1 / in2 [B, K-1+T, D]
         the convolutions' inputs (next tails). Equals `forward(..., streaming=True)` over prefix + new frames on
-        the new frames (up to the reduction order of the shorter attention / GEMMs)."""
+        the new frames (up to the reduction order of the shorter attention / GEMMs). `blocks`: objects whose
+        `forward_cached` runs in place of each transformer block's (their compiled forms)."""
         B, _, T = x.shape
         if t.ndim == 0:
             t = t.expand(B)
@@ -358,7 +360,7 @@ class DiT(nn.Module):
         temb = self.time_embed(t.to(x.dtype))
         h, in1, in2 = self.input_embed.forward_cached(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2),
                                                       spks, tail1, tail2)
-        for i, block in enumerate(self.transformer_blocks):
+        for i, block in enumerate(self.transformer_blocks if blocks is None else blocks):
             kp = None if k_prefix is None else k_prefix[i]
             vp = None if v_prefix is None else v_prefix[i]
             h = block.forward_cached(h, temb, attn_mask, key_valid, rope, kp, vp, k_out[i], v_out[i])

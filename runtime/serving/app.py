@@ -168,7 +168,7 @@ def serve(settings: ServerSettings, tts=None) -> int:
         sched = SchedulerConfig(max_in_flight=settings.max_in_flight, max_waiting=settings.max_queue,
                                 submit_timeout_s=settings.queue_timeout_s)
         tts = TTS.load(model=settings.model, engines=settings.engines, device=settings.device,
-                       scheduler=sched, compile=settings.compile,
+                       scheduler=sched, compile=(settings.compile_scope or True) if settings.compile else False,
                        compile_cache=settings.compile_cache)
         log.info("loaded model %r in %.1f s", settings.model, time.perf_counter() - t0)
     if settings.host not in LOOPBACK_HOSTS and not settings.resolve_api_key():

@@ -34,6 +34,7 @@ class ServerSettings:
     log_level: str = "info"
     compile: bool = False          # torch.compile the LM and DiT at start-up (TTS.load(compile=True))
     compile_cache: str | None = None  # torch.compile artifacts to reuse / write (needs compile)
+    compile_scope: str | None = None  # with compile: "whole" or "regional" DiT compilation (default: whole)
     # --- hardening
     strict: bool = False           # reject unknown body fields (422-era behaviour) instead of the vendor allow-list
     allowed_hosts: list[str] | None = None  # Host header names accepted; None: the bound loopback names ("*": any)
@@ -66,6 +67,12 @@ class ServerSettings:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise InputError(f"server setting {name} must be a positive number, got {v!r}")
+        if self.compile_scope is not None:
+            if self.compile_scope not in ("whole", "regional"):
+                raise InputError(f"server setting compile_scope must be 'whole' or 'regional', got "
+                                 f"{self.compile_scope!r}")
+            if not self.compile:
+                raise InputError("server setting compile_scope needs compile (--compile)")
         if self.allowed_hosts is not None:
             if isinstance(self.allowed_hosts, str):
                 self.allowed_hosts = [h.strip() for h in self.allowed_hosts.split(",") if h.strip()]

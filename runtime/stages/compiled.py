@@ -57,20 +57,73 @@ def compile_fn(fn: Callable) -> Callable:
     return per_owner[name]
 
 
-class CompiledDiT:
-    """A drop-in `estimator(x, mask, mu, t, spks, cond, streaming=...)`: the DiT compiled once per attention mode
-    (`CompiledDiT.of(dit)` returns the one instance per DiT)."""
+COMPILE_SCOPES = ("whole", "regional")
+_scope = {"dit": None}
 
-    def __init__(self, dit: DiT):
-        self.dit = dit
-        self.modes = {streaming: compile_fn(FixedModeDiT(dit, streaming).forward) for streaming in (False, True)}
+
+def set_compile_scope(scope: str | None) -> None:
+    """How the DiT is compiled from now on (None: $COSYTRT_COMPILE_SCOPE, else "whole"): "whole" = each entry point
+    (a forward per attention mode, forward_cached) as one graph; "regional" = the transformer block compiled once
+    and reused by all 22 blocks, the thin code around them eager (CUDA graphs capture both alike). Regional
+    compilation traces and lowers one block instead of 22: the full-size DiT's first compile took 29 s instead of
+    110 s on a 2-core CPU (benchmarks/compile_scope_cpu.py, BENCHMARKS.md); its GPU compile time and speed are not
+    measured yet."""
+    if scope is not None and scope not in COMPILE_SCOPES:
+        raise InputError(f"compile scope must be one of {', '.join(COMPILE_SCOPES)}, got {scope!r}")
+    _scope["dit"] = scope
+
+
+def compile_scope() -> str:
+    scope = _scope["dit"] or os.environ.get("COSYTRT_COMPILE_SCOPE") or "whole"
+    if scope not in COMPILE_SCOPES:
+        raise InputError(f"COSYTRT_COMPILE_SCOPE must be one of {', '.join(COMPILE_SCOPES)}, got {scope!r}")
+    return scope
+
+
+class CompiledBlock:
+    """One DiT block's `forward` and `forward_cached` compiled (regional compilation: every block of the model shares
+    the compiled code of its class, so 22 blocks compile once)."""
+
+    def __init__(self, block):
+        self._forward = compile_fn(block.forward)
+        self.forward_cached = compile_fn(block.forward_cached)
+
+    def __call__(self, *args):
+        return self._forward(*args)
+
+
+class CompiledDiT:
+    """A drop-in `estimator(x, mask, mu, t, spks, cond, streaming=...)`: the DiT compiled once per attention mode,
+    or (scope "regional") its blocks compiled once for all (`CompiledDiT.of(dit)` returns the one instance per DiT
+    and scope). `forward_cached`: the prefix-cached forward the cached hops run in the same scope."""
+
+    def __init__(self, dit: DiT, scope: str = "whole"):
+        self.dit, self.scope = dit, scope
+        if scope == "regional":
+            blocks = [CompiledBlock(b) for b in dit.transformer_blocks]
+
+            def mode(streaming: bool) -> Callable:
+                def run(x, mask, mu, t, spks, cond):
+                    return dit.forward(x, mask, mu, t, spks, cond, streaming=streaming, blocks=blocks)
+                return run
+
+            def forward_cached(*args):
+                return dit.forward_cached(*args, blocks=blocks)
+
+            self.modes = {streaming: mode(streaming) for streaming in (False, True)}
+            self.forward_cached = forward_cached
+        else:
+            self.modes = {streaming: compile_fn(FixedModeDiT(dit, streaming).forward) for streaming in (False, True)}
+            self.forward_cached = compile_fn(dit.forward_cached)
 
     @classmethod
-    def of(cls, dit: DiT) -> "CompiledDiT":
+    def of(cls, dit: DiT, scope: str | None = None) -> "CompiledDiT":
+        scope = scope or compile_scope()
         per_owner = _memo(dit)
-        if "CompiledDiT" not in per_owner:
-            per_owner["CompiledDiT"] = cls(dit)
-        return per_owner["CompiledDiT"]
+        key = "CompiledDiT" if scope == "whole" else f"CompiledDiT/{scope}"
+        if key not in per_owner:
+            per_owner[key] = cls(dit, scope)
+        return per_owner[key]
 
     def fixed(self, streaming: bool) -> Callable:
         """The compiled 6-input function of one mode (what CUDA graphs capture)."""

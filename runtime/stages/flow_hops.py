@@ -33,9 +33,7 @@ def cached_dit_fn(flow, estimator=None):
     while est is not None and not _is_compiled(est) and hasattr(est, "eager"):
         est = est.eager
     if est is not None and _is_compiled(est):
-        from .compiled import compile_fn
-
-        return compile_fn(dit.forward_cached)
+        return est.forward_cached  # the compiled scope's (compile_fn memoizes the whole-graph one per DiT)
     return dit.forward_cached
 
 
