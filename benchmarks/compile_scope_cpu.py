@@ -4,7 +4,10 @@ in-process caches; Inductor's on-disk cache is pointed at a fresh temporary fold
 CFG rows, streaming mode: the first call at T = 100 frames (compile), then T = 150 (a recompile or not), then one
 timed call at each length. Prints one JSON line per scope and a table.
 
-    python benchmarks/compile_scope_cpu.py [--device cpu] [--dtype float32] [--out FILE.json]
+    python benchmarks/compile_scope_cpu.py [--device cpu] [--dtype float32] [--lm] [--out FILE.json]
+
+`--lm`: also the full-size LM (24 decoder layers): the first prefill call (2 rows x 64 positions) and the first
+decode step (each a compile), a second decode step at new positions (timed: a recompile shows here).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import tempfile
 import time
 
 
-def child(scope: str, device: str, dtype: str) -> dict:
+def child(scope: str, device: str, dtype: str, lm: bool = False) -> dict:
     import torch
     import torch._dynamo.utils
 
@@ -58,6 +61,33 @@ def child(scope: str, device: str, dtype: str) -> dict:
             sync()
             out[f"call_ms_T{T}"] = round(1e3 * (time.perf_counter() - t0), 1)
     out["graphs_compiled"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    if lm:
+        from cosytrt.runtime.models.config import LLMConfig
+        from cosytrt.runtime.models.llm import CosyVoice3LM
+        from cosytrt.runtime.stages.compiled import compiled_lm
+
+        model = CosyVoice3LM(LLMConfig()).eval().to(device=device, dtype=dt)
+        model.setup_cache(4, 256, device=device, dtype=dt)
+        decode, prefill = compiled_lm(model, scope)
+        g = torch.Generator().manual_seed(0)
+        embeds = torch.randn(2, 64, model.config.qwen.hidden_size, generator=g).to(device, dt)
+        lengths, slots = torch.tensor([64, 50], device=device), torch.arange(2, device=device)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            prefill(embeds, lengths, slots)
+            sync()
+            out["lm_prefill_first_call_s"] = round(time.perf_counter() - t0, 2)
+            tokens = torch.tensor([5, 7], device=device)
+            t0 = time.perf_counter()
+            y = decode(tokens, slots, lengths, kv_len=128)
+            sync()
+            out["lm_decode_first_call_s"] = round(time.perf_counter() - t0, 2)
+            out["lm_decode_max_err"] = float((y.float() - model.decode(tokens, slots, lengths, kv_len=128).float())
+                                             .abs().max())
+            t0 = time.perf_counter()
+            decode(tokens, slots, lengths + 1, kv_len=128)
+            sync()
+            out["lm_decode_second_call_ms"] = round(1e3 * (time.perf_counter() - t0), 1)
     return out
 
 
@@ -66,24 +96,27 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", default=None)
+    p.add_argument("--lm", action="store_true", help="also the full-size LM's prefill and decode step")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(child(a.child, a.device, a.dtype)))
+        print(json.dumps(child(a.child, a.device, a.dtype, a.lm)))
         return 0
     rows = []
     for scope in ("whole", "regional"):
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
             r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", scope, "--device", a.device,
-                                "--dtype", a.dtype], capture_output=True, text=True, env=env)
+                                "--dtype", a.dtype] + (["--lm"] if a.lm else []), capture_output=True, text=True,
+                               env=env)
         if r.returncode:
             print(r.stderr[-3000:], file=sys.stderr)
             return 1
         rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     keys = ["scope", "first_call_s", "second_length_s", "graphs_compiled", "call_ms_T100", "call_ms_T150",
-            "max_err_T100", "max_err_T150"]
+            "max_err_T100", "max_err_T150"] + (["lm_prefill_first_call_s", "lm_decode_first_call_s",
+                                                "lm_decode_second_call_ms", "lm_decode_max_err"] if a.lm else [])
     print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for r in rows:
         print("| " + " | ".join(str(r[k]) for k in keys) + " |")

@@ -115,6 +115,34 @@ def test_regional_compiled_dit_matches_eager(tiny_tts, monkeypatch):
         ServerSettings(compile=True, compile_scope="blocks")
 
 
+def test_regional_compiled_lm_matches_eager(golden_lm):
+    """The LM in the regional scope (`compiled_lm(lm, "regional")`: the decoder layer compiled once for all layers):
+    prefill and decode steps equal eager (logits and the KV written) at several shapes, with few graphs."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from cosytrt.runtime.stages.compiled import compiled_lm
+
+    lm = golden_lm
+    lm.setup_cache(4, 512)
+    decode, prefill = compiled_lm(lm, "regional")
+    dynamo_utils.counters.clear()
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for b, t in ((2, 9), (3, 17), (4, 30)):
+            embeds = torch.randn(b, t, lm.config.qwen.hidden_size, generator=g)
+            lengths = torch.tensor([t - i for i in range(b)])
+            slots = torch.arange(b)
+            ref = lm.prefill(embeds, lengths, slots)
+            k_ref = lm.backbone.layers[-1].self_attn.kv_cache.k.clone()
+            assert (prefill(embeds, lengths, slots) - ref).abs().max() <= ATOL
+            assert (lm.backbone.layers[-1].self_attn.kv_cache.k - k_ref).abs().max() <= ATOL
+            tokens = torch.randint(0, 100, (b,), generator=g)
+            ref = lm.decode(tokens, slots, lengths, kv_len=64)
+            assert (decode(tokens, slots, lengths, kv_len=64) - ref).abs().max() <= ATOL
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= 4, f"{graphs} layer graphs for prefill and decode at three shapes"
+
+
 def test_scheduler_compiles_once_at_start():
     """A compiled scheduler compiles one prefill graph at start; the decode step compiles once for <= 2 rows (the
     reduce-form attention) and once for more rows (SDPA); with `batch_invariant` (the default) the decode step has one

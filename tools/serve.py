@@ -25,8 +25,8 @@ def add_arguments(p) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the LM and DiT at start-up (minutes on a cold cache; faster serving)")
     p.add_argument("--compile-scope", default=None, choices=["whole", "regional"],
-                   help="with --compile: the DiT compiled as whole graphs (default) or one transformer block reused "
-                        "by all 22 (regional: a shorter compile, GPU speed not measured yet)")
+                   help="with --compile: the DiT and LM compiled as whole graphs (default) or one block / layer "
+                        "reused by all (regional: a shorter compile, GPU speed not measured yet)")
     p.add_argument("--compile-cache", default=None, metavar="FILE",
                    help="with --compile: reuse / write torch.compile's artifacts in FILE (fast restarts)")
     p.add_argument("--api-key-file", default=None, metavar="FILE",

@@ -381,11 +381,12 @@ class CosyVoice3LM(nn.Module):
             raise InputError(f"{what}: {t} positions exceed the cache max_len {shape[1]}")
 
     def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor | None,
-                return_hidden: bool = False):
+                return_hidden: bool = False, layers=None):
         """Right-padded embeds [B, T, H] with real `lengths` [B] into cache `slots` [B] (None: rows 0..B-1).
 
         Writes each row's K/V at positions 0..T-1 of its slot (padding positions get overwritten by decode and are
-        never attended). Returns speech logits [B, V] at each row's last real position (and hidden [B, T, H])."""
+        never attended). Returns speech logits [B, V] at each row's last real position (and hidden [B, T, H]).
+        `layers`: callables run in place of the decoder layers (their compiled forms, `stages/compiled.py`)."""
         b, t, _ = embeds.shape
         self._require_cache("prefill", t)
         dev = embeds.device
@@ -400,7 +401,7 @@ class CosyVoice3LM(nn.Module):
         mask = (causal[None] & valid[:, None, :])[:, None]                         # [B, 1, T, T]
         cos, sin = rope_cos_sin(positions, self.config.qwen.head_dim, self.config.qwen.rope_theta, embeds.dtype)
         x = embeds
-        for layer in self.backbone.layers:
+        for layer in self.backbone.layers if layers is None else layers:
             x = layer(x, cos, sin, mask, slots=slots)
         hidden = self.backbone.norm(x)
         last = hidden[torch.arange(b, device=dev), lengths.to(dev) - 1]            # [B, H]
@@ -408,12 +409,13 @@ class CosyVoice3LM(nn.Module):
         return (logits, hidden) if return_hidden else logits
 
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor | None, positions: torch.Tensor,
-               kv_len: int | None = None, return_hidden: bool = False, reduce_attention_max_rows: int | None = None):
+               kv_len: int | None = None, return_hidden: bool = False, reduce_attention_max_rows: int | None = None,
+               layers=None):
         """One token per row: `tokens` = speech ids [B] (long) or embeddings [B, H], written at `positions` [B] of
         `slots` [B]; each row attends to 0..position of its slot. `slots=None` means rows 0..B-1 (the cache is then
         read in place, no gather). `kv_len` (a static int > every position) limits the attended cache length.
-        `reduce_attention_max_rows`: this call's `decode_attention` threshold (None: the instance's).
-        Returns logits [B, V] (and hidden [B, H])."""
+        `reduce_attention_max_rows`: this call's `decode_attention` threshold (None: the instance's). `layers`: as
+        in `prefill`. Returns logits [B, V] (and hidden [B, H])."""
         if not tokens.is_floating_point():
             tokens = self.speech_embedding(tokens)
         x = tokens[:, None, :]                                                     # [B, 1, H]
@@ -431,7 +433,7 @@ class CosyVoice3LM(nn.Module):
         mask = (torch.arange(n, device=dev)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, n]
         cos, sin = rope_cos_sin(positions[:, None], self.config.qwen.head_dim, self.config.qwen.rope_theta, x.dtype)
         cos, sin = cos[:, None], sin[:, None]                                      # [B, 1, 1, hd]
-        for layer in self.backbone.layers:
+        for layer in self.backbone.layers if layers is None else layers:
             x = layer(x, cos, sin, mask, slots=slots, positions=positions, kv_len=n, rows_are_slots=rows_are_slots,
                       reduce_max_rows=reduce_rows)
         hidden = self.backbone.norm(x)[:, 0]

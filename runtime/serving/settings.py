@@ -34,7 +34,7 @@ class ServerSettings:
     log_level: str = "info"
     compile: bool = False          # torch.compile the LM and DiT at start-up (TTS.load(compile=True))
     compile_cache: str | None = None  # torch.compile artifacts to reuse / write (needs compile)
-    compile_scope: str | None = None  # with compile: "whole" or "regional" DiT compilation (default: whole)
+    compile_scope: str | None = None  # with compile: "whole" or "regional" DiT / LM compilation (default: whole)
     # --- hardening
     strict: bool = False           # reject unknown body fields (422-era behaviour) instead of the vendor allow-list
     allowed_hosts: list[str] | None = None  # Host header names accepted; None: the bound loopback names ("*": any)

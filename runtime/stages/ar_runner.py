@@ -76,9 +76,9 @@ class TorchARRunner:
         self.slots = KVSlots(lm, max_batch, max_len, scratch=use_graphs or compile)
         self._decode, self._prefill = lm.decode, lm.prefill
         if compile:
-            from .compiled import compile_fn
+            from .compiled import compiled_lm
 
-            self._decode, self._prefill = compile_fn(lm.decode), compile_fn(lm.prefill)
+            self._decode, self._prefill = compiled_lm(lm)
         self.decode_graphs = self.prefill_graphs = None
         self.invariance_check: dict | None = None
         if use_graphs:

@@ -20,6 +20,7 @@ machine) skips most of the compile time.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
@@ -58,26 +59,39 @@ def compile_fn(fn: Callable) -> Callable:
 
 
 COMPILE_SCOPES = ("whole", "regional")
-_scope = {"dit": None}
+_scope = {"scope": None}  # set_compile_scope (process-wide)
 
 
 def set_compile_scope(scope: str | None) -> None:
-    """How the DiT is compiled from now on (None: $COSYTRT_COMPILE_SCOPE, else "whole"): "whole" = each entry point
-    (a forward per attention mode, forward_cached) as one graph; "regional" = the transformer block compiled once
-    and reused by all 22 blocks, the thin code around them eager (CUDA graphs capture both alike). Regional
-    compilation traces and lowers one block instead of 22: the full-size DiT's first compile took 29 s instead of
-    110 s on a 2-core CPU (benchmarks/compile_scope_cpu.py, BENCHMARKS.md); its GPU compile time and speed are not
-    measured yet."""
+    """How the DiT and the LM are compiled from now on (None: $COSYTRT_COMPILE_SCOPE, else "whole"): "whole" = each
+    entry point (a DiT forward per attention mode, forward_cached, the LM's prefill and decode step) as one graph;
+    "regional" = the DiT's transformer block compiled once and reused by all 22 blocks, the LM's decoder layer once
+    for all 24, the thin code around them eager (CUDA graphs capture both alike). Regional
+    compilation traces and lowers one block instead of 22 (one layer instead of 24): on a 2-core CPU the full-size
+    DiT's first compile took 29-41 s instead of 110-144 s and the LM's prefill + decode 21 s instead of 178 s
+    (benchmarks/compile_scope_cpu.py, BENCHMARKS.md); the GPU compile time and speed are not measured yet."""
     if scope is not None and scope not in COMPILE_SCOPES:
         raise InputError(f"compile scope must be one of {', '.join(COMPILE_SCOPES)}, got {scope!r}")
-    _scope["dit"] = scope
+    _scope["scope"] = scope
 
 
 def compile_scope() -> str:
-    scope = _scope["dit"] or os.environ.get("COSYTRT_COMPILE_SCOPE") or "whole"
+    scope = _scope["scope"] or os.environ.get("COSYTRT_COMPILE_SCOPE") or "whole"
     if scope not in COMPILE_SCOPES:
         raise InputError(f"COSYTRT_COMPILE_SCOPE must be one of {', '.join(COMPILE_SCOPES)}, got {scope!r}")
     return scope
+
+
+def compiled_lm(lm, scope: str | None = None) -> tuple[Callable, Callable]:
+    """(decode, prefill) of the LM compiled in `scope` (None: `compile_scope()`): each as one graph ("whole"), or the
+    eager entry points running the decoder layer compiled once for all 24 ("regional")."""
+    if (scope or compile_scope()) == "regional":
+        memo = _memo(lm)
+        if "regional_layers" not in memo:
+            memo["regional_layers"] = [compile_fn(layer.forward) for layer in lm.backbone.layers]
+        layers = memo["regional_layers"]
+        return functools.partial(lm.decode, layers=layers), functools.partial(lm.prefill, layers=layers)
+    return compile_fn(lm.decode), compile_fn(lm.prefill)
 
 
 class CompiledBlock:
