@@ -319,11 +319,12 @@ class EngineSetBuilder:
         unchanged (see build/compile_cache.py)."""
         import yaml
 
-        from ..runtime.stages.compiled import COMPILE_CACHE_FILE, device_name
+        from ..runtime.stages.compiled import COMPILE_CACHE_FILE, compile_scope, device_name
         from .compile_cache import build_compile_cache
 
         stamp = json.loads(json.dumps({"config": self.models.config.to_dict(), "profile_hash": self.profile.profile_hash(),
-                                       "torch": torch.__version__, "device_name": device_name(self.device)}))
+                                       "torch": torch.__version__, "device_name": device_name(self.device),
+                                       "scope": compile_scope()}))
         prev = self.previous.compile_cache if self.previous is not None else {}
         if prev.get("stamp") == stamp and os.path.isfile(os.path.join(self.out_dir, COMPILE_CACHE_FILE)):
             for rel in (COMPILE_CACHE_FILE, prev.get("profile_file", "profile.yaml")):
@@ -336,6 +337,7 @@ class EngineSetBuilder:
         entry = build_compile_cache(work, self.models.source, self.device, profile_path, dtype)
         entry["stamp"] = stamp
         entry["profile_file"] = "profile.yaml"
+        entry["scope"] = stamp["scope"]  # the compile scope the cache holds (the runtime compiles the same way)
         return entry
 
     def _build_ar_trtllm(self, work: str, final: str) -> dict:

@@ -29,6 +29,15 @@ class _Warmed:
         _Warmed.closed = True
 
 
+@pytest.fixture(autouse=True)
+def _process_compile_scope():
+    """Opening a compiled set sets the process's compile scope (the set's): back to unset after each test."""
+    from cosytrt.runtime.stages.compiled import set_compile_scope
+
+    yield
+    set_compile_scope(None)
+
+
 @pytest.fixture(scope="module")
 def models():
     return load_models("tiny")
@@ -64,8 +73,28 @@ def test_build_writes_cache_and_manifest_then_reuses_it(models, cheap_warm, tmp_
     cs = open_compiled_set(out, "cpu")
     assert cs.profile_path.endswith("profile.yaml") and cs.dtype is None and cs.load_seconds >= 0
     cs.check_model(models)
+    assert cc["scope"] == "whole"
     with pytest.raises(EngineSetError, match="compiled engine set"):
         LoadedEngineSet(out, models.weights_hash)
+
+
+def test_compiled_set_records_and_restores_its_compile_scope(models, cheap_warm, tmp_path, monkeypatch):
+    """A set built with COSYTRT_COMPILE_SCOPE=regional records the scope (another scope is another stamp: rebuilt),
+    and opening it sets the process's scope to it, so the runtime's compiles hit the cache."""
+    from cosytrt.runtime.stages.compiled import compile_scope
+
+    out = str(tmp_path / "set")
+    monkeypatch.setenv("COSYTRT_COMPILE_SCOPE", "regional")
+    m, _ = build_engine_set(models, profile_from_dict(PROFILE, "t"), "compiled", "cpu", out, progress=False)
+    assert m.compile_cache["scope"] == m.compile_cache["stamp"]["scope"] == "regional"
+    monkeypatch.setenv("COSYTRT_COMPILE_SCOPE", "whole")
+    m2, _ = build_engine_set(models, profile_from_dict(PROFILE, "t"), "compiled", "cpu", out, progress=False)
+    assert len(cheap_warm) == 2 and m2.compile_cache["scope"] == "whole"  # a new scope: compiled again
+    build_engine_set(models, profile_from_dict(PROFILE, "t"), "compiled", "cpu", out, progress=False)
+    assert len(cheap_warm) == 2
+    _edit(out, scope="regional")
+    open_compiled_set(out, "cpu")
+    assert compile_scope() == "regional"  # the set's, over $COSYTRT_COMPILE_SCOPE
 
 
 def _edit(folder, **changes):

@@ -63,6 +63,10 @@ def open_compiled_set(folder: str, device) -> CompiledSet | None:
         return None
     check_ar_runner(manifest, folder)
     secs = load_engine_set_cache(folder, manifest.compile_cache, device)
+    if manifest.compile_cache.get("scope"):  # compile the way the cache was built (else every compile misses it)
+        from .compiled import set_compile_scope
+
+        set_compile_scope(manifest.compile_cache["scope"])
     profile_path = os.path.join(folder, manifest.compile_cache.get("profile_file", "profile.yaml"))
     if not os.path.isfile(profile_path):
         raise EngineSetError(f"compiled engine set lacks its profile file {profile_path}")
