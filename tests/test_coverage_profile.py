@@ -201,3 +201,28 @@ def test_coverage_cli_cached_hops(tmp_path, capsys):
     assert "--cached-hops --max-cached-graphs 32" in out.read_text()
     assert main(["coverage", "--engines", str(tmp_path), "--cached-hops"]) == 2
     assert "--cached-hops goes with --simulate" in capsys.readouterr().err
+
+
+def test_coverage_cached_from_a_bench_run(tmp_path, capsys):
+    """`--cached-from results.json`: the cached-hop shapes a GPU open-loop run recorded (every cell) are rated and
+    derived instead of the simulated ones; a file without them, or without --cached-hops, is a clear error."""
+    res = {"open_loop": {"cells": [{"cached_hops": {"shapes": {"1,100,200": 30, "3,200,900": 10}}},
+                                   {"error": "x"}, {"cached_hops": {"shapes": {"2,100,1500": 20}}}]}}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(res))
+    out = tmp_path / "d.yaml"
+    assert main(["coverage", "--simulate", "--open-loop", "rate=2,duration=3,seed=1", "--cached-hops",
+                 "--cached-from", str(path), "--derive-profile", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "dit/cached (prefix-cached hops, one call per Euler step): 60 calls" in text
+    grid = load_profile(str(out)).stage("dit").cached
+    assert grid.batch == (1, 2, 3) and grid.frames == (100, 200)  # powers of two up to the largest, the frames seen
+    assert all(grid.select(b, n, p) is not None for b, n, p in ((1, 100, 200), (3, 200, 900), (2, 100, 1500)))
+    header = " ".join(line.lstrip("# ") for line in out.read_text().splitlines() if line.startswith("#"))
+    assert "--cached-from" in header and "recorded in" in header
+    path.write_text(json.dumps({"open_loop": {"cells": [{}]}}))
+    assert main(["coverage", "--simulate", "--open-loop", "rate=2,duration=3,seed=1", "--cached-hops",
+                 "--cached-from", str(path)]) == 2
+    assert "holds no cached-hop call shapes" in capsys.readouterr().err
+    assert main(["coverage", "--simulate", "--open-loop", "rate=2,duration=3,seed=1", "--cached-from", str(path)]) == 2
+    assert "--cached-from goes with --simulate --cached-hops" in capsys.readouterr().err

@@ -58,6 +58,10 @@ def add_arguments(p) -> None:
     p.add_argument("--cached-hops", action="store_true",
                    help="with --simulate: prefix-cached streaming hops and step-level DiT (the runtime's defaults "
                         "with a cached-hop grid), rated against and derived into dit.cached")
+    p.add_argument("--cached-from", default=None, metavar="RESULTS.json",
+                   help="with --cached-hops: rate and derive dit.cached from the cached-hop call shapes a GPU run "
+                        "recorded (`trtbuild bench --suite open_loop` results.json, all its cells) instead of the "
+                        "simulated ones")
     p.add_argument("--max-cached-graphs", type=int, default=64,
                    help="with --cached-hops --derive-profile: most cached-hop graphs (batch x frames x prefix)")
 
@@ -193,6 +197,8 @@ def _simulate(args, reqs, source: str) -> tuple[dict, list, object, str, list]:
         ch = CachedHops(cap=max(grid.batch) if grid is not None else 8) if args.cached_hops else None
         calls += simulate(group, args.prompt_tokens, cached=ch)
         cached_calls += ch.calls if ch is not None else []
+    if args.cached_from:
+        cached_calls = recorded_cached_calls(args.cached_from)
     tables = tables_of(base)
     meta = {"engines": f"profile {label}", "backend": "shape-only simulation", "device": "none", "simulated": True,
             "model": base.model, "max_padding_waste": base.max_padding_waste,
@@ -204,6 +210,32 @@ def _simulate(args, reqs, source: str) -> tuple[dict, list, object, str, list]:
         os.makedirs(args.out, exist_ok=True)
         report["heatmap"] = os.path.basename(write_heatmap(report, tables, os.path.join(args.out, "heatmap.png")))
     return report, calls, base, label, cached_calls
+
+
+def recorded_cached_calls(path: str) -> list[tuple]:
+    """(requests, new frames, prefix frames) per cached-hop call recorded by an open-loop bench run (results.json:
+    each cell's `cached_hops.shapes` {"b,n,p": calls}), all cells together."""
+    from ..engines.errors import InputError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            res = json.load(f)
+    except (OSError, ValueError) as e:
+        raise InputError(f"coverage: cannot read {path}: {e}") from None
+    cells = ((res.get("open_loop") or {}).get("cells") or []) if isinstance(res, dict) else []
+    out: list[tuple] = []
+    for c in cells:
+        for key, n in (((c or {}).get("cached_hops") or {}).get("shapes") or {}).items():
+            try:
+                b, new, p = (int(v) for v in key.split(","))
+            except ValueError:
+                raise InputError(f"coverage: {path}: a cached-hop shape {key!r} is not 'requests,frames,prefix'") \
+                    from None
+            out += [(b, new, p)] * int(n)
+    if not out:
+        raise InputError(f"coverage: {path} holds no cached-hop call shapes (an open-loop bench run with the flow "
+                         "prefix cache and cached-hop graphs records them)")
+    return out
 
 
 def cached_summary(cached_calls: list[tuple], grid) -> dict:
@@ -230,6 +262,8 @@ def run(args) -> int:
         raise InputError("coverage: give --engines DIR (replay through the runtime) or --simulate (shape-only)")
     if args.cached_hops and not args.simulate:
         raise InputError("coverage: --cached-hops goes with --simulate (a replay records the runtime's own calls)")
+    if args.cached_from and not args.cached_hops:
+        raise InputError("coverage: --cached-from goes with --simulate --cached-hops")
     reqs, source = _workload(args)
     cached_calls: list = []
     if args.simulate:
@@ -280,9 +314,12 @@ def _derive(args, report: dict, calls, base, label, source: str, cached_calls: l
                   "dit.cached grid, kept from the base profile)"))
         workload = (f"--open-loop {args.open_loop}" + (f" --rates {args.rates}" if args.rates else "")
                     if args.open_loop else f"--workload {args.workload}" if args.workload else "--matrix default")
+        if args.cached_from:
+            how += f"; dit.cached from the cached-hop calls recorded in {args.cached_from} instead"
         how += (f".\nCommand: trtbuild coverage --simulate {workload} --profile {label} --prompt-tokens "
                 f"{args.prompt_tokens}" + (f" --cached-hops --max-cached-graphs {args.max_cached_graphs}"
                                            if args.cached_hops else "")
+                + (f" --cached-from {args.cached_from}" if args.cached_from else "")
                 + f" --derive-profile {args.derive_profile} --max-buckets {args.max_buckets}")
     res = derive_and_compare(calls, base, label, args.derive_profile, args.max_buckets, how, args.simulate,
                              cached_calls or None, args.max_cached_graphs)
