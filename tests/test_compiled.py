@@ -97,6 +97,8 @@ def test_regional_compiled_dit_matches_eager(tiny_tts, monkeypatch):
         assert compile_scope() == "whole"
         with pytest.raises(InputError, match="compile scope must be one of whole, regional"):
             set_compile_scope("layers")
+        with pytest.raises(InputError, match="compile scope must be one of"):
+            CompiledDiT.of(dit, "layers")
         set_compile_scope(None)
         monkeypatch.setenv("COSYTRT_COMPILE_SCOPE", "nope")
         with pytest.raises(InputError, match="COSYTRT_COMPILE_SCOPE"):

@@ -75,7 +75,12 @@ def set_compile_scope(scope: str | None) -> None:
     _scope["scope"] = scope
 
 
-def compile_scope() -> str:
+def compile_scope(scope: str | None = None) -> str:
+    """`scope` if given, else the process's (set_compile_scope, else $COSYTRT_COMPILE_SCOPE, else "whole"), checked."""
+    if scope is not None:
+        if scope not in COMPILE_SCOPES:
+            raise InputError(f"compile scope must be one of {', '.join(COMPILE_SCOPES)}, got {scope!r}")
+        return scope
     scope = _scope["scope"] or os.environ.get("COSYTRT_COMPILE_SCOPE") or "whole"
     if scope not in COMPILE_SCOPES:
         raise InputError(f"COSYTRT_COMPILE_SCOPE must be one of {', '.join(COMPILE_SCOPES)}, got {scope!r}")
@@ -85,7 +90,7 @@ def compile_scope() -> str:
 def compiled_lm(lm, scope: str | None = None) -> tuple[Callable, Callable]:
     """(decode, prefill) of the LM compiled in `scope` (None: `compile_scope()`): each as one graph ("whole"), or the
     eager entry points running the decoder layer compiled once for all 24 ("regional")."""
-    if (scope or compile_scope()) == "regional":
+    if compile_scope(scope) == "regional":
         memo = _memo(lm)
         if "regional_layers" not in memo:
             memo["regional_layers"] = [compile_fn(layer.forward) for layer in lm.backbone.layers]
@@ -132,7 +137,7 @@ class CompiledDiT:
 
     @classmethod
     def of(cls, dit: DiT, scope: str | None = None) -> "CompiledDiT":
-        scope = scope or compile_scope()
+        scope = compile_scope(scope)
         per_owner = _memo(dit)
         key = "CompiledDiT" if scope == "whole" else f"CompiledDiT/{scope}"
         if key not in per_owner:
