@@ -191,7 +191,7 @@ def _simulate(args, reqs, source: str) -> tuple[dict, list, object, str, list]:
     runs: dict = {}  # one simulated run per group: an open-loop rate, or a matrix cell submitted at t = 0
     for r in reqs:
         runs.setdefault(r.group, []).append(r)
-    grid = base.stage("dit").cached if base.stage("dit") is not None else None
+    grid = base.cached_grid
     calls, cached_calls = [], []
     for group in runs.values():
         ch = CachedHops(cap=max(grid.batch) if grid is not None else 8) if args.cached_hops else None

@@ -30,8 +30,7 @@ def with_cached(rates: dict, cached_calls: list[tuple] | None, profile) -> dict:
     total)."""
     if not cached_calls:
         return rates
-    dit = profile.stage("dit")
-    c = rate_cached(cached_calls, dit.cached if dit is not None else None)
+    c = rate_cached(cached_calls, profile.cached_grid)
     total = rates.pop("total")
     rates["dit/cached"] = c
     calls, hits = total["calls"] + c["calls"], total["hits"] + c["hits"]

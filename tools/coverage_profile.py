@@ -204,8 +204,7 @@ def derive_profile(calls: list[tuple], base, max_buckets: int = 32, waste: float
             sd[mode] = {"batch": g["batch"], "frames": g["frames"]}
         summary[f"{stage}/{mode}"] = g
     if cached_calls:
-        dit = base.stage("dit")
-        old = dit.cached if dit is not None else None
+        old = base.cached_grid
         g = derive_cached_grid(cached_calls, max_cached_graphs, ceiling=max(old.prefix) if old is not None else None)
         d["stages"].setdefault("dit", {})["cached"] = {k: g[k] for k in ("batch", "frames", "prefix")}
         summary["dit/cached"] = g

@@ -199,9 +199,9 @@ def simulate(requests, prompt_tokens: int = 75, config=None, costs: SimCosts | N
             cached.calls.extend([(len(group), n, p)] * steps)
             return steps * (c.dit_step_s + c.dit_row_frame_s * CFG_ROWS * len(group) * n)
         b, n = CFG_ROWS * len(group), max(j.frames for j in group)
-        calls.extend([("dit", "stream" if kind == "stream" else "offline", b, n, None,
-                       c.dit_step_s + c.dit_row_frame_s * b * n, None)] * steps)
-        return steps * (c.dit_step_s + c.dit_row_frame_s * b * n)
+        step_s = c.dit_step_s + c.dit_row_frame_s * b * n
+        calls.extend([("dit", "stream" if kind == "stream" else "offline", b, n, None, step_s, None)] * steps)
+        return steps * step_s
 
     def dit_finished(j: _Job, at: float) -> None:
         if j.start is not None:  # its commit: whole chunks up to its last frame; the first one caches the prompt

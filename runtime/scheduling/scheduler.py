@@ -18,7 +18,6 @@ there): to compare batching policies, build one Scheduler per SchedulerConfig ov
 from __future__ import annotations
 
 import contextlib
-
 import threading
 import time
 from typing import Callable

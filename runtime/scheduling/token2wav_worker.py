@@ -27,9 +27,8 @@ from ..models.flow import FlowInput, check_token_ids
 from ..models.hift_stream import push_batch
 from ...engines.cuda_graphs import upload
 from ..stages.backends import StageBackends
-from ..stages.flow_hop_calls import EagerHops
-from ..stages.flow_hops import (CachedSolve, cached_dit_fn, finish_cached, flow_rows, plan_hops, release_plans,
-                                start_cached, step_cached)
+from ..stages.flow_hops import (CachedSolve, cached_dit_fn, finish_cached, flow_rows, hop_runner, plan_hops,
+                                release_plans, start_cached, step_cached)
 from ..stages.token2wav import Token2Wav
 from .ar_worker import Stopped
 from .config import SchedulerConfig
@@ -64,8 +63,7 @@ class Token2WavWorker:
         self.stepper = FlowStepper(self.flow)
         # step-level DiT: id(job) -> (job, its solver state: CachedSolve or FlowSteps) mid-solve
         self.active: dict[int, tuple[DitJob, object]] = {}
-        self._hops = None        # eager cached-hop calls when the backends have no cached-hop graphs (this
-        # worker's own: its arena is used by this thread only, unlike the flow's shared `flow_hops.hop_runner`)
+        self._hops = None        # the DiT thread's eager cached-hop runner, without cached-hop graphs (`_hop_runner`)
         self._in_flight = None   # CUDA event of the last DiT step launched (`_fence`)
         self.hift_cond = threading.Condition()
         self.hift_queue: list[HiftJob] = []
@@ -325,11 +323,12 @@ class Token2WavWorker:
             self._dit_done(done, 0.0)
 
     def _hop_runner(self):
-        """What runs cached hops: the backends' cached-hop graphs, else eager calls of the pipeline's DiT variant."""
+        """What runs cached hops: the backends' cached-hop graphs, else eager calls of the pipeline's DiT variant
+        (`flow_hops.hop_runner`: the flow's runner for this thread, the DiT thread; kept here, off the step path)."""
         if self.backends.dit_cached is not None:
             return self.backends.dit_cached
         if self._hops is None:
-            self._hops = EagerHops(self.flow.estimator, cached_dit_fn(self.flow, self.backends.estimator(True)))
+            self._hops = hop_runner(self.flow, None, cached_dit_fn(self.flow, self.backends.estimator(True)))
         return self._hops
 
     def _fence(self) -> None:

@@ -68,8 +68,10 @@ class ServerSettings:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise InputError(f"server setting {name} must be a positive number, got {v!r}")
         if self.compile_scope is not None:
-            if self.compile_scope not in ("whole", "regional"):
-                raise InputError(f"server setting compile_scope must be 'whole' or 'regional', got "
+            from ..stages.compiled import COMPILE_SCOPES
+
+            if self.compile_scope not in COMPILE_SCOPES:
+                raise InputError(f"server setting compile_scope must be one of {', '.join(COMPILE_SCOPES)}, got "
                                  f"{self.compile_scope!r}")
             if not self.compile:
                 raise InputError("server setting compile_scope needs compile (--compile)")

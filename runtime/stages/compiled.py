@@ -70,20 +70,21 @@ def set_compile_scope(scope: str | None) -> None:
     compilation traces and lowers one block instead of 22 (one layer instead of 24): on a 2-core CPU the full-size
     DiT's first compile took 29-41 s instead of 110-144 s and the LM's prefill + decode 21 s instead of 178 s
     (benchmarks/compile_scope_cpu.py, BENCHMARKS.md); the GPU compile time and speed are not measured yet."""
-    if scope is not None and scope not in COMPILE_SCOPES:
-        raise InputError(f"compile scope must be one of {', '.join(COMPILE_SCOPES)}, got {scope!r}")
-    _scope["scope"] = scope
+    _scope["scope"] = None if scope is None else _checked(scope, "compile scope")
 
 
 def compile_scope(scope: str | None = None) -> str:
     """`scope` if given, else the process's (set_compile_scope, else $COSYTRT_COMPILE_SCOPE, else "whole"), checked."""
     if scope is not None:
-        if scope not in COMPILE_SCOPES:
-            raise InputError(f"compile scope must be one of {', '.join(COMPILE_SCOPES)}, got {scope!r}")
-        return scope
-    scope = _scope["scope"] or os.environ.get("COSYTRT_COMPILE_SCOPE") or "whole"
+        return _checked(scope, "compile scope")
+    if _scope["scope"] is not None:
+        return _scope["scope"]
+    return _checked(os.environ.get("COSYTRT_COMPILE_SCOPE") or "whole", "COSYTRT_COMPILE_SCOPE")
+
+
+def _checked(scope: str, what: str) -> str:
     if scope not in COMPILE_SCOPES:
-        raise InputError(f"COSYTRT_COMPILE_SCOPE must be one of {', '.join(COMPILE_SCOPES)}, got {scope!r}")
+        raise InputError(f"{what} must be one of {', '.join(COMPILE_SCOPES)}, got {scope!r}")
     return scope
 
 

@@ -211,15 +211,14 @@ class GraphedEagerSet:
         # prefix-cached streaming hops: forward_cached per (requests, new frames, prefix) bucket, captured when a
         # scheduler with the flow prefix cache starts (stages/flow_hop_calls.py)
         self.cached_hops = None
-        dit_profile = profile.stage("dit")
-        if dit_profile is not None and dit_profile.cached is not None:
+        if profile.cached_grid is not None:
             from .flow_hop_calls import CachedHopGraphs
             from .flow_hops import cached_dit_fn
 
             # compiled variant: the graphs replay the compiled forward_cached (dynamic shapes: one compile for every
             # bucket), as its whole-history calls replay the compiled DiT; eager hops are launch-bound (~1000
             # kernels per Euler step)
-            self.cached_hops = CachedHopGraphs(dit, dit_profile.cached, device, dtype,
+            self.cached_hops = CachedHopGraphs(dit, profile.cached_grid, device, dtype,
                                                fn=cached_dit_fn(flow, self.compiled_dit))
         self.hift_variants = {"eager": (lambda mel: hift.inference(mel, finalize=True)[0],
                                         lambda m, src: hift.decode(m, src, finalize=False))}

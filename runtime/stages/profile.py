@@ -71,6 +71,12 @@ class Profile:
             check_stage_mode(name, "")  # raises: unknown stage
         return self.stages.get(name)
 
+    @property
+    def cached_grid(self):
+        """The DiT's cached-hop grid (`dit.cached`, a CachedGrid), or None."""
+        sp = self.stages.get("dit")
+        return sp.cached if sp is not None else None
+
     def buckets(self, stage: str, mode: str) -> list[Bucket]:
         """Buckets of (stage, mode) sorted by cost (batch x length); [] when the profile has none."""
         check_stage_mode(stage, mode)
