@@ -166,3 +166,19 @@ def test_server_asks_the_runtime_admission(tiny_tts, tmp_path):
         assert tts.admission.in_flight == 0
     assert tts.admission.limits == limits  # a shared TTS gets its own limits back at shutdown
 
+
+
+def test_try_admit_takes_only_a_free_slot_and_never_queues():
+    from cosytrt.runtime.scheduling.admission import AdmissionControl
+
+    a = AdmissionControl(max_in_flight=2, max_waiting=0)
+    t1 = a.try_admit()
+    t2 = a.try_admit()
+    assert t1 is not None and t2 is not None and a.try_admit() is None
+    assert a.snapshot()["queue_full"] == 0 and a.waiting == 0  # no refusal counted, nothing queued
+    t1.release()
+    t3 = a.try_admit()
+    assert t3 is not None and a.in_flight == 2
+    t2.release()
+    t3.release()
+    assert a.in_flight == 0

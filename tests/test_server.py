@@ -121,6 +121,51 @@ def test_stream_sse_and_pcm(client):
     assert audio == raw.content and len(audio) == 2 * 30 * SAMPLES_PER_TOKEN
 
 
+def test_sample_rate_resamples_whole_and_streamed_alike(client, tts):
+    """`sample_rate` (telephony 8 kHz, 16 kHz, 44.1 kHz): the model's audio resampled with soxr, whole or streamed
+    (the streamed bytes are exactly those of resampling the whole stream: soxr's streaming resampler is exact);
+    the headers name the rate."""
+    from cosytrt.runtime.serving.encoding import Resampler, pcm16
+
+    def native(stream):
+        h = tts.submit("Telephony.", stream=stream, speaker=tts.pipeline.default_speaker, seed=6, force_tokens=30)
+        return np.concatenate(list(h.chunks(timeout=60)))
+
+    offline, streaming = native(False), native(True)
+    body = {"model": "x", "input": "Telephony.", "voice": "default", "seed": 6, "force_tokens": 30}
+    for rate in (8000, 16000, 44100):
+        whole = client.post("/v1/audio/speech", json={**body, "sample_rate": rate})
+        assert whole.status_code == 200, whole.text
+        samples, sr, _ = read_wav(whole.content)
+        assert sr == rate and samples.size == int(np.ceil(offline.size * rate / SR))
+        assert whole.content[44:] == pcm16(Resampler(SR, rate).whole(offline))
+        streamed = client.post("/v1/audio/speech", json={**body, "sample_rate": rate, "stream": True,
+                                                         "response_format": "pcm"})
+        assert streamed.status_code == 200 and streamed.headers["x-sample-rate"] == str(rate)
+        assert streamed.content == pcm16(Resampler(SR, rate).whole(streaming))
+    mp3 = client.post("/v1/audio/speech", json={**body, "sample_rate": 16000, "response_format": "mp3"})
+    assert mp3.status_code == 200 and sf.info(io.BytesIO(mp3.content)).samplerate == 16000
+    batch = client.post("/v1/audio/speech/batch", json={"model": "x", "voice": "default", "seed": 6,
+                                                        "items": [{"input": "Telephony.", "force_tokens": 30,
+                                                                   "sample_rate": 8000}]})
+    item = batch.json()["results"][0]
+    assert item["status"] == "ok" and item["sample_rate"] == 8000
+    assert base64.b64decode(item["audio_data"]) == client.post(
+        "/v1/audio/speech", json={**body, "sample_rate": 8000}).content
+
+
+def test_resampler_streams_exactly_like_whole():
+    from cosytrt.runtime.serving.encoding import Resampler
+
+    x = (np.random.default_rng(0).standard_normal(24000 * 2) * 0.1).astype(np.float32)
+    for rate in (8000, 22050, 24000, 48000):
+        whole = Resampler(24000, rate).whole(x)
+        r = Resampler(24000, rate)
+        cuts = [0, 480, 4000, 4001, 23000, x.size]
+        parts = [r(x[a:b]) for a, b in zip(cuts, cuts[1:])] + [r.flush()]
+        assert np.array_equal(np.concatenate(parts), whole) and whole.size == int(np.ceil(x.size * rate / 24000))
+
+
 def test_openai_voice_names_and_instructions(client):
     body = {"model": "tts-1", "input": "Same voice.", "seed": 4, "force_tokens": 6}
     a = client.post("/v1/audio/speech", json={**body, "voice": "alloy"})
@@ -171,6 +216,13 @@ def test_openai_voice_names_and_instructions(client):
     (["not", "an", "object"], 400, "body"),
     ({"model": "x", "input": "x" * 301, "voice": "default"}, 400, "input"),  # OpenAI: 400 for over-long input
     ({"model": "x", "input": "hi", "voice": "nobody"}, 404, "voice"),
+    ({"model": "x", "input": "hi", "voice": "default", "sample_rate": 7999}, 400, "sample_rate"),
+    ({"model": "x", "input": "hi", "voice": "default", "sample_rate": 96000}, 400, "sample_rate"),
+    ({"model": "x", "input": "hi", "voice": "default", "sample_rate": 16000.0}, 400, "sample_rate"),
+    ({"model": "x", "input": "hi", "voice": "default", "sample_rate": 44100, "response_format": "opus"}, 400,
+     "sample_rate"),
+    ({"model": "x", "input": "hi", "voice": "default", "sample_rate": 10000, "response_format": "mp3"}, 400,
+     "sample_rate"),
 ])
 def test_bad_speech_requests(client, body, status, param):
     err = assert_error(client.post("/v1/audio/speech", json=body), status, param)

@@ -18,7 +18,7 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from cosytrt.runtime.serving.app import ServerSettings, create_app, pcm16  # noqa: E402
+from cosytrt.runtime.serving.app import ServerSettings, create_app, pcm16, uvicorn_config  # noqa: E402
 
 SR = 24000
 SAMPLES_PER_TOKEN = SR // 25
@@ -55,8 +55,7 @@ def server(tmp_path_factory):
     settings = ServerSettings(port=port, api_key=KEY, voices_dir=str(tmp_path_factory.mktemp("voices")),
                               max_in_flight=4, max_queue=8, queue_timeout_s=1.0, drain_timeout_s=5.0)
     app = create_app(tts, settings, owns_tts=True)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-                                        timeout_graceful_shutdown=5))
+    srv = uvicorn.Server(uvicorn_config(app, settings, log_level="warning"))  # serve()'s own configuration
     thread = threading.Thread(target=srv.run, name="uvicorn-test", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -227,3 +226,42 @@ def test_disconnect_mid_stream_frees_slot(server):
     assert m[cancelled] == before[cancelled] + 1
     assert m['cosytrt_speech_requests_total{outcome="ok"}'] == before['cosytrt_speech_requests_total{outcome="ok"}']
     assert server.tts.metrics()["stages"]["cancelled"] >= 1  # the runtime itself dropped the request
+
+
+def test_websocket_session_barge_in_and_message_cap(server):
+    """WS /v1/audio/speech/stream through uvicorn's own WebSocket protocol (the `serve` extra's websockets): audio
+    of the first sentence as it is made, a barge-in that frees the runtime, and a message over the cap
+    (`ws_max_bytes`) closing the socket with 1009 instead of being buffered."""
+    ws_sync = pytest.importorskip("websockets.sync.client")
+    from websockets.exceptions import ConnectionClosed
+
+    from cosytrt.runtime.serving.routes_ws import ws_max_bytes
+
+    url = server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with ws_sync.connect(url, additional_headers=auth, open_timeout=10) as ws:
+        ws.send(json.dumps({"type": "session.config", "model": "x", "voice": "default", "stream_audio": True,
+                            "seed": 3, "force_tokens": 250, "sample_rate": 16000}))
+        assert json.loads(ws.recv(timeout=10))["sample_rate"] == 16000
+        ws.send(json.dumps({"type": "input.text", "text": "A long sentence to interrupt. Another one after it."}))
+        start = json.loads(ws.recv(timeout=60))
+        assert start["type"] == "audio.start" and start["sentence_index"] == 0
+        assert isinstance(ws.recv(timeout=60), bytes)  # the first chunk, long before the 10 s sentence ends
+        ws.send(json.dumps({"type": "input.cancel"}))
+        while True:
+            msg = ws.recv(timeout=60)
+            if isinstance(msg, str) and json.loads(msg)["type"] == "input.cancelled":
+                break
+        assert json.loads(msg)["sentence_indices"][0] == 0
+        ws.send(json.dumps({"type": "input.done"}))
+        assert json.loads(ws.recv(timeout=10))["type"] == "session.done"
+    deadline = time.monotonic() + 20
+    while metrics(server.url)["cosytrt_runtime_requests_in_flight"] != 0:
+        assert time.monotonic() < deadline, "the cancelled sentence still runs"
+        time.sleep(0.05)
+    with ws_sync.connect(url, additional_headers=auth, open_timeout=10, max_size=None) as ws:
+        cap = ws_max_bytes(server.app.state.server.settings)
+        ws.send(json.dumps({"type": "session.config", "model": "x", "pad": "x" * cap}))
+        with pytest.raises(ConnectionClosed) as e:
+            ws.recv(timeout=10)
+        assert e.value.rcvd is not None and e.value.rcvd.code == 1009

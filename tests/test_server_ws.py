@@ -110,3 +110,124 @@ def test_sentence_refused_by_admission_is_an_error_event(tmp_path):
                 assert err["error"]["code"] == "too_many_requests" and err["error"]["status"] == 429
         finally:
             held.release()
+
+
+def test_cancel_stops_the_sentence_and_the_session_goes_on(tmp_path):
+    """Barge-in: input.cancel while a sentence streams cancels its runtime request (and the one synthesised ahead),
+    drops the unfinished text, answers input.cancelled, and the session takes new text with the next index."""
+    fake = FakeTTS(free=1)  # each sentence: one chunk at once, the rest held by the gate
+    app, c = fake_client(tmp_path, fake)
+    with c:
+        wait_ready(c, 5)
+        with c.websocket_connect(PATH) as ws:
+            ws.send_json(CONFIG)
+            events(ws, "session.configured")
+            ws.send_json({"type": "input.text", "text": "First one. Second one. And a half"})
+            got = events(ws, "audio.start")
+            while ("binary", 960) not in got:
+                got.append(events_one(ws))
+            wait_submitted(fake, 2)
+            ws.send_json({"type": "input.cancel"})
+            got = events(ws, "input.cancelled")
+            done = [e for k, e in got if k == "audio.done"]
+            assert len(done) == 1 and done[0]["sentence_index"] == 0 and done[0]["cancelled"] is True
+            assert got[-1][1]["sentence_indices"] == [0, 1]  # the one being sent and the one ahead of it
+            sent = [h for h in fake.handles if h.text != "Warm up."]
+            assert [h.text for h in sent] == ["First one.", "Second one."]
+            assert all(h.cancelled.is_set() for h in sent)
+            fake.gate.set()
+            ws.send_json({"type": "input.text", "text": "After."})
+            ws.send_json({"type": "input.done"})
+            got = events(ws, "session.done")
+            start = [e for k, e in got if k == "audio.start"]
+            assert [e["sentence_index"] for e in start] == [2] and start[0]["sentence_text"] == "After."
+            assert got[-1][1]["total_sentences"] == 3
+        assert app.state.server.admission.in_flight == 0
+
+
+def wait_submitted(fake, n, timeout=5.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len([h for h in fake.handles if h.text != "Warm up."]) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def events_one(ws):
+    msg = ws.receive()
+    if msg.get("bytes") is not None:
+        return ("binary", len(msg["bytes"]))
+    e = json.loads(msg["text"])
+    return (e["type"], e)
+
+
+def test_next_sentence_is_synthesised_while_the_current_one_streams(tmp_path):
+    """Look-ahead: the second sentence's runtime request starts while the first is still held, yet its audio comes
+    only after the first's audio.done (sentence order)."""
+    fake = FakeTTS(free=1)
+    app, c = fake_client(tmp_path, fake)
+    with c:
+        wait_ready(c, 5)
+        with c.websocket_connect(PATH) as ws:
+            ws.send_json(CONFIG)
+            events(ws, "session.configured")
+            ws.send_json({"type": "input.text", "text": "One. Two. Three."})
+            ws.send_json({"type": "input.done"})
+            events(ws, "audio.start")
+            wait_submitted(fake, 2)
+            sent = [h.text for h in fake.handles if h.text != "Warm up."]
+            assert sent == ["One.", "Two."]  # two in flight, the first not finished (the gate holds it)
+            fake.gate.set()
+            got = events(ws, "session.done")
+            order = [(k, e["sentence_index"]) for k, e in got if k in ("audio.start", "audio.done")]
+            assert order == [("audio.done", 0), ("audio.start", 1), ("audio.done", 1), ("audio.start", 2),
+                             ("audio.done", 2)]
+            assert all(e["total_bytes"] == 3 * 960 for k, e in got if k == "audio.done")
+        assert app.state.server.admission.in_flight == 0
+
+
+def test_look_ahead_takes_only_a_free_slot(tmp_path):
+    """With one admission slot the next sentence waits for the current one instead of failing (or queueing ahead of
+    other clients)."""
+    fake = FakeTTS()
+    fake.gate.set()
+    app, c = fake_client(tmp_path, fake, max_in_flight=1, max_queue=0)
+    with c:
+        wait_ready(c, 5)
+        with c.websocket_connect(PATH) as ws:
+            ws.send_json(CONFIG)
+            ws.send_json({"type": "input.text", "text": "One. Two. Three."})
+            ws.send_json({"type": "input.done"})
+            got = events(ws, "session.done")
+            assert [k for k, _ in got].count("audio.done") == 3 and got[-1][1]["total_sentences"] == 3
+        assert app.state.server.admission.snapshot()["queue_full"] == 0
+
+
+def test_session_sample_rate_and_bad_messages(tmp_path):
+    fake = FakeTTS()
+    fake.gate.set()
+    app, c = fake_client(tmp_path, fake)
+    with c:
+        wait_ready(c, 5)
+        with c.websocket_connect(PATH) as ws:
+            ws.send_json({**CONFIG, "sample_rate": 8000})
+            assert events(ws, "session.configured")[-1][1]["sample_rate"] == 8000
+            ws.send_json({"type": "input.text", "text": "Narrowband."})
+            ws.send_json({"type": "input.done"})
+            got = events(ws, "session.done")
+            start = [e for k, e in got if k == "audio.start"][0]
+            done = [e for k, e in got if k == "audio.done"][0]
+            assert start["sample_rate"] == 8000 and done["total_bytes"] == 2 * 3 * 480 // 3  # 24 -> 8 kHz
+        for bad, code in ((b"{not json", "invalid_json"), (b"[" * 100 + b"]" * 100, "invalid_json")):
+            with c.websocket_connect(PATH) as ws:
+                ws.send_json(CONFIG)
+                events(ws, "session.configured")
+                ws.send_text(bad.decode())
+                assert events(ws, "error")[-1][1]["error"]["code"] == code
+        with c.websocket_connect(PATH) as ws:
+            ws.send_json(CONFIG)
+            ws.send_json({"type": "input.done"})
+            ws.send_json({"type": "input.text", "text": "late"})
+            got = events(ws, "never")
+            assert got[-1][0] == "close"  # session.done (no sentences) or the error event, then close
+        assert app.state.server.admission.in_flight == 0

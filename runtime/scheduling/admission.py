@@ -153,6 +153,16 @@ class AdmissionControl:
                 self._give_up_locked(got, what, timeout)
         return self._finish_wait(got)
 
+    def try_admit(self) -> Ticket | None:
+        """A ticket if one is free now and nobody waits for one, else None (nothing queued, nothing counted as a
+        refusal): for optional work such as synthesising a session's next sentence ahead."""
+        with self._lock:
+            if self.in_flight < self.max_in_flight and not self._waiters:
+                self.in_flight += 1
+                self.counts["admitted"] += 1
+                return Ticket(self)
+        return None
+
     async def admit_async(self, what: str = "request", timeout: float | None = None) -> Ticket:
         """`admit` for a coroutine: waits on the event loop (no thread held). Cancelling it while it waits leaves
         the queue (or gives back a ticket granted meanwhile)."""

@@ -27,7 +27,7 @@ from .routes_batch import add_batch_routes
 from .routes_ops import add_ops_routes
 from .routes_speech import add_speech_routes
 from .routes_voices import add_voice_routes
-from .routes_ws import add_ws_routes
+from .routes_ws import add_ws_routes, ws_max_bytes
 from .settings import LOOPBACK_HOSTS, ServerSettings, missing_serve_packages
 from .state import ServerState
 
@@ -174,8 +174,17 @@ def serve(settings: ServerSettings, tts=None) -> int:
     if settings.host not in LOOPBACK_HOSTS and not settings.resolve_api_key():
         log.warning("listening on %s without an API key: anyone who can reach it can use it", settings.host)
     app = create_app(tts, settings, owns_tts=owns)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=int(math.ceil(settings.drain_timeout_s)), lifespan="on",
-                            h11_max_incomplete_event_size=65536, timeout_keep_alive=5)
-    uvicorn.Server(config).run()
+    uvicorn.Server(uvicorn_config(app, settings)).run()
     return 0
+
+
+def uvicorn_config(app, settings: ServerSettings, **overrides):
+    """The uvicorn configuration `serve` runs with: bounded header and WebSocket message sizes (a websocket message
+    larger than a session config with an inline reference closes the socket, 1009), short keep-alive, graceful
+    shutdown within the drain timeout."""
+    import uvicorn
+
+    kw = dict(host=settings.host, port=settings.port, log_level=settings.log_level,
+              timeout_graceful_shutdown=int(math.ceil(settings.drain_timeout_s)), lifespan="on",
+              h11_max_incomplete_event_size=65536, timeout_keep_alive=5, ws_max_size=ws_max_bytes(settings))
+    return uvicorn.Config(app, **{**kw, **overrides})

@@ -26,6 +26,10 @@ MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp
                "opus": "audio/ogg; codecs=opus", "aac": "audio/aac"}
 SOUNDFILE_FORMATS = {"flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
 MIN_SAMPLE_RATE = 8000
+MAX_OUTPUT_SAMPLE_RATE = 48000
+# the rates each lossy encoder takes (wav / pcm / flac: any rate in [MIN_SAMPLE_RATE, MAX_OUTPUT_SAMPLE_RATE])
+_MPEG_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
+ENCODER_SAMPLE_RATES = {"mp3": _MPEG_RATES, "aac": _MPEG_RATES, "opus": (8000, 12000, 16000, 24000, 48000)}
 
 
 def pcm16(wav: np.ndarray) -> bytes:
@@ -94,6 +98,47 @@ def encode_audio(wav: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     buf = io.BytesIO()
     sf.write(buf, samples, sample_rate, format=container, subtype=subtype)
     return buf.getvalue()
+
+
+def check_sample_rate(sample_rate: int, fmt: str) -> None:
+    """The output rate a request asks for (`sample_rate`): within [8 kHz, 48 kHz] and one the format's encoder
+    takes; 400 naming the field otherwise."""
+    if not MIN_SAMPLE_RATE <= sample_rate <= MAX_OUTPUT_SAMPLE_RATE:
+        raise invalid(f"sample_rate must be in [{MIN_SAMPLE_RATE}, {MAX_OUTPUT_SAMPLE_RATE}] Hz, got {sample_rate}",
+                      "sample_rate", "invalid_value")
+    rates = ENCODER_SAMPLE_RATES.get(fmt)
+    if rates is not None and sample_rate not in rates:
+        raise invalid(f"response_format {fmt!r} takes sample_rate {', '.join(map(str, rates))}, not {sample_rate}",
+                      "sample_rate", "unsupported_value")
+
+
+class Resampler:
+    """Float32 chunks at `rate_in` -> the same audio at `rate_out` (soxr, HQ), chunk by chunk; the concatenated
+    output equals resampling the whole at once (soxr's streaming resampler is exact: tested). `flush()` returns the
+    tail the filter still holds. Identity when the rates are equal."""
+
+    def __init__(self, rate_in: int, rate_out: int):
+        self.rate_in, self.rate_out = int(rate_in), int(rate_out)
+        self._stream = None
+        if self.rate_in != self.rate_out:
+            import soxr
+
+            self._stream = soxr.ResampleStream(self.rate_in, self.rate_out, 1, dtype="float32", quality="HQ")
+
+    def __call__(self, chunk: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(np.asarray(chunk, dtype=np.float32).reshape(-1))
+        return x if self._stream is None else self._stream.resample_chunk(x)
+
+    def flush(self) -> np.ndarray:
+        if self._stream is None:
+            return np.zeros(0, np.float32)
+        return self._stream.resample_chunk(np.zeros(0, np.float32), last=True)
+
+    def whole(self, wav: np.ndarray) -> np.ndarray:
+        """All of `wav` at once (then the resampler is spent)."""
+        out = self(wav)
+        tail = self.flush()
+        return np.concatenate([out, tail]) if tail.size else out
 
 
 def pcm_headers(sample_rate: int) -> dict:

@@ -3,8 +3,8 @@ options.
 
 OpenAI's fields (`model` required, `input`, `voice` (optional here: the model's default voice), `response_format`,
 `speed`, `instructions`, `stream_format`) plus ours (`seed`, `stream`, `instruct`, `max_tokens`, `force_tokens`,
-`ref_audio` / `ref_text` inline cloning) and an allow-list of extras that peer clients and benchmarks send
-(vllm-omni, sglang-omni): `max_new_tokens` (= `max_tokens`), `language`, `task_type`, `top_p`, `top_k`, and knobs
+`ref_audio` / `ref_text` inline cloning, `sample_rate` of the output: 8–48 kHz, e.g. 8000 for telephony) and an
+allow-list of extras that peer clients and benchmarks send (vllm-omni, sglang-omni): `max_new_tokens` (= `max_tokens`), `language`, `task_type`, `top_p`, `top_k`, and knobs
 accepted but not used (`temperature`, `repetition_penalty`, ...). `strict` turns the extras off (400 on any
 unknown field)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from .encoding import RESPONSE_FORMATS, STREAM_FORMATS, check_response_format
+from .encoding import RESPONSE_FORMATS, STREAM_FORMATS, check_response_format, check_sample_rate
 from .errors import APIError, invalid
 from .settings import ServerSettings
 from .voices import check_voice_id
@@ -59,6 +59,7 @@ class SpeechBody(BaseModel):
     force_tokens: Optional[StrictInt] = Field(default=None, ge=1, le=1 << 20)
     ref_audio: Optional[StrictStr] = None
     ref_text: Optional[StrictStr] = None
+    sample_rate: Optional[StrictInt] = None
     # allow-listed extras that change something
     max_new_tokens: Optional[StrictInt] = Field(default=None, ge=1, le=1 << 20)
     language: Optional[StrictStr] = None
@@ -69,7 +70,7 @@ class SpeechBody(BaseModel):
 
 
 CORE_FIELDS = {"model", "input", "voice", "response_format", "speed", "seed", "instruct", "instructions", "stream",
-               "stream_format", "max_tokens", "force_tokens", "ref_audio", "ref_text"}
+               "stream_format", "max_tokens", "force_tokens", "ref_audio", "ref_text", "sample_rate"}
 
 
 @dataclass
@@ -83,6 +84,7 @@ class SpeechParams:
     speed: float = 1.0
     ref_audio: str | None = None
     ref_text: str = ""
+    sample_rate: int | None = None  # the output's rate when not the model's (resampled with soxr)
     options: dict = field(default_factory=dict)  # seed, instruct, max_tokens, force_tokens, top_p, top_k
     ignored: list[str] = field(default_factory=list)
 
@@ -184,6 +186,8 @@ def parse_speech_request(body, settings: ServerSettings) -> SpeechParams:
         raise invalid(f"response_format {fmt!r} is not supported; use one of {', '.join(RESPONSE_FORMATS)}",
                       "response_format", "unsupported_value")
     check_response_format(fmt)
+    if b.sample_rate is not None:
+        check_sample_rate(b.sample_rate, fmt)
     speed = float(b.speed)
     if not 0.25 <= speed <= 4.0:
         raise invalid(f"speed must be in [0.25, 4], got {b.speed}", "speed")
@@ -237,5 +241,5 @@ def parse_speech_request(body, settings: ServerSettings) -> SpeechParams:
                       "ref_text", "transcript_too_long")
     ignored = sorted(k for k in body if k in IGNORED_EXTRAS)
     return SpeechParams(input=text, voice=voice, response_format=fmt, stream=stream, sse=sse, sse_wav=sse_wav,
-                        speed=speed,
+                        speed=speed, sample_rate=b.sample_rate,
                         ref_audio=ref_audio, ref_text=ref_text, options=options, ignored=ignored)

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from ...engines.errors import CosytrtError
-from .encoding import MEDIA_TYPES, encode_audio, pcm_headers
+from .encoding import MEDIA_TYPES, Resampler, encode_audio, pcm_headers
 from .errors import APIError, from_runtime_error, invalid
 from .http import BIG_BODY, check_content_type, read_body_capped, until_done_or_gone
 from .jobs import SpeechJob, _ClientGone, segment_text
@@ -87,10 +87,11 @@ def add_speech_routes(app, state) -> None:
         job = SpeechJob(tts, segment_text(params.input, settings, params.options, tts, speaker), options,
                         params.stream)
         finish = finisher(state, job, ticket)
-        sr = state.sample_rate
+        sr = state.sample_rate  # the model's; the response's is params.sample_rate when given
+        sr_out = params.sample_rate or sr
         extra = {"X-Ignored-Fields": ",".join(params.ignored)} if params.ignored else {}
         if params.response_format == "pcm":
-            extra.update(pcm_headers(sr))
+            extra.update(pcm_headers(sr_out))
         chunks = job.chunks()
         try:
             state.jobs.add(job)
@@ -128,5 +129,7 @@ def add_speech_routes(app, state) -> None:
         if job.metrics is not None:
             headers["X-Speech-Tokens"] = str(int(getattr(job.metrics, "tokens", 0) or 0))
         loop = asyncio.get_running_loop()
-        body = await loop.run_in_executor(None, encode_audio, wav, sr, params.response_format)
+        if sr_out != sr:
+            wav = await loop.run_in_executor(None, Resampler(sr, sr_out).whole, wav)
+        body = await loop.run_in_executor(None, encode_audio, wav, sr_out, params.response_format)
         return Response(body, media_type=MEDIA_TYPES[params.response_format], headers=headers)

@@ -1,36 +1,49 @@
 """`WS /v1/audio/speech/stream`: text in pieces, audio per sentence — the session protocol sglang-omni's serving
-harness (benchmarks/tts_serving/ws_client.py) speaks:
+harness (benchmarks/tts_serving/ws_client.py) speaks, plus barge-in:
 
     client: {"type": "session.config", "model", "voice", "response_format": "pcm", "stream_audio": bool,
-             "split_granularity": "sentence" | "clause", ...any /v1/audio/speech field (seed, ref_audio, ...)}
-    server: {"type": "session.configured", "session_id", "response_format", "stream_audio", "split_granularity"}
+             "split_granularity": "sentence" | "clause", ...any /v1/audio/speech field (seed, ref_audio,
+             sample_rate, ...)}
+    server: {"type": "session.configured", "session_id", "response_format", "stream_audio", "split_granularity",
+             "sample_rate"}
     client: {"type": "input.text", "text": "..."} (any number), then {"type": "input.done"}
     server, per sentence (as soon as its text is complete): {"type": "audio.start", "sentence_index",
             "sentence_text", "format": "pcm", "sample_rate"}, binary 16-bit PCM frames (each runtime chunk with
             stream_audio, else the whole sentence), {"type": "audio.done", "sentence_index", "total_bytes",
             "error": false}
+    client, at any time (barge-in): {"type": "input.cancel"} -> the sentences being synthesised are cancelled (a
+            started one ends with {"type": "audio.done", ..., "cancelled": true}), complete sentences not yet
+            started and the unfinished text are dropped, then {"type": "input.cancelled", "sentence_indices": [...]};
+            the session goes on (the next sentence gets the next index).
     server, at the end: {"type": "session.done", "total_sentences"}, then it closes the socket.
     on a bad message or a failed sentence: {"type": "error", "error": {OpenAI error fields}, "code"} and close.
 
-Each sentence is admitted by the runtime's admission control on its own (a refusal is an error event). The
-handshake is checked like HTTP: API key (Authorization header), Host (app.py's guard) and Origin (browsers let any
-page open a WebSocket, so a keyless localhost server refuses foreign origins)."""
+The socket is read while audio is sent (a cancel or more text is seen at once), and the next complete sentence is
+synthesised while the current one streams (at most `LOOKAHEAD` sentences ahead; audio is always sent in sentence
+order), so a short sentence is not followed by a gap of the next one's time to first audio. Each sentence is
+admitted by the runtime's admission control on its own (a refusal is an error event). The handshake is checked like
+HTTP: API key (Authorization header), Host (app.py's guard) and Origin (browsers let any page open a WebSocket, so a
+keyless localhost server refuses foreign origins); a message is at most `ws_max_bytes` (uvicorn closes the socket
+on a bigger one) and nests JSON at most `--max-json-depth` deep."""
 import asyncio
-import json
+import collections
 import re
 import uuid
 
 import numpy as np
 
-from .encoding import pcm16
+from .encoding import Resampler, pcm16
 from .errors import APIError, from_runtime_error, invalid
 from .jobs import SpeechJob, tracked_job
+from .request import load_json
 from .routes_speech import resolve_speaker
 
 _ENDS = {"sentence": re.compile(r"(?<=[。！？!?])|(?<=[.;；])(?=\s|$)|\n+"),
          "clause": re.compile(r"(?<=[。！？!?，、；：,;:])|(?<=[.])(?=\s|$)|\n+")}
 CONFIG_KEYS = {"type", "stream_audio", "split_granularity"}
 MAX_TEXT_CHARS_FACTOR = 4  # a session's text, at most this many times --max-input-chars
+LOOKAHEAD = 1  # sentences synthesised ahead of the one being sent (each holds an admission slot)
+_START, _END = object(), object()  # a sentence's queue: _START, chunks, _END (or an exception)
 
 
 def take_complete(buffer: str, granularity: str, final: bool) -> tuple[list[str], str]:
@@ -38,6 +51,25 @@ def take_complete(buffer: str, granularity: str, final: bool) -> tuple[list[str]
     parts = [p for p in _ENDS[granularity].split(buffer)]
     rest = "" if final else parts.pop()
     return [p.strip() for p in parts if p.strip()], rest
+
+
+def ws_max_bytes(settings) -> int:
+    """The largest WebSocket message a session needs (a config with an inline base64 `ref_audio`, or text)."""
+    return max(65536, 8 * settings.max_input_chars + 4096, (settings.upload_cap * 4) // 3 + 8192)
+
+
+class _Sentence:
+    """One sentence of a session: its synthesis task fills `out` with _START, float32 chunks (already at the
+    session's output rate), then _END or the exception that ended it."""
+
+    def __init__(self, index: int, text: str):
+        self.index, self.text = index, text
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.task: asyncio.Task | None = None
+        self.submitted = False  # its runtime request exists (a sentence after it may start)
+        self.announced = False  # audio.start sent
+        self.sent = 0
+        self.held: list[bytes] = []  # stream_audio false: the sentence's PCM until it ends
 
 
 def add_ws_routes(app, state) -> None:
@@ -55,40 +87,164 @@ def add_ws_routes(app, state) -> None:
 
     async def receive_json(ws) -> dict:
         msg = await ws.receive_text()
-        try:
-            event = json.loads(msg)
-        except json.JSONDecodeError:
-            raise invalid("messages must be JSON objects", "type", "invalid_json") from None
+        event = load_json(msg.encode("utf-8", "surrogatepass"), settings)  # depth-checked; 400 if not JSON
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             raise invalid("messages must be JSON objects with a 'type'", "type", "invalid_type")
         return event
 
-    async def speak(ws, index: int, text: str, base: dict, stream_audio: bool) -> int:
-        params = parse_speech_request({**base, "input": text}, settings)
-        async with state.admitted("websocket sentence") as ticket:
-            speaker = await resolve_speaker(state, params)
-            options = {"speaker": speaker, **params.options, **state.lease(ticket)}
-            if params.speed != 1.0:
-                options["speed"] = params.speed
-            job = SpeechJob(state.tts, [text], options, stream_audio)
-            sent = 0
-            async with tracked_job(state, job, ticket):
-                await ws.send_json({"type": "audio.start", "sentence_index": index, "sentence_text": text,
-                                    "format": "pcm", "sample_rate": state.sample_rate})
-                if stream_audio:
+    async def synthesize(s: _Sentence, base: dict, stream_audio: bool, sr_out: int, ticket=None) -> None:
+        """The sentence's synthesis into `s.out` (admission unless `ticket` is given, speaker, one SpeechJob);
+        cancelled with its task."""
+        try:
+            params = parse_speech_request({**base, "input": s.text}, settings)
+            if ticket is None:
+                ticket = await state.admit("websocket sentence")
+            try:
+                speaker = await resolve_speaker(state, params)
+                options = {"speaker": speaker, **params.options, **state.lease(ticket)}
+                if params.speed != 1.0:
+                    options["speed"] = params.speed
+                job = SpeechJob(state.tts, [s.text], options, stream_audio)
+                resample = Resampler(state.sample_rate, sr_out)
+                async with tracked_job(state, job, ticket):
+                    s.submitted = True
+                    s.out.put_nowait(_START)
                     async for chunk in job.chunks():
-                        data = pcm16(chunk)
-                        if data:
+                        s.out.put_nowait(resample(chunk))
+                    s.out.put_nowait(resample.flush())
+            finally:
+                state.release(ticket)
+            s.out.put_nowait(_END)
+        except asyncio.CancelledError:
+            if ticket is not None:
+                state.release(ticket)  # a ticket given but not yet used (releasing twice is a no-op)
+            raise
+        except Exception as e:  # noqa: BLE001 - the session sends it as an error event
+            s.out.put_nowait(e)
+
+    async def read_events(ws, inbox: asyncio.Queue) -> None:
+        """Every client message after the config into `inbox` as it arrives (the session loop reacts to a cancel
+        while it sends audio); a bad message or the client leaving ends the reading."""
+        total_chars = 0
+        try:
+            while True:
+                event = await receive_json(ws)
+                kind = event["type"]
+                if kind == "input.text":
+                    text = event.get("text")
+                    if not isinstance(text, str):
+                        raise invalid("'text' must be a string", "text", "invalid_type")
+                    total_chars += len(text)
+                    if total_chars > MAX_TEXT_CHARS_FACTOR * settings.max_input_chars:
+                        raise APIError(413, f"the session's text exceeds "
+                                            f"{MAX_TEXT_CHARS_FACTOR * settings.max_input_chars} characters",
+                                       param="text", code="input_too_long")
+                elif kind not in ("input.done", "input.cancel"):
+                    raise invalid(f"unexpected message type {kind!r} (input.text, input.done or input.cancel)",
+                                  "type", "invalid_value")
+                inbox.put_nowait(event)
+        except WebSocketDisconnect:
+            inbox.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the session loop sends the error event
+            inbox.put_nowait(e)
+
+    async def cancel_all(active) -> None:
+        for s in active:
+            s.task.cancel()
+        await asyncio.gather(*(s.task for s in active), return_exceptions=True)
+
+    async def run_session(ws, base: dict, stream_audio: bool, granularity: str, sr_out: int) -> None:
+        inbox: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(read_events(ws, inbox))
+        active: collections.deque[_Sentence] = collections.deque()  # in order; the head is being sent
+        pending: collections.deque[str] = collections.deque()  # complete sentences not started yet
+        buffer, index, done = "", 0, False
+        get_event = get_item = None
+        try:
+            while True:
+                while pending and len(active) <= LOOKAHEAD:
+                    # the sentence being sent waits for admission as any request; one ahead of it only takes a slot
+                    # that is free now (else it starts when the current one is done, as without look-ahead)
+                    if active and not active[-1].submitted:
+                        break  # the runtime gets the sentences in order (the one before holds its ticket then)
+                    ticket = state.try_admit() if active else None
+                    if active and ticket is None:
+                        break
+                    s = _Sentence(index, pending.popleft())
+                    index += 1
+                    s.task = asyncio.create_task(synthesize(s, base, stream_audio, sr_out, ticket))
+                    active.append(s)
+                if done and not active:
+                    break
+                if get_event is None:
+                    get_event = asyncio.create_task(inbox.get())
+                if get_item is None and active:
+                    get_item = asyncio.create_task(active[0].out.get())
+                await asyncio.wait([t for t in (get_event, get_item) if t is not None],
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if get_event.done():
+                    event, get_event = get_event.result(), None
+                    if event is None:
+                        return  # the client left: the finally block cancels what runs
+                    if isinstance(event, BaseException):
+                        raise event
+                    if event["type"] == "input.cancel":
+                        if get_item is not None:
+                            get_item.cancel()
+                            get_item = None
+                        cancelled = [s.index for s in active]
+                        await cancel_all(active)
+                        for s in active:
+                            if s.announced:
+                                await ws.send_json({"type": "audio.done", "sentence_index": s.index,
+                                                    "total_bytes": s.sent, "error": False, "cancelled": True})
+                        active.clear()
+                        pending.clear()
+                        buffer = ""
+                        await ws.send_json({"type": "input.cancelled", "sentence_indices": cancelled})
+                        continue
+                    if done:
+                        raise invalid(f"{event['type']!r} after input.done (only input.cancel may follow it)",
+                                      "type", "invalid_value")
+                    if event["type"] == "input.text":
+                        buffer += event["text"]
+                    else:
+                        done = True
+                    sentences, buffer = take_complete(buffer, granularity, final=done)
+                    pending.extend(sentences)
+                if get_item is not None and get_item.done():
+                    item, get_item = get_item.result(), None
+                    s = active[0]
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item is _START:
+                        s.announced = True
+                        await ws.send_json({"type": "audio.start", "sentence_index": s.index,
+                                            "sentence_text": s.text, "format": "pcm", "sample_rate": sr_out})
+                    elif item is _END:
+                        if s.held:
+                            data = b"".join(s.held)
                             await ws.send_bytes(data)
-                            sent += len(data)
-                else:
-                    parts = [c async for c in job.chunks()]
-                    data = pcm16(np.concatenate(parts)) if parts else b""
-                    if data:
-                        await ws.send_bytes(data)
-                        sent = len(data)
-        await ws.send_json({"type": "audio.done", "sentence_index": index, "total_bytes": sent, "error": False})
-        return sent
+                            s.sent = len(data)
+                        await ws.send_json({"type": "audio.done", "sentence_index": s.index,
+                                            "total_bytes": s.sent, "error": False})
+                        active.popleft()
+                    else:
+                        data = pcm16(item)
+                        if data and stream_audio:
+                            await ws.send_bytes(data)
+                            s.sent += len(data)
+                        elif data:
+                            s.held.append(data)
+            await ws.send_json({"type": "session.done", "total_sentences": index})
+            await ws.close(code=1000)
+        finally:
+            for t in (get_event, get_item, reader):
+                if t is not None:
+                    t.cancel()
+            await cancel_all(active)
 
     @app.websocket("/v1/audio/speech/stream")
     async def speech_stream(ws: WebSocket):
@@ -123,35 +279,13 @@ def add_ws_routes(app, state) -> None:
             if stream_audio and checked.speed != 1.0:
                 raise invalid("speed applies to whole sentences only: send stream_audio false or speed 1.0", "speed",
                               "unsupported_value")
+            sr_out = checked.sample_rate or state.sample_rate
             await ws.send_json({"type": "session.configured", "session_id": f"ws-{uuid.uuid4().hex[:16]}",
                                 "response_format": "pcm", "stream_audio": stream_audio,
-                                "split_granularity": granularity})
-            buffer, index, total_chars, done = "", 0, 0, False
-            while not done:
-                event = await receive_json(ws)
-                if event["type"] == "input.text":
-                    text = event.get("text")
-                    if not isinstance(text, str):
-                        raise invalid("'text' must be a string", "text", "invalid_type")
-                    total_chars += len(text)
-                    if total_chars > MAX_TEXT_CHARS_FACTOR * settings.max_input_chars:
-                        raise APIError(413, f"the session's text exceeds "
-                                            f"{MAX_TEXT_CHARS_FACTOR * settings.max_input_chars} characters",
-                                       param="text", code="input_too_long")
-                    buffer += text
-                elif event["type"] == "input.done":
-                    done = True
-                else:
-                    raise invalid(f"unexpected message type {event['type']!r} (input.text or input.done)", "type",
-                                  "invalid_value")
-                sentences, buffer = take_complete(buffer, granularity, final=done)
-                for sentence in sentences:
-                    await speak(ws, index, sentence, base, stream_audio)
-                    index += 1
-            await ws.send_json({"type": "session.done", "total_sentences": index})
-            await ws.close(code=1000)
+                                "split_granularity": granularity, "sample_rate": sr_out})
+            await run_session(ws, base, stream_audio, granularity, sr_out)
         except WebSocketDisconnect:
-            return  # the client left; speak() cancelled its job
+            return  # the client left; run_session cancelled its sentences
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - an error event, then close

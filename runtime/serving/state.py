@@ -108,6 +108,13 @@ class ServerState:
         self.tickets.add(ticket)
         return ticket
 
+    def try_admit(self) -> Ticket | None:
+        """A ticket only if one is free at once (optional work: a websocket session's next sentence ahead)."""
+        ticket = self.admission.try_admit()
+        if ticket is not None:
+            self.tickets.add(ticket)
+        return ticket
+
     def release(self, ticket: Ticket) -> None:
         self.tickets.discard(ticket)
         ticket.release()

@@ -4,7 +4,7 @@ import base64
 import json
 import logging
 
-from .encoding import pcm16, wav_header
+from .encoding import Resampler, pcm16, wav_header
 
 log = logging.getLogger("cosytrt.server")
 
@@ -43,12 +43,16 @@ def audio_stream_response(body, finish, **kw):
     return AudioStream(body, **kw)
 
 
-async def stream_body(job, params, sr: int, finish, first, rest):
-    """The bytes of a streamed response: a wav header (wav), then each chunk as 16-bit PCM, each wrapped in an SSE
-    delta event when `params.sse` (then a final `speech.audio.done` event with usage), or each as its own WAV in an
-    SSE event when `params.sse_wav` (then usage and `[DONE]`); `finish(outcome)` at the end."""
+async def stream_body(job, params, sr_in: int, finish, first, rest):
+    """The bytes of a streamed response: a wav header (wav), then each chunk as 16-bit PCM (resampled from the
+    model's `sr_in` to `params.sample_rate` when given: the stream's bytes are then exactly those of the resampled
+    whole), each wrapped in an SSE delta event when `params.sse` (then a final `speech.audio.done` event with usage),
+    or each as its own WAV in an SSE event when `params.sse_wav` (then usage and `[DONE]`); `finish(outcome)` at
+    the end."""
     outcome = "cancelled"
     samples = 0
+    sr = params.sample_rate or sr_in
+    resample = Resampler(sr_in, sr)
 
     def encode(data: bytes) -> bytes:
         if params.sse_wav:
@@ -59,11 +63,15 @@ async def stream_body(job, params, sr: int, finish, first, rest):
         if params.response_format == "wav" and not params.sse_wav:
             yield encode(wav_header(sr, None))
         if first is not None:
-            data = pcm16(first)
+            data = pcm16(resample(first))
             samples += len(data) // 2
             yield encode(data)
             async for chunk in rest:
-                data = pcm16(chunk)
+                data = pcm16(resample(chunk))
+                samples += len(data) // 2
+                yield encode(data)
+            data = pcm16(resample.flush())
+            if data:
                 samples += len(data) // 2
                 yield encode(data)
         outcome = "ok"
