@@ -250,6 +250,33 @@ def test_unknown_route_openai_error_shape(client):
     assert_error(client.get("/v1/audio/speech"), 405)
 
 
+def test_request_id_header_echoed_or_made(client):
+    """Every response carries X-Request-Id: the client's own when it is a plain token (gateways correlate by it),
+    else a new one; errors and streamed responses too; the server's log lines name it."""
+    import logging
+
+    from cosytrt.runtime.serving.http import REQUEST_ID, RequestIdFilter
+
+    ok = client.get("/health", headers={"X-Request-Id": "gw-42:abc"})
+    assert ok.headers["x-request-id"] == "gw-42:abc"
+    made = client.get("/health").headers["x-request-id"]
+    assert re.fullmatch(r"req-[0-9a-f]{32}", made) and made != client.get("/health").headers["x-request-id"]
+    for bad in ("x" * 129, "two words", "new\nline"):
+        assert client.get("/health", headers={"X-Request-Id": bad}).headers["x-request-id"].startswith("req-")
+    err = client.post("/v1/audio/speech", json={"model": "x"}, headers={"X-Request-Id": "err-1"})
+    assert err.status_code == 400 and err.headers["x-request-id"] == "err-1"
+    streamed = client.post("/v1/audio/speech", headers={"X-Request-Id": "st-1"},
+                           json={"model": "x", "input": "Hi.", "voice": "default", "force_tokens": 5, "stream": True})
+    assert streamed.status_code == 200 and streamed.headers["x-request-id"] == "st-1"
+    record = logging.LogRecord("cosytrt.server", logging.INFO, __file__, 1, "m", None, None)
+    token = REQUEST_ID.set("log-7")  # what the middleware sets for the request's tasks
+    try:
+        assert RequestIdFilter().filter(record) and record.request_id == "log-7"
+    finally:
+        REQUEST_ID.reset(token)
+    assert RequestIdFilter().filter(record) and record.request_id == "-"
+
+
 def test_voices_lifecycle(client, tts, voices_dir):
     prompt = default_voice_wav(16000, seconds=2.0) * 0.9
     buf = io.BytesIO()

@@ -21,7 +21,7 @@ import time
 from ...engines.errors import CosytrtError
 from .encoding import pcm16, wav_header  # noqa: F401 (re-exported: tests, clients)
 from .errors import APIError, from_runtime_error
-from .http import host_name, route_label
+from .http import REQUEST_ID, RequestIdFilter, host_name, request_id, route_label
 from .jobs import _ClientGone, segment_text  # noqa: F401 (segment_text: tests)
 from .routes_batch import add_batch_routes
 from .routes_ops import add_ops_routes
@@ -122,26 +122,32 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
             if scope["type"] != "http":
                 return await self.inner(scope, receive, send)
             started = False
+            rid = request_id(scope.get("headers", []))
+            token = REQUEST_ID.set(rid)  # the request's tasks and log lines see it
 
             async def counting_send(message):
                 nonlocal started
                 if message["type"] == "http.response.start" and not started:
                     started = True
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (b"x-request-id", rid.encode("latin-1"))]}
                     state.metrics.count_http(scope["method"], route_label(scope["path"]), message["status"])
                 await send(message)
 
-            if host_names is not None:
-                host = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"host"), "")
-                if host_name(host) not in host_names:
-                    e = APIError(421, f"Host {host[:64]!r} is not served here (set --allowed-hosts to serve it)",
-                                 code="invalid_host")
-                    return await error_response(e)(scope, receive, counting_send)
             try:
+                if host_names is not None:
+                    host = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"host"), "")
+                    if host_name(host) not in host_names:
+                        e = APIError(421, f"Host {host[:64]!r} is not served here (set --allowed-hosts to serve it)",
+                                     code="invalid_host")
+                        return await error_response(e)(scope, receive, counting_send)
                 await self.inner(scope, receive, counting_send)
             except BaseException:
                 if not started:
                     state.metrics.count_http(scope["method"], route_label(scope["path"]), 500)
                 raise
+            finally:
+                REQUEST_ID.reset(token)
 
     app.add_middleware(_Guard)
     add_ops_routes(app, state)
@@ -158,7 +164,10 @@ def serve(settings: ServerSettings, tts=None) -> int:
     """Load the model (unless given), then run uvicorn until SIGINT / SIGTERM; returns 0."""
     import uvicorn
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdFilter())
     owns = tts is None
     if tts is None:
         from ..scheduling.scheduler import SchedulerConfig

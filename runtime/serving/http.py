@@ -3,13 +3,34 @@ for too many large uploads at once), the Content-Type check, the Host check's na
 the HTTP metrics. These limits are about HTTP and memory only; whether a request may use the runtime is decided by
 the runtime's admission control (`TTS.admission`, runtime/scheduling/admission.py)."""
 import asyncio
+import contextvars
+import logging
+import re
+import uuid
 
 from .errors import APIError, invalid
 from .jobs import _ClientGone
 
+REQUEST_ID = contextvars.ContextVar("cosytrt_request_id", default="-")  # the current request's id (for logs)
+_REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 BIG_BODY = 1 << 20  # bodies above 1 MiB (uploads, inline reference audio) are read a few at a time
 
 ROUTES = ("/v1/audio/speech", "/v1/audio/speech/batch", "/v1/voices", "/v1/audio/voices", "/v1/models", "/health", "/metrics")
+
+
+def request_id(headers) -> str:
+    """The id a request is known by (response header `X-Request-Id`, server logs): the client's own `X-Request-Id`
+    when it is a plain token of at most 128 characters (so a client or gateway can correlate), else a new one."""
+    rid = next((v.decode("latin-1") for k, v in headers if k == b"x-request-id"), "")
+    return rid if _REQUEST_ID_OK.fullmatch(rid) else f"req-{uuid.uuid4().hex}"
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds `request_id` (REQUEST_ID of the current context, "-" outside a request) to every log record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = REQUEST_ID.get()
+        return True
 
 
 async def read_body_capped(request, cap: int, what: str, timeout: float, big: asyncio.Semaphore | None = None) \
