@@ -154,6 +154,44 @@ def test_sample_rate_resamples_whole_and_streamed_alike(client, tts):
         "/v1/audio/speech", json={**body, "sample_rate": 8000}).content
 
 
+def test_g711_telephony_formats(client, tts):
+    """response_format ulaw / alaw: 8-bit G.711 at 8 kHz (the default rate for them; another is a 400), whole or
+    streamed alike, the raw-sample headers naming the encoding."""
+    from cosytrt.runtime.serving.encoding import Resampler, g711, pcm16
+
+    body = {"model": "x", "input": "Call center.", "voice": "default", "seed": 8, "force_tokens": 25}
+    h = tts.submit("Call center.", stream=True, speaker=tts.pipeline.default_speaker, seed=8, force_tokens=25)
+    at8k = np.frombuffer(pcm16(Resampler(SR, 8000).whole(np.concatenate(list(h.chunks(timeout=60))))), "<i2")
+    for law, media in (("ulaw", "audio/basic"), ("alaw", "audio/x-alaw-basic")):
+        whole = client.post("/v1/audio/speech", json={**body, "response_format": law})
+        assert whole.status_code == 200 and whole.headers["content-type"] == media
+        assert whole.headers["x-sample-rate"] == "8000" and whole.headers["x-bit-depth"] == "8"
+        assert whole.headers["x-encoding"] == {"ulaw": "mulaw", "alaw": "alaw"}[law]
+        assert len(whole.content) == 25 * 8000 // 25  # one byte per 8 kHz sample: 1 s
+        streamed = client.post("/v1/audio/speech", json={**body, "response_format": law, "stream": True})
+        assert streamed.status_code == 200 and streamed.content == g711(at8k, law)
+        assert_error(client.post("/v1/audio/speech", json={**body, "response_format": law, "sample_rate": 16000}),
+                     400, "sample_rate")
+
+
+def test_g711_matches_the_reference_codec():
+    """g711 equals the ITU / Sun reference (Python's audioop, where this Python still has it) on every 16-bit
+    value, and decodes back within G.711's quantisation."""
+    import warnings
+
+    from cosytrt.runtime.serving.encoding import g711
+
+    x = np.arange(-32768, 32768, dtype=np.int16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        audioop = pytest.importorskip("audioop", reason="audioop left Python in 3.13")
+    for law in ("ulaw", "alaw"):
+        ours = g711(x, law)
+        assert ours == getattr(audioop, f"lin2{law}")(x.tobytes(), 2), law
+        back = np.frombuffer(getattr(audioop, f"{law}2lin")(ours, 2), "<i2").astype(int)
+        assert np.all(np.abs(back - x) <= np.maximum(16, np.abs(x.astype(int)) // 16)), law
+
+
 def test_resampler_streams_exactly_like_whole():
     from cosytrt.runtime.serving.encoding import Resampler
 

@@ -218,6 +218,16 @@ def test_session_sample_rate_and_bad_messages(tmp_path):
             start = [e for k, e in got if k == "audio.start"][0]
             done = [e for k, e in got if k == "audio.done"][0]
             assert start["sample_rate"] == 8000 and done["total_bytes"] == 2 * 3 * 480 // 3  # 24 -> 8 kHz
+        with c.websocket_connect(PATH) as ws:
+            ws.send_json({**CONFIG, "response_format": "ulaw"})
+            configured = events(ws, "session.configured")[-1][1]
+            assert configured["sample_rate"] == 8000 and configured["response_format"] == "ulaw"
+            ws.send_json({"type": "input.text", "text": "Telephone."})
+            ws.send_json({"type": "input.done"})
+            got = events(ws, "session.done")
+            start = [e for k, e in got if k == "audio.start"][0]
+            done = [e for k, e in got if k == "audio.done"][0]
+            assert start["format"] == "ulaw" and done["total_bytes"] == 3 * 480 // 3  # 1 byte per 8 kHz sample
         for bad, code in ((b"{not json", "invalid_json"), (b"[" * 100 + b"]" * 100, "invalid_json")):
             with c.websocket_connect(PATH) as ws:
                 ws.send_json(CONFIG)

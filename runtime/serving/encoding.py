@@ -1,8 +1,9 @@
 """Audio in and out of the server: response encodings and bounded decoding of uploaded reference audio.
 
-Out: wav / pcm (16-bit mono, built here), flac / mp3 / opus (libsndfile through soundfile), aac (ADTS, FFmpeg's
-native AAC encoder through PyAV, the optional `aac` extra: `pip install cosytrt[aac]`; without it a clear 400 naming
-the extra; libsndfile has no AAC encoder).
+Out: wav / pcm (16-bit mono, built here), ulaw / alaw (G.711 at 8 kHz for telephony, built here), flac / mp3 / opus
+(libsndfile through soundfile), aac (ADTS, FFmpeg's native AAC encoder through PyAV, the optional `aac` extra: `pip
+install cosytrt[aac]`; without it a clear 400 naming the extra; libsndfile has no AAC encoder); any of them at another
+sample rate through `Resampler` (soxr).
 In: the header is read first (`soundfile.info`, no samples decoded) and the duration, channel count and sample rate
 are checked against the limits before anything is decoded; decoding then reads at most the allowed frames."""
 from __future__ import annotations
@@ -20,22 +21,60 @@ import numpy as np
 from .errors import APIError, invalid
 
 UNKNOWN_LENGTH = 0xFFFFFFFF
-RESPONSE_FORMATS = ("wav", "pcm", "flac", "mp3", "opus", "aac")
-STREAM_FORMATS = ("wav", "pcm")
+RESPONSE_FORMATS = ("wav", "pcm", "flac", "mp3", "opus", "aac", "ulaw", "alaw")
+STREAM_FORMATS = ("wav", "pcm", "ulaw", "alaw")
+RAW_FORMATS = ("pcm", "ulaw", "alaw")  # headerless sample streams (the websocket session sends one of these)
+G711_FORMATS = ("ulaw", "alaw")  # telephony: 8-bit G.711 at 8 kHz (Twilio / SIP media streams)
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg",
-               "opus": "audio/ogg; codecs=opus", "aac": "audio/aac"}
+               "opus": "audio/ogg; codecs=opus", "aac": "audio/aac", "ulaw": "audio/basic",
+               "alaw": "audio/x-alaw-basic"}
 SOUNDFILE_FORMATS = {"flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
 MIN_SAMPLE_RATE = 8000
 MAX_OUTPUT_SAMPLE_RATE = 48000
 # the rates each lossy encoder takes (wav / pcm / flac: any rate in [MIN_SAMPLE_RATE, MAX_OUTPUT_SAMPLE_RATE])
 _MPEG_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
-ENCODER_SAMPLE_RATES = {"mp3": _MPEG_RATES, "aac": _MPEG_RATES, "opus": (8000, 12000, 16000, 24000, 48000)}
+ENCODER_SAMPLE_RATES = {"mp3": _MPEG_RATES, "aac": _MPEG_RATES, "opus": (8000, 12000, 16000, 24000, 48000),
+                        "ulaw": (8000,), "alaw": (8000,)}
+_ULAW_SEG_END = np.array([0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF, 0x1FFF])
+_ALAW_SEG_END = np.array([0x1F, 0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF])
 
 
 def pcm16(wav: np.ndarray) -> bytes:
     """float32 samples in [-1, 1] -> 16-bit little-endian PCM bytes."""
     x = np.clip(np.asarray(wav, dtype=np.float32).reshape(-1), -1.0, 1.0)
     return np.rint(x * 32767.0).astype("<i2").tobytes()
+
+
+def g711(pcm: np.ndarray, law: str) -> bytes:
+    """16-bit samples -> G.711 bytes ("ulaw": mu-law, "alaw": A-law), the ITU / Sun reference arithmetic (what
+    Python's former audioop.lin2ulaw / lin2alaw computed: tested against it where it exists)."""
+    x = np.asarray(pcm, dtype=np.int16).astype(np.int32)
+    if law == "ulaw":
+        v = x >> 2
+        mask = np.where(v < 0, 0x7F, 0xFF)
+        v = np.minimum(np.abs(v), 8159) + 0x21
+        seg = np.searchsorted(_ULAW_SEG_END, v)  # first segment whose end >= v
+        code = (np.minimum(seg, 7) << 4) | ((v >> (np.minimum(seg, 7) + 1)) & 0xF)
+        code = np.where(seg >= 8, 0x7F, code) ^ mask
+    elif law == "alaw":
+        v = x >> 3
+        neg = v < 0
+        mask = np.where(neg, 0x55, 0xD5)
+        v = np.where(neg, -v - 1, v)
+        seg = np.searchsorted(_ALAW_SEG_END, v)
+        s7 = np.minimum(seg, 7)
+        code = (s7 << 4) | np.where(s7 < 2, (v >> 1) & 0xF, (v >> s7) & 0xF)
+        code = np.where(seg >= 8, 0x7F, code) ^ mask
+    else:
+        raise ValueError(f"unknown G.711 law {law!r}")
+    return code.astype(np.uint8).tobytes()
+
+
+def raw_audio(wav: np.ndarray, fmt: str) -> bytes:
+    """float32 samples -> the sample bytes of `fmt` ("wav" / "pcm": 16-bit little-endian; "ulaw" / "alaw": G.711)."""
+    if fmt in G711_FORMATS:
+        return g711(np.frombuffer(pcm16(wav), dtype="<i2"), fmt)
+    return pcm16(wav)
 
 
 def wav_header(sample_rate: int, num_samples: int | None) -> bytes:
@@ -81,6 +120,8 @@ def encode_aac(samples: np.ndarray, sample_rate: int) -> bytes:
 
 
 def encode_audio(wav: np.ndarray, sample_rate: int, fmt: str) -> bytes:
+    if fmt in G711_FORMATS:
+        return raw_audio(wav, fmt)
     pcm = pcm16(wav)
     if fmt == "pcm":
         return pcm
@@ -141,9 +182,15 @@ class Resampler:
         return np.concatenate([out, tail]) if tail.size else out
 
 
-def pcm_headers(sample_rate: int) -> dict:
-    """What raw PCM is (peer clients read these)."""
-    return {"X-Sample-Rate": str(sample_rate), "X-Channels": "1", "X-Bit-Depth": "16"}
+def pcm_headers(sample_rate: int, fmt: str = "pcm") -> dict:
+    """What raw samples are (peer clients read these): rate, channels, bits (8 for G.711), encoding."""
+    return {"X-Sample-Rate": str(sample_rate), "X-Channels": "1", "X-Bit-Depth": "8" if fmt in G711_FORMATS else "16",
+            "X-Encoding": {"pcm": "pcm_s16le", "ulaw": "mulaw", "alaw": "alaw"}[fmt]}
+
+
+def default_sample_rate(fmt: str, model_rate: int) -> int:
+    """The output rate of a request that gives none: the model's, but 8 kHz for G.711 (defined only there)."""
+    return 8000 if fmt in G711_FORMATS else model_rate
 
 
 # ------------------------------------------------------------------------------------------------ upload decoding

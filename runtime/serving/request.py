@@ -15,7 +15,8 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from .encoding import RESPONSE_FORMATS, STREAM_FORMATS, check_response_format, check_sample_rate
+from .encoding import (G711_FORMATS, RESPONSE_FORMATS, STREAM_FORMATS, check_response_format,
+                       check_sample_rate)
 from .errors import APIError, invalid
 from .settings import ServerSettings
 from .voices import check_voice_id
@@ -186,8 +187,9 @@ def parse_speech_request(body, settings: ServerSettings) -> SpeechParams:
         raise invalid(f"response_format {fmt!r} is not supported; use one of {', '.join(RESPONSE_FORMATS)}",
                       "response_format", "unsupported_value")
     check_response_format(fmt)
-    if b.sample_rate is not None:
-        check_sample_rate(b.sample_rate, fmt)
+    sample_rate = b.sample_rate if b.sample_rate is not None else (8000 if fmt in G711_FORMATS else None)
+    if sample_rate is not None:
+        check_sample_rate(sample_rate, fmt)
     speed = float(b.speed)
     if not 0.25 <= speed <= 4.0:
         raise invalid(f"speed must be in [0.25, 4], got {b.speed}", "speed")
@@ -200,7 +202,7 @@ def parse_speech_request(body, settings: ServerSettings) -> SpeechParams:
     # since OpenAI-style clients send the same body and read a chunked WAV
     sse_wav = settings.stream_wav_sse and stream and b.stream_format is None and fmt == "wav"
     if stream and fmt not in STREAM_FORMATS:
-        raise invalid(f"streaming supports response_format 'wav' and 'pcm', not {fmt!r}", "response_format",
+        raise invalid(f"streaming supports response_format {', '.join(STREAM_FORMATS)}, not {fmt!r}", "response_format",
                       "unsupported_value")
     if stream and speed != 1.0:
         raise invalid("speed applies offline only (as upstream, the whole mel is resampled): send stream=false or "
@@ -241,5 +243,5 @@ def parse_speech_request(body, settings: ServerSettings) -> SpeechParams:
                       "ref_text", "transcript_too_long")
     ignored = sorted(k for k in body if k in IGNORED_EXTRAS)
     return SpeechParams(input=text, voice=voice, response_format=fmt, stream=stream, sse=sse, sse_wav=sse_wav,
-                        speed=speed, sample_rate=b.sample_rate,
+                        speed=speed, sample_rate=sample_rate,
                         ref_audio=ref_audio, ref_text=ref_text, options=options, ignored=ignored)

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from ...engines.errors import CosytrtError
-from .encoding import MEDIA_TYPES, Resampler, encode_audio, pcm_headers
+from .encoding import MEDIA_TYPES, RAW_FORMATS, Resampler, encode_audio, pcm_headers
 from .errors import APIError, from_runtime_error, invalid
 from .http import BIG_BODY, check_content_type, read_body_capped, until_done_or_gone
 from .jobs import SpeechJob, _ClientGone, segment_text
@@ -90,8 +90,8 @@ def add_speech_routes(app, state) -> None:
         sr = state.sample_rate  # the model's; the response's is params.sample_rate when given
         sr_out = params.sample_rate or sr
         extra = {"X-Ignored-Fields": ",".join(params.ignored)} if params.ignored else {}
-        if params.response_format == "pcm":
-            extra.update(pcm_headers(sr_out))
+        if params.response_format in RAW_FORMATS:
+            extra.update(pcm_headers(sr_out, params.response_format))
         chunks = job.chunks()
         try:
             state.jobs.add(job)

@@ -1,14 +1,14 @@
 """`WS /v1/audio/speech/stream`: text in pieces, audio per sentence — the session protocol sglang-omni's serving
 harness (benchmarks/tts_serving/ws_client.py) speaks, plus barge-in:
 
-    client: {"type": "session.config", "model", "voice", "response_format": "pcm", "stream_audio": bool,
-             "split_granularity": "sentence" | "clause", ...any /v1/audio/speech field (seed, ref_audio,
-             sample_rate, ...)}
+    client: {"type": "session.config", "model", "voice", "response_format": "pcm" | "ulaw" | "alaw",
+             "stream_audio": bool, "split_granularity": "sentence" | "clause", ...any /v1/audio/speech field (seed,
+             ref_audio, sample_rate, ...)}
     server: {"type": "session.configured", "session_id", "response_format", "stream_audio", "split_granularity",
              "sample_rate"}
     client: {"type": "input.text", "text": "..."} (any number), then {"type": "input.done"}
     server, per sentence (as soon as its text is complete): {"type": "audio.start", "sentence_index",
-            "sentence_text", "format": "pcm", "sample_rate"}, binary 16-bit PCM frames (each runtime chunk with
+            "sentence_text", "format", "sample_rate"}, binary frames, 16-bit PCM or G.711 (each runtime chunk with
             stream_audio, else the whole sentence), {"type": "audio.done", "sentence_index", "total_bytes",
             "error": false}
     client, at any time (barge-in): {"type": "input.cancel"} -> the sentences being synthesised are cancelled (a
@@ -32,7 +32,7 @@ import uuid
 
 import numpy as np
 
-from .encoding import Resampler, pcm16
+from .encoding import RAW_FORMATS, Resampler, raw_audio
 from .errors import APIError, from_runtime_error, invalid
 from .jobs import SpeechJob, tracked_job
 from .request import load_json
@@ -155,7 +155,7 @@ def add_ws_routes(app, state) -> None:
             s.task.cancel()
         await asyncio.gather(*(s.task for s in active), return_exceptions=True)
 
-    async def run_session(ws, base: dict, stream_audio: bool, granularity: str, sr_out: int) -> None:
+    async def run_session(ws, base: dict, stream_audio: bool, granularity: str, fmt: str, sr_out: int) -> None:
         inbox: asyncio.Queue = asyncio.Queue()
         reader = asyncio.create_task(read_events(ws, inbox))
         active: collections.deque[_Sentence] = collections.deque()  # in order; the head is being sent
@@ -222,7 +222,7 @@ def add_ws_routes(app, state) -> None:
                     if item is _START:
                         s.announced = True
                         await ws.send_json({"type": "audio.start", "sentence_index": s.index,
-                                            "sentence_text": s.text, "format": "pcm", "sample_rate": sr_out})
+                                            "sentence_text": s.text, "format": fmt, "sample_rate": sr_out})
                     elif item is _END:
                         if s.held:
                             data = b"".join(s.held)
@@ -232,7 +232,7 @@ def add_ws_routes(app, state) -> None:
                                             "total_bytes": s.sent, "error": False})
                         active.popleft()
                     else:
-                        data = pcm16(item)
+                        data = raw_audio(item, fmt)
                         if data and stream_audio:
                             await ws.send_bytes(data)
                             s.sent += len(data)
@@ -269,9 +269,10 @@ def add_ws_routes(app, state) -> None:
                               "unsupported_value")
             base = {k: v for k, v in config.items() if k not in CONFIG_KEYS}
             base.setdefault("model", settings.model)
-            if base.setdefault("response_format", "pcm") != "pcm":
-                raise invalid("this stream sends 16-bit PCM frames: 'response_format' must be 'pcm'",
-                              "response_format", "unsupported_value")
+            fmt = base.setdefault("response_format", "pcm")
+            if fmt not in RAW_FORMATS:
+                raise invalid(f"this stream sends raw sample frames: 'response_format' must be one of "
+                              f"{', '.join(RAW_FORMATS)}", "response_format", "unsupported_value")
             for k in ("stream", "stream_format"):
                 if k in base:
                     raise invalid(f"'{k}' is not a session field (use 'stream_audio')", k, "unknown_parameter")
@@ -281,9 +282,9 @@ def add_ws_routes(app, state) -> None:
                               "unsupported_value")
             sr_out = checked.sample_rate or state.sample_rate
             await ws.send_json({"type": "session.configured", "session_id": f"ws-{uuid.uuid4().hex[:16]}",
-                                "response_format": "pcm", "stream_audio": stream_audio,
+                                "response_format": fmt, "stream_audio": stream_audio,
                                 "split_granularity": granularity, "sample_rate": sr_out})
-            await run_session(ws, base, stream_audio, granularity, sr_out)
+            await run_session(ws, base, stream_audio, granularity, fmt, sr_out)
         except WebSocketDisconnect:
             return  # the client left; run_session cancelled its sentences
         except asyncio.CancelledError:

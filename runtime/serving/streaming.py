@@ -4,7 +4,7 @@ import base64
 import json
 import logging
 
-from .encoding import Resampler, pcm16, wav_header
+from .encoding import Resampler, raw_audio, wav_header
 
 log = logging.getLogger("cosytrt.server")
 
@@ -44,7 +44,7 @@ def audio_stream_response(body, finish, **kw):
 
 
 async def stream_body(job, params, sr_in: int, finish, first, rest):
-    """The bytes of a streamed response: a wav header (wav), then each chunk as 16-bit PCM (resampled from the
+    """The bytes of a streamed response: a wav header (wav), then each chunk as 16-bit PCM or G.711 (resampled from the
     model's `sr_in` to `params.sample_rate` when given: the stream's bytes are then exactly those of the resampled
     whole), each wrapped in an SSE delta event when `params.sse` (then a final `speech.audio.done` event with usage),
     or each as its own WAV in an SSE event when `params.sse_wav` (then usage and `[DONE]`); `finish(outcome)` at
@@ -59,21 +59,25 @@ async def stream_body(job, params, sr_in: int, finish, first, rest):
             return sse_wav_chunk(data, sr) if data else b""
         return sse_delta(data) if params.sse else data
 
+    def bytes_of(x):  # samples at the output rate -> the response's bytes (b"" for none)
+        nonlocal samples
+        samples += x.size
+        return encode(raw_audio(x, params.response_format)) if x.size else b""
+
     try:
         if params.response_format == "wav" and not params.sse_wav:
             yield encode(wav_header(sr, None))
         if first is not None:
-            data = pcm16(resample(first))
-            samples += len(data) // 2
-            yield encode(data)
-            async for chunk in rest:
-                data = pcm16(resample(chunk))
-                samples += len(data) // 2
-                yield encode(data)
-            data = pcm16(resample.flush())
+            data = bytes_of(resample(first))
             if data:
-                samples += len(data) // 2
-                yield encode(data)
+                yield data
+            async for chunk in rest:
+                data = bytes_of(resample(chunk))
+                if data:
+                    yield data
+            data = bytes_of(resample.flush())
+            if data:
+                yield data
         outcome = "ok"
         if params.sse_wav:
             m = job.metrics
