@@ -241,3 +241,33 @@ def test_session_sample_rate_and_bad_messages(tmp_path):
             got = events(ws, "never")
             assert got[-1][0] == "close"  # session.done (no sentences) or the error event, then close
         assert app.state.server.admission.in_flight == 0
+
+
+def test_sessions_are_bounded_in_number_and_idle_time(tmp_path):
+    """--max-ws-sessions: a session beyond it gets a 429 error event and close 1013; --ws-idle-timeout-s: a session
+    with nothing to synthesise and no message for that long gets a 408 error event and is closed (before its config
+    too), while one that is synthesising stays open however long the audio takes."""
+    fake = FakeTTS(free=1)
+    app, c = fake_client(tmp_path, fake, max_ws_sessions=1, ws_idle_timeout_s=0.4)
+    with c:
+        wait_ready(c, 5)
+        with c.websocket_connect(PATH) as first:
+            first.send_json(CONFIG)
+            events(first, "session.configured")
+            with c.websocket_connect(PATH) as second:
+                got = events(second, "never")
+                assert got[0][1]["error"]["code"] == "too_many_sessions" and got[0][1]["error"]["status"] == 429
+                assert got[-1] == ("close", 1013)
+            first.send_json({"type": "input.text", "text": "Held by the gate."})
+            import time
+            time.sleep(0.8)  # longer than the idle timeout, but a sentence is being synthesised
+            fake.gate.set()
+            got = events(first, "audio.done")
+            assert got[-1][1]["total_bytes"] == 3 * 960
+            got = events(first, "never")  # then idle: closed
+            assert got[-2][1]["error"]["code"] == "session_idle" and got[-2][1]["error"]["status"] == 408
+            assert got[-1] == ("close", 1008)
+        with c.websocket_connect(PATH) as ws:  # the slot is free again; idle before the config
+            got = events(ws, "never")
+            assert got[0][1]["error"]["code"] == "session_idle"
+        assert app.state.server.ws_sessions == 0 and app.state.server.admission.in_flight == 0

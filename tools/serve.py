@@ -50,6 +50,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-voices", type=int, default=1000, help="stored voices at most")
     p.add_argument("--max-transcript-chars", type=int, default=1000, help="longest voice transcript")
     p.add_argument("--body-timeout-s", type=float, default=30.0, help="the request body must arrive within this")
+    p.add_argument("--max-ws-sessions", type=int, default=64,
+                   help="open websocket sessions (WS /v1/audio/speech/stream) at once; beyond: an error event")
+    p.add_argument("--ws-idle-timeout-s", type=float, default=60.0,
+                   help="close a websocket session with nothing to synthesise and no message for this long")
     p.add_argument("--no-normalize", action="store_true",
                    help="do not spell out numbers / dates / symbols (wetext) before synthesis")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -101,7 +105,8 @@ def run(args) -> int:
                               ref_audio_hosts=args.ref_audio_hosts, ref_audio_timeout_s=args.ref_audio_timeout_s,
                               ref_audio_private_ok=args.ref_audio_private_ok, stream_wav_sse=args.stream_wav_sse,
                               max_voices=args.max_voices, max_transcript_chars=args.max_transcript_chars,
-                              body_timeout_s=args.body_timeout_s, normalize_text=not args.no_normalize, **kw)
+                              body_timeout_s=args.body_timeout_s, normalize_text=not args.no_normalize,
+                              max_ws_sessions=args.max_ws_sessions, ws_idle_timeout_s=args.ws_idle_timeout_s, **kw)
     if args.cluster is None:
         _print_model_hashes(args.model)
     if args.cluster == "ray":

@@ -79,14 +79,18 @@ def add_ws_routes(app, state) -> None:
 
     settings = state.settings
 
-    async def send_error(ws, e: BaseException) -> None:
+    async def send_error(ws, e: BaseException, close_code: int | None = None) -> None:
         err = from_runtime_error(e)
         await ws.send_json({"type": "error", "error": {**err.body()["error"], "status": err.status},
                             "code": err.code or "error"})
-        await ws.close(code=1008 if err.status < 500 else 1011)
+        await ws.close(code=close_code or (1008 if err.status < 500 else 1011))
 
-    async def receive_json(ws) -> dict:
-        msg = await ws.receive_text()
+    async def receive_json(ws, idle_s: float | None = None) -> dict:
+        try:
+            msg = await asyncio.wait_for(ws.receive_text(), idle_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"no message for {idle_s:g} s with nothing to synthesise: session closed "
+                                f"(--ws-idle-timeout-s)", code="session_idle") from None
         event = load_json(msg.encode("utf-8", "surrogatepass"), settings)  # depth-checked; 400 if not JSON
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             raise invalid("messages must be JSON objects with a 'type'", "type", "invalid_type")
@@ -182,8 +186,12 @@ def add_ws_routes(app, state) -> None:
                     get_event = asyncio.create_task(inbox.get())
                 if get_item is None and active:
                     get_item = asyncio.create_task(active[0].out.get())
-                await asyncio.wait([t for t in (get_event, get_item) if t is not None],
-                                   return_when=asyncio.FIRST_COMPLETED)
+                idle = None if active or pending else settings.ws_idle_timeout_s  # synthesis keeps a session open
+                finished, _ = await asyncio.wait([t for t in (get_event, get_item) if t is not None], timeout=idle,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                if not finished:
+                    raise APIError(408, f"no message for {idle:g} s with nothing to synthesise: session closed "
+                                        f"(--ws-idle-timeout-s)", code="session_idle")
                 if get_event.done():
                     event, get_event = get_event.result(), None
                     if event is None:
@@ -255,9 +263,21 @@ def add_ws_routes(app, state) -> None:
                 await ws.close(code=1008)  # before accept: the handshake is refused (HTTP 403)
                 return
         await ws.accept()
+        if state.ws_sessions >= settings.max_ws_sessions:
+            await send_error(ws, APIError(429, f"{state.ws_sessions} websocket sessions are open (--max-ws-sessions "
+                                               f"{settings.max_ws_sessions}): try again later",
+                                          code="too_many_sessions"), close_code=1013)
+            return
+        state.ws_sessions += 1
+        try:
+            await session(ws)
+        finally:
+            state.ws_sessions -= 1
+
+    async def session(ws) -> None:
         try:
             state.check_serving()
-            config = await receive_json(ws)
+            config = await receive_json(ws, settings.ws_idle_timeout_s)
             if config["type"] != "session.config":
                 raise invalid("the first message must be {'type': 'session.config', ...}", "type", "invalid_value")
             stream_audio = config.get("stream_audio", False)

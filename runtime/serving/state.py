@@ -40,6 +40,7 @@ class ServerState:
         self.admission = own if self.tts_admits else AdmissionControl(settings.max_in_flight, settings.max_queue,
                                                                       settings.queue_timeout_s)
         self._limits_before: dict | None = None
+        self.ws_sessions = 0  # open websocket sessions (routes_ws.py; bounded by settings.max_ws_sessions)
         self.tickets: set[Ticket] = set()  # held by this server's requests (drain waits for them)
         self.warmed = False
         self.status = "loading"
