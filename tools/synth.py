@@ -1,5 +1,6 @@
 """`trtbuild synth`: synthesize speech to a 24 kHz mono file (WAV, FLAC, MP3 or Opus by the --out extension),
-printing per-stage times, TTFA and RTF (`--json`: one JSON object)."""
+printing per-stage times, TTFA and RTF (`--json`: one JSON object); `--batch JOBS.jsonl --out-dir DIR`: a whole
+offline batch through the scheduler (synth_batch.py)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,15 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a CosyVoice3 model directory")
     p.add_argument("--engines", default=None, help="engine set folder built by `trtbuild build` (default: eager)")
     add_device(p)
-    p.add_argument("--text", required=True, help="text to speak")
+    p.add_argument("--text", default=None, help="text to speak (or --batch)")
+    p.add_argument("--batch", default=None, metavar="JOBS.jsonl",
+                   help="an offline batch: one JSON object per line ({\"text\", \"out\", \"seed\", \"speaker\", "
+                        "\"prompt_wav\", \"prompt_text\", \"instruct\", \"max_tokens\", ...}), all through one "
+                        "scheduler; needs --out-dir")
+    p.add_argument("--out-dir", default=None, help="with --batch: folder for the audio files and results.jsonl")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="with --batch: requests in flight at once (default: the runtime's max_in_flight)")
+    p.add_argument("--resume", action="store_true", help="with --batch: skip lines whose output file exists")
     p.add_argument("--prompt-wav", default=None, help="reference audio (any common sample rate)")
     p.add_argument("--prompt-text", default=None, help="transcript of the reference audio (zero-shot mode)")
     p.add_argument("--instruct", default=None, help="instruction text (instruct mode), ending in <|endofprompt|>")
@@ -27,7 +36,7 @@ def add_arguments(p) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the LM and DiT (slow start, faster runs)")
     p.add_argument("--compile-cache", default=None, metavar="FILE",
                    help="with --compile: reuse / write torch.compile's artifacts in FILE")
-    p.add_argument("--out", required=True, help="output audio path: .wav (16-bit PCM), .flac, .mp3 or .opus")
+    p.add_argument("--out", default=None, help="output audio path: .wav (16-bit PCM), .flac, .mp3 or .opus")
     p.add_argument("--json", action="store_true", help="print one JSON object (times, RTF, file hashes) instead of "
                    "the table")
 
@@ -39,9 +48,29 @@ def run(args) -> int:
     from ..runtime.models.sampling import SamplingParams
     from ..runtime.tts import TTS
 
+    from ..engines.errors import InputError
+
+    def load():
+        return TTS.load(model=args.model, engines=args.engines, device=args.device, compile=args.compile,
+                        compile_cache=args.compile_cache)
+
+    if (args.text is None) == (args.batch is None):
+        raise InputError("give --text (one utterance) or --batch JOBS.jsonl (an offline batch), not both")
+    if args.batch is not None:
+        single = [f for f in ("out", "prompt_wav", "prompt_text", "instruct", "speaker", "save_speaker",
+                              "force_tokens", "max_tokens") if getattr(args, f) is not None] + \
+            (["stream"] if args.stream else [])
+        if single:
+            raise InputError(f"--batch takes its options per line, not --{single[0].replace('_', '-')}")
+        if args.concurrency is not None and args.concurrency < 1:
+            raise InputError(f"--concurrency must be >= 1, got {args.concurrency}")
+        from .synth_batch import run as run_batch
+
+        return run_batch(args, load)
+    if args.out is None:
+        raise InputError("--text needs --out (the audio file to write)")
     check_audio_out(args.out)  # a bad extension or folder fails now, not after the synthesis
-    tts = TTS.load(model=args.model, engines=args.engines, device=args.device, compile=args.compile,
-                   compile_cache=args.compile_cache)
+    tts = load()
     models = tts.pipeline.models
     if not args.json:
         from ..runtime.models.loading import describe_hashes
@@ -49,8 +78,6 @@ def run(args) -> int:
         print(describe_hashes(models), file=sys.stderr)
     if args.save_speaker:
         if not args.prompt_wav:
-            from ..engines.errors import InputError
-
             raise InputError("--save-speaker needs --prompt-wav")
         tts.save_speaker(args.save_speaker, args.prompt_wav, args.prompt_text or "")
         print(f"saved speaker to {args.save_speaker}")
