@@ -271,3 +271,24 @@ def test_sessions_are_bounded_in_number_and_idle_time(tmp_path):
             got = events(ws, "never")
             assert got[0][1]["error"]["code"] == "session_idle"
         assert app.state.server.ws_sessions == 0 and app.state.server.admission.in_flight == 0
+
+
+def test_flush_speaks_the_unfinished_text_and_keeps_the_session(tmp_path):
+    fake = FakeTTS()
+    fake.gate.set()
+    app, c = fake_client(tmp_path, fake)
+    with c:
+        wait_ready(c, 5)
+        with c.websocket_connect(PATH) as ws:
+            ws.send_json(CONFIG)
+            events(ws, "session.configured")
+            ws.send_json({"type": "input.text", "text": "no sentence end here"})
+            ws.send_json({"type": "input.flush"})
+            got = events(ws, "audio.done")
+            assert [e for k, e in got if k == "audio.start"][0]["sentence_text"] == "no sentence end here"
+            ws.send_json({"type": "input.flush"})  # nothing buffered: nothing spoken
+            ws.send_json({"type": "input.text", "text": "Next turn."})
+            ws.send_json({"type": "input.done"})
+            got = events(ws, "session.done")
+            assert [e["sentence_text"] for k, e in got if k == "audio.start"] == ["Next turn."]
+            assert got[-1][1]["total_sentences"] == 2

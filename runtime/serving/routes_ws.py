@@ -11,6 +11,8 @@ harness (benchmarks/tts_serving/ws_client.py) speaks, plus barge-in:
             "sentence_text", "format", "sample_rate"}, binary frames, 16-bit PCM or G.711 (each runtime chunk with
             stream_audio, else the whole sentence), {"type": "audio.done", "sentence_index", "total_bytes",
             "error": false}
+    client: {"type": "input.flush"} -> the text so far is spoken now even without a sentence end (the end of an
+            agent's turn); the session stays open for more text.
     client, at any time (barge-in): {"type": "input.cancel"} -> the sentences being synthesised are cancelled (a
             started one ends with {"type": "audio.done", ..., "cancelled": true}), complete sentences not yet
             started and the unfinished text are dropped, then {"type": "input.cancelled", "sentence_indices": [...]};
@@ -143,9 +145,9 @@ def add_ws_routes(app, state) -> None:
                         raise APIError(413, f"the session's text exceeds "
                                             f"{MAX_TEXT_CHARS_FACTOR * settings.max_input_chars} characters",
                                        param="text", code="input_too_long")
-                elif kind not in ("input.done", "input.cancel"):
-                    raise invalid(f"unexpected message type {kind!r} (input.text, input.done or input.cancel)",
-                                  "type", "invalid_value")
+                elif kind not in ("input.done", "input.cancel", "input.flush"):
+                    raise invalid(f"unexpected message type {kind!r} (input.text, input.flush, input.done or "
+                                  f"input.cancel)", "type", "invalid_value")
                 inbox.put_nowait(event)
         except WebSocketDisconnect:
             inbox.put_nowait(None)
@@ -218,9 +220,10 @@ def add_ws_routes(app, state) -> None:
                                       "type", "invalid_value")
                     if event["type"] == "input.text":
                         buffer += event["text"]
-                    else:
+                    elif event["type"] == "input.done":
                         done = True
-                    sentences, buffer = take_complete(buffer, granularity, final=done)
+                    sentences, buffer = take_complete(buffer, granularity,
+                                                      final=done or event["type"] == "input.flush")
                     pending.extend(sentences)
                 if get_item is not None and get_item.done():
                     item, get_item = get_item.result(), None
