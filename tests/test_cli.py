@@ -140,7 +140,7 @@ def test_synth_batch_line_failure_is_isolated(tmp_path, capsys):
     ({"text": "x", "speaker": "missing.spk"}, "does not exist"),
     ({"text": "x", "top_p": 2.0}, "top_p"),
     ("[1, 2]", "must be a JSON object"),
-    ("{broken", "not a JSON object"),
+    ("{broken", "not valid JSON"),
 ])
 def test_synth_batch_bad_lines_fail_before_loading(tmp_path, capsys, line, needle, monkeypatch):
     import cosytrt.runtime.tts as tts_mod

@@ -1,6 +1,7 @@
 """WS /v1/audio/speech/stream (runtime/serving/routes_ws.py) with the fake TTS: sentences start before the text is
 complete, bad sessions get an error event, and the handshake is checked (API key, Origin, admission). The peer
 harness's own scripts are replayed against the tiny model in test_server_compat.py."""
+import contextlib
 import json
 
 import pytest
@@ -13,6 +14,15 @@ from starlette.websockets import WebSocketDisconnect  # noqa: E402
 PATH = "/v1/audio/speech/stream"
 CONFIG = {"type": "session.config", "model": "x", "voice": "default", "response_format": "pcm",
           "stream_audio": True, "split_granularity": "sentence"}
+
+
+@contextlib.contextmanager
+def configured(c, config=CONFIG):
+    """An open session on client `c`, its config sent and acknowledged."""
+    with c.websocket_connect(PATH) as ws:
+        ws.send_json(config)
+        events(ws, "session.configured")
+        yield ws
 
 
 def events(ws, until):
@@ -119,9 +129,7 @@ def test_cancel_stops_the_sentence_and_the_session_goes_on(tmp_path):
     app, c = fake_client(tmp_path, fake)
     with c:
         wait_ready(c, 5)
-        with c.websocket_connect(PATH) as ws:
-            ws.send_json(CONFIG)
-            events(ws, "session.configured")
+        with configured(c) as ws:
             ws.send_json({"type": "input.text", "text": "First one. Second one. And a half"})
             got = events(ws, "audio.start")
             while ("binary", 960) not in got:
@@ -168,9 +176,7 @@ def test_next_sentence_is_synthesised_while_the_current_one_streams(tmp_path):
     app, c = fake_client(tmp_path, fake)
     with c:
         wait_ready(c, 5)
-        with c.websocket_connect(PATH) as ws:
-            ws.send_json(CONFIG)
-            events(ws, "session.configured")
+        with configured(c) as ws:
             ws.send_json({"type": "input.text", "text": "One. Two. Three."})
             ws.send_json({"type": "input.done"})
             events(ws, "audio.start")
@@ -279,9 +285,7 @@ def test_flush_speaks_the_unfinished_text_and_keeps_the_session(tmp_path):
     app, c = fake_client(tmp_path, fake)
     with c:
         wait_ready(c, 5)
-        with c.websocket_connect(PATH) as ws:
-            ws.send_json(CONFIG)
-            events(ws, "session.configured")
+        with configured(c) as ws:
             ws.send_json({"type": "input.text", "text": "no sentence end here"})
             ws.send_json({"type": "input.flush"})
             got = events(ws, "audio.done")

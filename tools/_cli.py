@@ -16,6 +16,28 @@ AUDIO_FORMATS = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".mp3":
                  ".opus": ("OGG", "OPUS"), ".ogg": ("OGG", "VORBIS")}
 
 
+def read_jsonl(path: str, label: str = ""):
+    """(line number, "LABEL PATH:N", value) for every line of a JSONL file that is not blank or a # comment;
+    InputError naming the line when one is not valid JSON."""
+    import json
+
+    from ..engines.errors import InputError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{label}{path!r}: cannot read it: {e}") from None
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip() or raw.lstrip().startswith("#"):
+            continue
+        where = f"{label}{path}:{n}"
+        try:
+            yield n, where, json.loads(raw)
+        except ValueError as e:
+            raise InputError(f"{where}: not valid JSON ({e})") from None
+
+
 def device_arg(value: str) -> str:
     """argparse type: `cpu`, `cuda` or `cuda:N` (anything else is a usage error, not a torch traceback)."""
     if not _DEVICE_RE.match(value):

@@ -26,12 +26,12 @@ is a small matrix for CPU runs and tests.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 
 from ..engines.errors import InputError
+from ._cli import read_jsonl
 
 FILLER = ("The quick brown fox jumps over the lazy dog while the river keeps running past the old mill, and "
           "every evening the people of the valley gather to tell long stories about the seasons, the harvest, "
@@ -98,16 +98,8 @@ def load_workload(path: str) -> list[WorkloadRequest]:
     if not os.path.isfile(path):
         raise InputError(f"workload file not found: {path}")
     out: list[WorkloadRequest] = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip() or line.lstrip().startswith("#"):
-                continue
-            where = f"{path}:{i}"
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{where}: not valid JSON ({e.msg})") from None
-            out += parse_request(d, where, f"line{i}")
+    for i, where, d in read_jsonl(path):
+        out += parse_request(d, where, f"line{i}")
     if not out:
         raise InputError(f"workload file {path} holds no requests")
     timed = sum(r.arrival_s is not None for r in out)

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from ..engines.errors import CosytrtError, InputError
-from ._cli import AUDIO_FORMATS, write_audio
+from ._cli import AUDIO_FORMATS, read_jsonl, write_audio
 
 KEYS = {"text", "out", "seed", "speaker", "prompt_wav", "prompt_text", "instruct", "max_tokens", "force_tokens",
         "top_p", "top_k", "greedy", "speed"}
@@ -46,20 +46,8 @@ def load_jobs(path: str) -> list[Job]:
     from ..runtime.tts import make_request
 
     base = os.path.dirname(os.path.abspath(path))
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"--batch {path!r}: cannot read it: {e}") from None
     jobs, outs = [], {}
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip() or raw.lstrip().startswith("#"):
-            continue
-        where = f"--batch {path}:{n}"
-        try:
-            obj = json.loads(raw)
-        except ValueError as e:
-            raise InputError(f"{where}: not a JSON object: {e}") from None
+    for n, where, obj in read_jsonl(path, "--batch "):
         if not isinstance(obj, dict):
             raise InputError(f"{where}: each line must be a JSON object, got {type(obj).__name__}")
         unknown = sorted(set(obj) - KEYS)
