@@ -151,6 +151,7 @@ def test_cancel_stops_the_sentence_and_the_session_goes_on(tmp_path):
             assert [e["sentence_index"] for e in start] == [2] and start[0]["sentence_text"] == "After."
             assert got[-1][1]["total_sentences"] == 3
         assert app.state.server.admission.in_flight == 0
+        assert 'cosytrt_ws_session_events_total{event="cancels"} 1.0' in c.get("/metrics").text
 
 
 def wait_submitted(fake, n, timeout=5.0):
@@ -277,6 +278,10 @@ def test_sessions_are_bounded_in_number_and_idle_time(tmp_path):
             got = events(ws, "never")
             assert got[0][1]["error"]["code"] == "session_idle"
         assert app.state.server.ws_sessions == 0 and app.state.server.admission.in_flight == 0
+        text = c.get("/metrics").text
+        assert "cosytrt_ws_sessions 0" in text
+        for event, n in (("opened", 2), ("refused", 1), ("idle_closed", 2), ("sentences", 1)):
+            assert f'cosytrt_ws_session_events_total{{event="{event}"}} {float(n)}' in text, event
 
 
 def test_flush_speaks_the_unfinished_text_and_keeps_the_session(tmp_path):

@@ -84,6 +84,11 @@ class ServerMetrics:
             self.outcomes.labels(outcome)
         self.audio_seconds = Counter("cosytrt_audio_seconds", "Seconds of audio synthesized", registry=self.registry)
         self.speech_tokens = Counter("cosytrt_speech_tokens", "Speech tokens generated", registry=self.registry)
+        self.ws_events = Counter("cosytrt_ws_session_events", "Websocket session events: opened, refused (session "
+                                 "limit), idle_closed, cancels (barge-in), sentences", ["event"],
+                                 registry=self.registry)
+        for event in ("opened", "refused", "idle_closed", "cancels", "sentences"):
+            self.ws_events.labels(event)
         self.inter_chunk = Histogram("cosytrt_inter_chunk_seconds", "Gap between consecutive audio chunks of a "
                                      "streaming request (a playback stall needs a gap longer than the audio before "
                                      "it)", buckets=TIME_BUCKETS, registry=self.registry)
@@ -108,7 +113,11 @@ class ServerMetrics:
             if _number(gap) is not None:
                 self.inter_chunk.observe(gap)
 
-    def render(self, *, in_flight: int, queued: int, ready: bool, runtime_stats: dict | None) -> str:
+    def ws_event(self, event: str) -> None:
+        self.ws_events.labels(event).inc()
+
+    def render(self, *, in_flight: int, queued: int, ready: bool, runtime_stats: dict | None,
+               ws_sessions: int = 0) -> str:
         from prometheus_client import generate_latest
 
         lines: list[str] = [generate_latest(self.registry).decode().rstrip("\n")]
@@ -129,6 +138,8 @@ class ServerMetrics:
         for q, n in sorted(view["queues"].items()):
             if _number(n) is not None:
                 lines.append(f"cosytrt_runtime_queue_depth{_labels(queue=q)} {_number(n)!r}")
+        head("cosytrt_ws_sessions", "gauge", "Open websocket sessions (WS /v1/audio/speech/stream)")
+        lines.append(f"cosytrt_ws_sessions {int(ws_sessions)}")
         head("cosytrt_ready", "gauge", "1 once the model is loaded and warmed")
         lines.append(f"cosytrt_ready {int(ready)}")
         for name, key, text in RUNTIME_COUNTERS:

@@ -15,7 +15,8 @@ def add_ops_routes(app, state) -> None:
     async def metrics():
         adm = state.admission
         text = state.metrics.render(in_flight=adm.in_flight if adm else 0, queued=adm.waiting if adm else 0,
-                                    ready=state.ready, runtime_stats=state.runtime_stats())
+                                    ready=state.ready, runtime_stats=state.runtime_stats(),
+                                    ws_sessions=state.ws_sessions)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")

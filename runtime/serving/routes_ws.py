@@ -91,6 +91,7 @@ def add_ws_routes(app, state) -> None:
         try:
             msg = await asyncio.wait_for(ws.receive_text(), idle_s)
         except asyncio.TimeoutError:
+            state.metrics.ws_event("idle_closed")
             raise APIError(408, f"no message for {idle_s:g} s with nothing to synthesise: session closed "
                                 f"(--ws-idle-timeout-s)", code="session_idle") from None
         event = load_json(msg.encode("utf-8", "surrogatepass"), settings)  # depth-checked; 400 if not JSON
@@ -181,6 +182,7 @@ def add_ws_routes(app, state) -> None:
                     s = _Sentence(index, pending.popleft())
                     index += 1
                     s.task = asyncio.create_task(synthesize(s, base, stream_audio, sr_out, ticket))
+                    state.metrics.ws_event("sentences")
                     active.append(s)
                 if done and not active:
                     break
@@ -192,6 +194,7 @@ def add_ws_routes(app, state) -> None:
                 finished, _ = await asyncio.wait([t for t in (get_event, get_item) if t is not None], timeout=idle,
                                                  return_when=asyncio.FIRST_COMPLETED)
                 if not finished:
+                    state.metrics.ws_event("idle_closed")
                     raise APIError(408, f"no message for {idle:g} s with nothing to synthesise: session closed "
                                         f"(--ws-idle-timeout-s)", code="session_idle")
                 if get_event.done():
@@ -205,6 +208,7 @@ def add_ws_routes(app, state) -> None:
                             get_item.cancel()
                             get_item = None
                         cancelled = [s.index for s in active]
+                        state.metrics.ws_event("cancels")
                         await cancel_all(active)
                         for s in active:
                             if s.announced:
@@ -267,11 +271,13 @@ def add_ws_routes(app, state) -> None:
                 return
         await ws.accept()
         if state.ws_sessions >= settings.max_ws_sessions:
+            state.metrics.ws_event("refused")
             await send_error(ws, APIError(429, f"{state.ws_sessions} websocket sessions are open (--max-ws-sessions "
                                                f"{settings.max_ws_sessions}): try again later",
                                           code="too_many_sessions"), close_code=1013)
             return
         state.ws_sessions += 1
+        state.metrics.ws_event("opened")
         try:
             await session(ws)
         finally:
