@@ -265,7 +265,7 @@ def test_sessions_are_bounded_in_number_and_idle_time(tmp_path):
                 got = events(second, "never")
                 assert got[0][1]["error"]["code"] == "too_many_sessions" and got[0][1]["error"]["status"] == 429
                 assert got[-1] == ("close", 1013)
-            first.send_json({"type": "input.text", "text": "Held by the gate."})
+            first.send_json({"type": "input.text", "text": "Held by the gate. "})
             import time
             time.sleep(0.8)  # longer than the idle timeout, but a sentence is being synthesised
             fake.gate.set()
@@ -301,3 +301,29 @@ def test_flush_speaks_the_unfinished_text_and_keeps_the_session(tmp_path):
             got = events(ws, "session.done")
             assert [e["sentence_text"] for k, e in got if k == "audio.start"] == ["Next turn."]
             assert got[-1][1]["total_sentences"] == 2
+
+
+def test_take_complete_waits_for_what_follows_a_period():
+    """Text in LLM-token pieces: "3." + "14" is one number, not a sentence end; a period ends a sentence once
+    whitespace follows it (or the input ends)."""
+    from cosytrt.runtime.serving.routes_ws import take_complete
+
+    assert take_complete("Pi is 3.", "sentence", False) == ([], "Pi is 3.")
+    assert take_complete("Pi is 3.14. Next", "sentence", False) == (["Pi is 3.14."], " Next")
+    assert take_complete("Done.", "sentence", True) == (["Done."], "")
+    assert take_complete("Wow! And", "sentence", False) == (["Wow!"], " And")
+    assert take_complete("一句话。下一", "sentence", False) == (["一句话。"], "下一")
+    assert take_complete("first, second", "clause", False) == (["first,"], " second")
+    assert take_complete("e.g.", "clause", False) == ([], "e.g.")
+
+
+def test_unfinished_sentence_is_bounded(tmp_path):
+    fake = FakeTTS()
+    app, c = fake_client(tmp_path, fake, max_input_chars=50)
+    with c:
+        wait_ready(c, 5)
+        with configured(c) as ws:
+            for _ in range(6):
+                ws.send_json({"type": "input.text", "text": "word " * 2})
+            err = events(ws, "error")[-1][1]
+            assert err["error"]["code"] == "input_too_long" and err["error"]["status"] == 400

@@ -48,10 +48,18 @@ LOOKAHEAD = 1  # sentences synthesised ahead of the one being sent (each holds a
 _START, _END = object(), object()  # a sentence's queue: _START, chunks, _END (or an exception)
 
 
+_AMBIGUOUS_END = {"sentence": ".;；", "clause": "."}  # an end only when whitespace (or the end of input) follows
+
+
 def take_complete(buffer: str, granularity: str, final: bool) -> tuple[list[str], str]:
-    """Complete sentences (clauses) of `buffer` and the unfinished rest (everything when `final`)."""
-    parts = [p for p in _ENDS[granularity].split(buffer)]
-    rest = "" if final else parts.pop()
+    """Complete sentences (clauses) of `buffer` and the unfinished rest (everything when `final`). A '.' (';')
+    that ends the buffer is not yet an end: text arrives in pieces (an LLM's tokens), and "3." may go on as
+    "3.14" — it ends a sentence once whitespace follows it, or at the end of input."""
+    held = ""
+    if not final and buffer and buffer[-1] in _AMBIGUOUS_END[granularity]:
+        buffer, held = buffer[:-1], buffer[-1]
+    parts = _ENDS[granularity].split(buffer)
+    rest = "" if final else parts.pop() + held
     return [p.strip() for p in parts if p.strip()], rest
 
 
@@ -228,6 +236,10 @@ def add_ws_routes(app, state) -> None:
                         done = True
                     sentences, buffer = take_complete(buffer, granularity,
                                                       final=done or event["type"] == "input.flush")
+                    if len(buffer) > settings.max_input_chars:  # it could never be spoken as one sentence
+                        raise invalid(f"the unfinished sentence is over {settings.max_input_chars} characters "
+                                      f"(--max-input-chars): send sentence ends or input.flush", "text",
+                                      "input_too_long")
                     pending.extend(sentences)
                 if get_item is not None and get_item.done():
                     item, get_item = get_item.result(), None
