@@ -327,3 +327,20 @@ def test_unfinished_sentence_is_bounded(tmp_path):
                 ws.send_json({"type": "input.text", "text": "word " * 2})
             err = events(ws, "error")[-1][1]
             assert err["error"]["code"] == "input_too_long" and err["error"]["status"] == 400
+
+
+def test_no_look_ahead_when_switched_off(tmp_path):
+    import time
+
+    fake = FakeTTS(free=1)
+    app, c = fake_client(tmp_path, fake, ws_lookahead=0)
+    with c:
+        wait_ready(c, 5)
+        with configured(c) as ws:
+            ws.send_json({"type": "input.text", "text": "One. Two. Three."})
+            ws.send_json({"type": "input.done"})
+            events(ws, "audio.start")
+            time.sleep(0.3)
+            assert [h.text for h in fake.handles if h.text != "Warm up."] == ["One."]
+            fake.gate.set()
+            assert events(ws, "session.done")[-1][1]["total_sentences"] == 3

@@ -54,6 +54,8 @@ def add_arguments(p) -> None:
                    help="open websocket sessions (WS /v1/audio/speech/stream) at once; beyond: an error event")
     p.add_argument("--ws-idle-timeout-s", type=float, default=60.0,
                    help="close a websocket session with nothing to synthesise and no message for this long")
+    p.add_argument("--ws-lookahead", type=int, default=1,
+                   help="sentences a websocket session synthesises ahead of the one it sends (0: none)")
     p.add_argument("--no-normalize", action="store_true",
                    help="do not spell out numbers / dates / symbols (wetext) before synthesis")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -106,7 +108,8 @@ def run(args) -> int:
                               ref_audio_private_ok=args.ref_audio_private_ok, stream_wav_sse=args.stream_wav_sse,
                               max_voices=args.max_voices, max_transcript_chars=args.max_transcript_chars,
                               body_timeout_s=args.body_timeout_s, normalize_text=not args.no_normalize,
-                              max_ws_sessions=args.max_ws_sessions, ws_idle_timeout_s=args.ws_idle_timeout_s, **kw)
+                              max_ws_sessions=args.max_ws_sessions, ws_idle_timeout_s=args.ws_idle_timeout_s,
+                              ws_lookahead=args.ws_lookahead, **kw)
     if args.cluster is None:
         _print_model_hashes(args.model)
     if args.cluster == "ray":

@@ -42,8 +42,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import soundfile as sf
-
     from ..runtime.stages.request import Request
     from ..runtime.models.sampling import SamplingParams
     from ..runtime.tts import TTS

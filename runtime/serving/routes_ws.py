@@ -21,8 +21,8 @@ harness (benchmarks/tts_serving/ws_client.py) speaks, plus barge-in:
     on a bad message or a failed sentence: {"type": "error", "error": {OpenAI error fields}, "code"} and close.
 
 The socket is read while audio is sent (a cancel or more text is seen at once), and the next complete sentence is
-synthesised while the current one streams (at most `LOOKAHEAD` sentences ahead; audio is always sent in sentence
-order), so a short sentence is not followed by a gap of the next one's time to first audio. Each sentence is
+synthesised while the current one streams (at most `ws_lookahead` sentences ahead, default 1; audio is always sent
+in sentence order), so a short sentence is not followed by a gap of the next one's time to first audio. Each sentence is
 admitted by the runtime's admission control on its own (a refusal is an error event). The handshake is checked like
 HTTP: API key (Authorization header), Host (app.py's guard) and Origin (browsers let any page open a WebSocket, so a
 keyless localhost server refuses foreign origins); a message is at most `ws_max_bytes` (uvicorn closes the socket
@@ -44,7 +44,6 @@ _ENDS = {"sentence": re.compile(r"(?<=[。！？!?])|(?<=[.;；])(?=\s|$)|\n+"),
          "clause": re.compile(r"(?<=[。！？!?，、；：,;:])|(?<=[.])(?=\s|$)|\n+")}
 CONFIG_KEYS = {"type", "stream_audio", "split_granularity"}
 MAX_TEXT_CHARS_FACTOR = 4  # a session's text, at most this many times --max-input-chars
-LOOKAHEAD = 1  # sentences synthesised ahead of the one being sent (each holds an admission slot)
 _START, _END = object(), object()  # a sentence's queue: _START, chunks, _END (or an exception)
 
 
@@ -179,7 +178,7 @@ def add_ws_routes(app, state) -> None:
         get_event = get_item = None
         try:
             while True:
-                while pending and len(active) <= LOOKAHEAD:
+                while pending and len(active) <= settings.ws_lookahead:
                     # the sentence being sent waits for admission as any request; one ahead of it only takes a slot
                     # that is free now (else it starts when the current one is done, as without look-ahead)
                     if active and not active[-1].submitted:

@@ -55,6 +55,7 @@ class ServerSettings:
     max_segment_units: int = 80    # long input is split into sentences merged up to this many tokens (upstream 80)
     max_ws_sessions: int = 64      # open WS /v1/audio/speech/stream sessions at once (beyond: an error event, 1013)
     ws_idle_timeout_s: float = 60.0  # a session with nothing to synthesise and no message for this long is closed
+    ws_lookahead: int = 1          # sentences a websocket session synthesises ahead of the one it sends (0: none)
 
     def __post_init__(self):
         for name in ("max_input_chars", "max_in_flight", "port", "max_voices", "max_transcript_chars",
@@ -63,6 +64,8 @@ class ServerSettings:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "port" else 1):
                 raise InputError(f"server setting {name} must be a positive integer, got {v!r}")
+        if not isinstance(self.ws_lookahead, int) or isinstance(self.ws_lookahead, bool) or self.ws_lookahead < 0:
+            raise InputError(f"server setting ws_lookahead must be a non-negative integer, got {self.ws_lookahead!r}")
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise InputError(f"server setting max_queue must be a non-negative integer, got {self.max_queue!r}")
         for name in ("max_upload_mb", "queue_timeout_s", "drain_timeout_s", "max_prompt_seconds", "body_timeout_s",

@@ -2,7 +2,8 @@
 random weights, forced lengths); each section writes OUT/results.json as it finishes, so a run cut short keeps what
 it measured. Everything runs with what the GPU machine has (torch, numpy); other imports are guarded.
 
-Suites: micro (= ar, dit, hift), parity, e2e (micro.py); serving, features (serving.py); open_loop (open_loop.py).
+Suites: micro (= ar, dit, hift), parity, e2e (micro.py); serving, features (serving.py); open_loop (open_loop.py);
+agent (agent.py: voice-agent websocket sessions).
 """
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import torch
 
 from .common import DTYPES, VARIANTS, Bench, full_models, log
 
-SUITES = ("micro", "ar", "dit", "hift", "parity", "e2e", "serving", "features", "open_loop")
+SUITES = ("micro", "ar", "dit", "hift", "parity", "e2e", "serving", "features", "open_loop", "agent")
 
 
 def add_arguments(p) -> None:
     p.add_argument("--suite", default="micro,parity,e2e,serving,features",
-                   help="comma list of micro (= ar, dit, hift), parity, e2e, serving, features, open_loop")
+                   help="comma list of micro (= ar, dit, hift), parity, e2e, serving, features, open_loop, agent")
     p.add_argument("--out", required=True, help="folder for results.json (and plots)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", default="full", help="'full' (random full-size weights) or 'tiny'")
@@ -52,6 +53,12 @@ def add_arguments(p) -> None:
                    help="sample the scheduler threads' Python stacks during each cell (where the time goes)")
     g.add_argument("--ab", default="", help="comma list of SchedulerConfig boolean fields: each rate runs with the "
                                             "field off and on (unknown names are skipped with a message)")
+    g = p.add_argument_group("agent suite (voice-agent websocket sessions, Poisson arrivals)")
+    g.add_argument("--agent-rates", default="0.5,1,2", help="session arrival rates (sessions/s)")
+    g.add_argument("--agent-duration-s", type=float, default=20.0, help="seconds of session arrivals per cell")
+    g.add_argument("--agent-lookahead", default="0,1",
+                   help="ws_lookahead values to compare (sentences synthesised ahead of the one being sent)")
+    g.add_argument("--agent-words-per-s", type=float, default=12.0, help="the simulated LLM's text speed")
 
 
 def _open_loop_spec(args):
@@ -81,7 +88,7 @@ def run(args) -> int:
     unknown = suites - set(SUITES)
     if unknown:
         raise InputError(f"unknown bench suite(s) {sorted(unknown)}: use micro (= ar, dit, hift), parity, e2e, "
-                         "serving, features, open_loop")
+                         "serving, features, open_loop, agent")
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise InputError("trtbuild bench --device cuda: no CUDA GPU here")
@@ -131,6 +138,19 @@ def run(args) -> int:
         spec, rates, ab = open_loop
         b.section("open_loop", lambda: bench_open_loop(cfg, llm, flow, hift, args.device, b, variants[0], spec,
                                                        rates, args.drain_s, ab))
+    if "agent" in suites:
+        from .agent import AgentSpec, bench_agent
+
+        try:
+            agent_rates = [float(r) for r in args.agent_rates.split(",") if r.strip()]
+            lookaheads = [int(x) for x in args.agent_lookahead.split(",") if x.strip()]
+        except ValueError:
+            raise InputError("--agent-rates / --agent-lookahead: comma lists of numbers") from None
+        if not agent_rates or min(agent_rates) <= 0 or not lookaheads or min(lookaheads) < 0:
+            raise InputError("--agent-rates needs positive rates, --agent-lookahead values >= 0")
+        spec = AgentSpec(agent_rates[0], args.agent_duration_s, args.seed, words_per_s=args.agent_words_per_s)
+        b.section("agent", lambda: bench_agent(cfg, llm, flow, hift, args.device, b, variants[0], spec,
+                                               agent_rates, lookaheads))
     if suites & {"serving", "features"}:
         from .serving import bench_serving
 

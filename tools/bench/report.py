@@ -156,7 +156,7 @@ def provenance(res: dict) -> str:
     meta = res.get("meta") or {}
     variants = sorted({c.get("variant") for sec in ("serving", "features", "open_loop")
                        for c in ((res.get(sec) or {}).get("cells") or []) if isinstance(c, dict) and c.get("variant")}
-                      | ({(res.get("open_loop") or {}).get("variant")} - {None}))
+                      | ({(res.get(sec) or {}).get("variant") for sec in ("open_loop", "agent")} - {None}))
     engines = ", ".join(v for v in variants if v) or "micro-benchmarks"
     if meta.get("graph_profile"):
         engines += f" (graph profile {meta['graph_profile']})"
@@ -406,6 +406,53 @@ def open_loop_plot(res: dict, out_dir: str) -> str | None:
     return path
 
 
+def agent_tables(res: dict) -> str:
+    """Voice-agent cells (agent.py): per ws_lookahead and session rate, sentence TTFA and avoidable stalls."""
+    cells = (res.get("agent") or {}).get("cells") or []
+    if not cells:
+        return ""
+    rows = [[c["lookahead"], c["rate"], f"{c['completed']} / {c['sessions']}", c["sentences"],
+             _p50_p95(c.get("sentence_ttfa")), (c.get("sentence_ttfa") or {}).get("p99"),
+             _p50_p95(c.get("first_sentence_ttfa")), f"{c['stalls']} in {c['stalled_sessions']}", c["stall_s"],
+             c["text_bound_s"], c.get("audio_s_per_s"), c["failed"] + c["unfinished"]] for c in cells]
+    return ("### Voice-agent websocket sessions (sentence TTFA: first audio after the sentence's text was complete; "
+            "avoidable stall: playback ran dry though the text of what came next was complete)\n\n" +
+            _md(["lookahead", "sessions/s", "completed", "sentences", "sentence TTFA p50 / p95 s", "p99 s",
+                 "first sentence TTFA p50 / p95 s", "avoidable stalls (sessions)", "stall s", "text-bound gap s",
+                 "audio s/s", "failed + unfinished"], rows))
+
+
+def agent_plot(res: dict, out_dir: str) -> str | None:
+    """Sentence TTFA p50 / p95 and avoidable stall seconds vs session rate, one line style per ws_lookahead."""
+    cells = (res.get("agent") or {}).get("cells") or []
+    if not cells:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, la in enumerate(sorted({c["lookahead"] for c in cells})):
+        pts = sorted((c for c in cells if c["lookahead"] == la), key=lambda c: c["rate"])
+        xs = [c["rate"] for c in pts]
+        ls = ["-", "--", ":", "-."][i % 4]
+        for q, color in (("p50", "C0"), ("p95", "C1")):
+            axes[0].plot(xs, [(c.get("sentence_ttfa") or {}).get(q) for c in pts], ls, color=color, marker="o",
+                         label=f"lookahead {la}: sentence TTFA {q}")
+        axes[1].plot(xs, [c["stall_s"] for c in pts], ls, color=f"C{3 + i}", marker="o",
+                     label=f"lookahead {la}: avoidable stall s")
+    axes[0].set(xlabel="sessions / s", ylabel="seconds", title="sentence time to first audio")
+    axes[1].set(xlabel="sessions / s", ylabel="seconds (all sessions)", title="avoidable playback stalls")
+    fig.suptitle(f"Voice-agent sessions - {provenance(res)}")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    _legend_below(fig, axes)
+    path = os.path.join(out_dir, "bench_agent.png")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cosytrt.tools.bench.report")
     ap.add_argument("results")
@@ -414,12 +461,12 @@ def main(argv: list[str] | None = None) -> int:
     with open(a.results) as f:
         res = json.load(f)
     os.makedirs(a.out, exist_ok=True)
-    md = "\n\n".join(p for p in (tables(res), ratios(res), open_loop_tables(res)) if p)
+    md = "\n\n".join(p for p in (tables(res), ratios(res), open_loop_tables(res), agent_tables(res)) if p)
     with open(os.path.join(a.out, "bench_tables.md"), "w") as f:
         f.write(md + "\n")
     written = plots(res, a.out)
-    ol = open_loop_plot(res, a.out)
-    for p in written + ([ol] if ol else []):
+    extra = [p for p in (open_loop_plot(res, a.out), agent_plot(res, a.out)) if p]
+    for p in written + extra:
         print("wrote", p)
     print(format_table(["section"], [[k] for k in res]))
     return 0
