@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One benchmark run on the lent GPU machine (see BENCHMARKS.md): installs the carried wheels (dist/: cosytrt,
-# .whl/: soxr, soundfile, kaldi-native-fbank) next to the machine's own torch, restores a carried torch.compile
+# .whl/: soxr, soundfile, kaldi-native-fbank; .whl_serve/ when carried: the server's) next to the machine's own torch, restores a carried torch.compile
 # cache if there is one (compile_cache/cc.bin.gz.part-*), runs `python -m cosytrt.tools.bench "$@"` (the package
 # tools/bench/: `trtbuild bench`) with the results in $OUT, renders the report (`python -m cosytrt.tools.bench.report`:
 # $OUT/bench_tables.md and PNGs, when matplotlib is there) and hands the compile cache back in <= 15 MB parts.
@@ -12,8 +12,13 @@
 set -uo pipefail
 export COSYTRT_COMMIT=${COSYTRT_COMMIT:-$(cat benchmarks/COMMIT 2>/dev/null || echo unknown)}
 rm -rf /tmp/site  # a warm machine keeps the last call's install: pip --target would not replace it
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl dist/*.whl \
-  || exit 1
+# .whl_serve/ (optional, git-ignored): the serve extra's wheels for cp312 (fastapi, uvicorn, websockets, pydantic...)
+# that the agent suite's real server needs; fill it with
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#     --platform manylinux_2_28_x86_64 -d .whl_serve fastapi uvicorn websockets python-multipart pydantic prometheus-client
+serve=(); ls .whl_serve/*.whl >/dev/null 2>&1 && serve=(.whl_serve/*.whl)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl "${serve[@]}" \
+  dist/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 if ls compile_cache/cc.bin.gz.part-* >/dev/null 2>&1; then
   if cat compile_cache/cc.bin.gz.part-* | gunzip > /tmp/cc.bin; then echo "restored compile cache: $(du -h /tmp/cc.bin)"
