@@ -33,12 +33,13 @@ _SAMPLING_KEYS = {"top_p", "top_k", "win_size", "tau_r", "seed", "greedy", "max_
 
 
 def make_request(text: str, *, prompt_wav=None, prompt_sr=None, prompt_text=None, instruct=None, speaker=None,
-                 stream: bool = False, speed: float = 1.0, **sampling) -> Request:
+                 stream: bool = False, speed: float = 1.0, buffered_s: float = 0.0, **sampling) -> Request:
     unknown = set(sampling) - _SAMPLING_KEYS
     if unknown:
         raise InputError(f"unknown synthesis option(s): {sorted(unknown)}")
     return Request(text=text, prompt_wav=prompt_wav, prompt_sr=prompt_sr, prompt_text=prompt_text,
-                   instruct=instruct, speaker=speaker, stream=stream, sampling=SamplingParams(**sampling), speed=speed)
+                   instruct=instruct, speaker=speaker, stream=stream, sampling=SamplingParams(**sampling), speed=speed,
+                   buffered_s=buffered_s)
 
 
 class TTS:

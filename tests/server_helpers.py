@@ -95,10 +95,10 @@ class FakeHandle:
                 await asyncio.sleep(0.005)
             if self.cancelled.is_set():
                 raise RejectedError("cancelled")
-            yield np.full(480, 0.25, np.float32)
+            yield np.full(self.tts.chunk_samples, 0.25, np.float32)
         m = self.metrics
         m.t_tokenizer, m.t_ar, m.t_dit, m.t_vocoder, m.ttfa, m.tokens = 0.001, 0.02, 0.03, 0.01, 0.04, self.n
-        m.audio_seconds, m.total = self.n * 480 / SR, 0.06
+        m.audio_seconds, m.total = self.n * self.tts.chunk_samples / SR, 0.06
         self._done = True
 
 
@@ -109,8 +109,9 @@ class FakePipeline:
 class FakeTTS:
     sample_rate = SR
 
-    def __init__(self, free=3, reject=False):
+    def __init__(self, free=3, reject=False, chunk_samples=480):
         self.pipeline = FakePipeline()
+        self.chunk_samples = chunk_samples
         self.gate = threading.Event()
         self.free = free
         self.reject = reject
@@ -121,6 +122,7 @@ class FakeTTS:
         if self.reject and text != "Warm up.":
             raise RejectedError("3 requests in flight (max_in_flight=3)")
         h = FakeHandle(self, text, stream, self.gate, self.free if text != "Warm up." else 99)
+        h.opts = opts
         self.handles.append(h)
         return h
 

@@ -180,6 +180,27 @@ def test_playback_slack_and_dit_order():
     assert dit_anchor(twins, now, True).name == "a"
     names = [j.name for j in dit_order(queue + [_Job("underrun", underrun)] + twins, now, True)]
     assert names == ["underrun", "a", "b", "older new", "new", "buffered"]
+    # a conversation's next sentence (its listener still had 3 s of earlier audio when it came) yields to new ones
+    nxt = _metrics(t_submit=99.0)
+    nxt.buffered_s = 3.0
+    assert playback_slack(nxt, now) == pytest.approx(2.0)
+    assert [j.name for j in dit_order([_Job("next", nxt), _Job("new", new)], now, True)] == ["new", "next"]
+    nxt.ttfa, nxt.audio_seconds = 0.5, 1.0  # its first second came at 99.5; playback starts when the 3 s run out
+    assert playback_slack(nxt, now) == pytest.approx(1.0 - (100.0 - 99.0 - 3.0))
+
+
+def test_buffered_hint_keeps_the_audio(tts, speaker):
+    """`buffered_s` only reorders DiT calls: every request's audio equals the same requests without the hint."""
+    import dataclasses
+
+    reqs = lockstep(speaker, n=3)
+    hinted = [dataclasses.replace(r, buffered_s=2.0 * i) for i, r in enumerate(reqs)]
+    plain, _ = run_all(tts, SchedulerConfig(dit_max_wait_ms=20), reqs)
+    hint, st = run_all(tts, SchedulerConfig(dit_max_wait_ms=20), hinted)
+    assert st["completed"] == 3
+    assert_same_audio(plain, hint)
+    with pytest.raises(Exception, match="buffered_s"):
+        make_request("x", buffered_s=-1.0)
 
 
 def test_dit_slack_priority_off_keeps_the_audio(tts, speaker):

@@ -344,3 +344,24 @@ def test_no_look_ahead_when_switched_off(tmp_path):
             assert [h.text for h in fake.handles if h.text != "Warm up."] == ["One."]
             fake.gate.set()
             assert events(ws, "session.done")[-1][1]["total_sentences"] == 3
+
+
+def test_next_sentence_tells_the_runtime_what_the_listener_still_has(tmp_path):
+    """A session's later sentence is submitted with `buffered_s`: the audio sent and not yet played (the runtime
+    then lets a listener with nothing yet go first); none for the first sentence, none with the hints off."""
+    for hints in (True, False):
+        fake = FakeTTS(chunk_samples=24000)  # 1 s per chunk, 3 per sentence
+        fake.gate.set()
+        app, c = fake_client(tmp_path / str(hints), fake, ws_lookahead=0, ws_buffer_hints=hints)
+        with c:
+            wait_ready(c, 5)
+            with configured(c) as ws:
+                ws.send_json({"type": "input.text", "text": "One. Two."})
+                ws.send_json({"type": "input.done"})
+                events(ws, "session.done")
+        first, second = [h for h in fake.handles if h.text != "Warm up."]
+        assert "buffered_s" not in first.opts
+        if hints:
+            assert 2.0 < second.opts["buffered_s"] <= 3.0  # 3 s sent, a moment of it played
+        else:
+            assert "buffered_s" not in second.opts

@@ -212,7 +212,8 @@ class ClusterTTS:
         if lease is not None and (not isinstance(lease, Ticket) or lease.control is not self.admission):
             raise InputError("lease must be a ticket of this ClusterTTS's admission control")
         ticket = self.admission.admit(f"request {req.request_id}") if lease is None else None
-        handle = RequestHandle(req, RequestMetrics(request_id=req.request_id, stream=req.stream), self._cancel)
+        metrics = RequestMetrics(request_id=req.request_id, stream=req.stream, buffered_s=req.buffered_s)
+        handle = RequestHandle(req, metrics, self._cancel)
         key = id(handle)
         with self._lock:
             fut = asyncio.run_coroutine_threadsafe(self._drive(req, handle), self.loop)

@@ -57,7 +57,7 @@ class Lifecycle:
                 with self.lock:
                     self.counts["rejected"] += 1
                 raise
-        m = RequestMetrics(request_id=req.request_id, stream=req.stream)
+        m = RequestMetrics(request_id=req.request_id, stream=req.stream, buffered_s=req.buffered_s)
         with self.space:
             if self.closing:
                 self.counts["rejected"] += 1

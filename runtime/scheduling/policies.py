@@ -35,12 +35,14 @@ def admit(waiting, running: int, free_slots: int, cfg: SchedulerConfig) -> int:
 
 def playback_slack(m: RequestMetrics, now: float) -> float:
     """How far ahead of its listener a request is, in seconds: the audio it has delivered minus the time since its
-    first chunk (a client plays from the first chunk on). Before its first chunk (and for offline requests, which
-    deliver one chunk at the end) it is minus the time since submission: the longer a request has waited, the
-    more urgent it is."""
+    playback began (a client plays from the first chunk on, or, with `buffered_s` seconds of earlier audio still to
+    play when the request came — a conversation's next sentence —, from when that runs out, if later). Before its
+    first chunk (and for offline requests, which deliver one chunk at the end) it is the buffered seconds minus the
+    time since submission: the longer a request has waited, the more urgent it is."""
+    buffered = getattr(m, "buffered_s", 0.0)
     if m.ttfa is None:
-        return -(now - m.t_submit)
-    return m.audio_seconds - (now - m.t_submit - m.ttfa)
+        return buffered - (now - m.t_submit)
+    return m.audio_seconds - (now - m.t_submit - max(m.ttfa, buffered))
 
 
 def dit_order(ready: list, now: float, slack_priority: bool) -> list:

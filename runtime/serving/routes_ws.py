@@ -30,6 +30,7 @@ on a bigger one) and nests JSON at most `--max-json-depth` deep."""
 import asyncio
 import collections
 import re
+import time
 import uuid
 
 import numpy as np
@@ -106,9 +107,10 @@ def add_ws_routes(app, state) -> None:
             raise invalid("messages must be JSON objects with a 'type'", "type", "invalid_type")
         return event
 
-    async def synthesize(s: _Sentence, base: dict, stream_audio: bool, sr_out: int, ticket=None) -> None:
+    async def synthesize(s: _Sentence, base: dict, stream_audio: bool, sr_out: int, ticket=None,
+                         buffered_s: float = 0.0) -> None:
         """The sentence's synthesis into `s.out` (admission unless `ticket` is given, speaker, one SpeechJob);
-        cancelled with its task."""
+        cancelled with its task. `buffered_s`: audio the listener still has to play (the runtime's priority)."""
         try:
             params = parse_speech_request({**base, "input": s.text}, settings)
             if ticket is None:
@@ -118,6 +120,8 @@ def add_ws_routes(app, state) -> None:
                 options = {"speaker": speaker, **params.options, **state.lease(ticket)}
                 if params.speed != 1.0:
                     options["speed"] = params.speed
+                if buffered_s > 0 and settings.ws_buffer_hints:
+                    options["buffered_s"] = min(buffered_s, 3599.0)
                 job = SpeechJob(state.tts, [s.text], options, stream_audio)
                 resample = Resampler(state.sample_rate, sr_out)
                 async with tracked_job(state, job, ticket):
@@ -176,6 +180,12 @@ def add_ws_routes(app, state) -> None:
         pending: collections.deque[str] = collections.deque()  # complete sentences not started yet
         buffer, index, done = "", 0, False
         get_event = get_item = None
+        play_start, sent_s = None, 0.0  # the listener's playback as the server sees it (from the first audio sent)
+
+        def buffered() -> float:
+            """Audio seconds sent and not yet played (a lower bound: the sentence being sent has more to come)."""
+            return 0.0 if play_start is None else max(0.0, sent_s - (time.perf_counter() - play_start))
+
         try:
             while True:
                 while pending and len(active) <= settings.ws_lookahead:
@@ -188,7 +198,7 @@ def add_ws_routes(app, state) -> None:
                         break
                     s = _Sentence(index, pending.popleft())
                     index += 1
-                    s.task = asyncio.create_task(synthesize(s, base, stream_audio, sr_out, ticket))
+                    s.task = asyncio.create_task(synthesize(s, base, stream_audio, sr_out, ticket, buffered()))
                     state.metrics.ws_event("sentences")
                     active.append(s)
                 if done and not active:
@@ -254,6 +264,9 @@ def add_ws_routes(app, state) -> None:
                             data = b"".join(s.held)
                             await ws.send_bytes(data)
                             s.sent = len(data)
+                            if play_start is None:
+                                play_start = time.perf_counter()
+                            sent_s += len(data) / (2 if fmt == "pcm" else 1) / sr_out
                         await ws.send_json({"type": "audio.done", "sentence_index": s.index,
                                             "total_bytes": s.sent, "error": False})
                         active.popleft()
@@ -262,6 +275,9 @@ def add_ws_routes(app, state) -> None:
                         if data and stream_audio:
                             await ws.send_bytes(data)
                             s.sent += len(data)
+                            if play_start is None:
+                                play_start = time.perf_counter()
+                            sent_s += item.size / sr_out
                         elif data:
                             s.held.append(data)
             await ws.send_json({"type": "session.done", "total_sentences": index})

@@ -56,6 +56,7 @@ class ServerSettings:
     max_ws_sessions: int = 64      # open WS /v1/audio/speech/stream sessions at once (beyond: an error event, 1013)
     ws_idle_timeout_s: float = 60.0  # a session with nothing to synthesise and no message for this long is closed
     ws_lookahead: int = 1          # sentences a websocket session synthesises ahead of the one it sends (0: none)
+    ws_buffer_hints: bool = True   # a session's next sentence tells the runtime how much audio its listener still has
 
     def __post_init__(self):
         for name in ("max_input_chars", "max_in_flight", "port", "max_voices", "max_transcript_chars",

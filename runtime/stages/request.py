@@ -31,6 +31,10 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: int = field(default_factory=lambda: next(_ids))
     speed: float = 1.0  # offline only: the final mel is linearly resampled to frames / speed (upstream's way)
+    # seconds of audio the listener still has buffered from earlier requests (a conversation's next sentence): the
+    # scheduler's playback-slack priority counts it, so work for a listener with audio in hand yields to one without.
+    # Ordering only: the audio is the same.
+    buffered_s: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.text, str) or not self.text.strip():
@@ -39,6 +43,9 @@ class Request:
             raise InputError("give either prompt audio or a saved speaker, not both")
         if isinstance(self.speed, bool) or not isinstance(self.speed, (int, float)) or not 0.25 <= self.speed <= 4.0:
             raise InputError(f"speed must be a number in [0.25, 4], got {self.speed!r}")
+        if (isinstance(self.buffered_s, bool) or not isinstance(self.buffered_s, (int, float))
+                or not 0.0 <= self.buffered_s < 3600.0):
+            raise InputError(f"buffered_s must be a number of seconds in [0, 3600), got {self.buffered_s!r}")
         if self.stream and self.speed != 1.0:
             raise InputError("speed changes only apply offline (upstream resamples the whole mel): use stream=False")
 
@@ -61,6 +68,7 @@ class RequestMetrics:
     tokens: int = 0
     audio_seconds: float = 0.0
     error: str | None = None
+    buffered_s: float = 0.0  # the request's `buffered_s` hint (playback_slack)
     # Where the first audio's time went: seconds after submit at which the request's AR prefill started ("prefill"),
     # its first DiT job was queued ("dit_queued"), started ("dit_start") and handed its mel on ("dit_end"); with
     # `ttfa` they split time to first audio into frontend + queue, AR, DiT wait, DiT, vocoder + copy
