@@ -48,7 +48,19 @@ def test_agent_cell_through_a_real_server(tiny_tts):
                      words_per_s=40.0)
     n = len(plan_sessions(spec))
     assert n >= 1
-    cell = run_agent_cell(tiny_tts, spec, lookahead=1, timeout_s=60.0)
+    cell = run_agent_cell(tiny_tts, spec, {"ws_lookahead": 1}, "ws_lookahead=1", timeout_s=60.0)
+    assert cell["setting"] == "ws_lookahead=1"
     assert cell["sessions"] == n and cell["completed"] == n and cell["failed"] == 0, cell["errors"]
     assert cell["sentence_ttfa"]["n"] == 2 * n and cell["sentence_ttfa"]["p50"] > 0
     assert cell["audio_s"] == pytest.approx(sum(2 * p.force_tokens / 25 for p in plan_sessions(spec)), rel=1e-3)
+
+
+def test_parse_settings():
+    from cosytrt.tools.bench.agent import parse_settings
+
+    assert parse_settings("ws_lookahead=0,ws_lookahead=2+ws_buffer_hints=0") == [
+        ("ws_lookahead=0", {"ws_lookahead": 0}), ("ws_lookahead=2+ws_buffer_hints=0",
+                                                  {"ws_lookahead": 2, "ws_buffer_hints": False})]
+    for bad in ("nope=1", "ws_lookahead=x", "host=1", ""):
+        with pytest.raises(ValueError):
+            parse_settings(bad)

@@ -9,8 +9,8 @@ What a listener of a voice agent suffers, per session (analyse()):
 - avoidable stalls: playback ran dry although the next audio's text had been complete before it did — a stall
   the server could have prevented (a sentence boundary: the next sentence started too late; or a chunk inside a
   sentence came late). Gaps while the LLM had not yet sent the text are counted apart (text-bound seconds).
-A/B over `ws_lookahead` (sentences synthesised ahead of the one being sent): each value runs the rate sweep with one
-server over the same TTS.
+A/B over server settings (`parse_settings`: e.g. `ws_lookahead=0`, `ws_lookahead=1+ws_buffer_hints=0`): each
+setting runs the rate sweep with its own server over the same TTS.
 
 Pure parts (plan_sessions, analyse, summarize_agent) are tested on the CPU (tests/test_bench_agent.py), the driver
 with the tiny model."""
@@ -205,13 +205,36 @@ class _Server:
         self.thread.join(30)
 
 
-def run_agent_cell(tts, spec: AgentSpec, lookahead: int, max_in_flight: int = 256,
-                   timeout_s: float = 120.0) -> dict:
-    """One cell: a server with `ws_lookahead=lookahead`, the seeded sessions, their summary."""
+def parse_settings(text: str) -> list[tuple[str, dict]]:
+    """"ws_lookahead=0,ws_lookahead=1+ws_buffer_hints=0" -> [(label, ServerSettings overrides)]; names must be
+    integer or boolean ServerSettings fields (ValueError naming the bad one)."""
+    import dataclasses
+
+    from ...runtime.serving.settings import ServerSettings
+
+    kinds = {f.name: f.type for f in dataclasses.fields(ServerSettings)}
+    out = []
+    for label in (x.strip() for x in text.split(",") if x.strip()):
+        overrides = {}
+        for pair in label.split("+"):
+            name, _, value = pair.partition("=")
+            kind = str(kinds.get(name))
+            if kind not in ("int", "bool") or not value.isdigit():
+                raise ValueError(f"agent setting {pair!r}: give an int or bool server setting as name=number")
+            overrides[name] = bool(int(value)) if kind == "bool" else int(value)
+        out.append((label, overrides))
+    if not out:
+        raise ValueError("no agent settings given")
+    return out
+
+
+def run_agent_cell(tts, spec: AgentSpec, overrides: dict | None = None, label: str = "default",
+                   max_in_flight: int = 256, timeout_s: float = 120.0) -> dict:
+    """One cell: a server with the `overrides` of ServerSettings, the seeded sessions, their summary."""
     plans = plan_sessions(spec)
     records = [SessionRecord(p) for p in plans]
-    with _Server(tts, ws_lookahead=lookahead, max_in_flight=max_in_flight, max_queue=max_in_flight,
-                 max_ws_sessions=max(64, 2 * len(plans))) as url:
+    with _Server(tts, **{"max_in_flight": max_in_flight, "max_queue": max_in_flight,
+                         "max_ws_sessions": max(64, 2 * len(plans)), **(overrides or {})}) as url:
         async def main():
             t0 = time.perf_counter()
             await asyncio.gather(*(_session(url, p, t0, spec.words_per_s, r, timeout_s)
@@ -219,12 +242,13 @@ def run_agent_cell(tts, spec: AgentSpec, lookahead: int, max_in_flight: int = 25
             return time.perf_counter() - t0
 
         wall = asyncio.run(main())
-    return {"rate": spec.rate, "lookahead": lookahead, **summarize_agent(records, wall)}
+    return {"setting": label, "overrides": dict(overrides or {}), "rate": spec.rate,
+            **summarize_agent(records, wall)}
 
 
 def bench_agent(cfg, llm, flow, hift, device, bench, variant: str, spec: AgentSpec, rates: list[float],
-                lookaheads: list[int]) -> dict:
-    """Per ws_lookahead value, the rate sweep over one TTS on the `variant` pipeline; results under
+                settings: list[tuple[str, dict]]) -> dict:
+    """Per server setting, the rate sweep over one TTS on the `variant` pipeline; results under
     bench.results["agent"], saved after every cell."""
     from .common import log, make_pipeline, random_models, scheduler_config, start_tts
 
@@ -234,16 +258,16 @@ def bench_agent(cfg, llm, flow, hift, device, bench, variant: str, spec: AgentSp
     pipe = make_pipeline(models, variant, bench.args.graph_profile, getattr(bench.args, "engines", None))
     tts = start_tts(pipe, scheduler_config(variant, max_in_flight=256))
     try:
-        for lookahead in lookaheads:
+        for label, overrides in settings:
             for rate in rates:
                 if bench.over_budget():
-                    log(f"agent: skip lookahead {lookahead} rate {rate:g} (time budget)")
+                    log(f"agent: skip {label} at {rate:g} sessions/s (time budget)")
                     break
-                cell = run_agent_cell(tts, spec.at_rate(rate), lookahead)
+                cell = run_agent_cell(tts, spec.at_rate(rate), overrides, label)
                 out["cells"].append(cell)
                 bench.save()
                 t = cell["sentence_ttfa"]
-                log(f"agent lookahead {lookahead}, {rate:g} sessions/s: {cell['completed']}/{cell['sessions']} "
+                log(f"agent {label}, {rate:g} sessions/s: {cell['completed']}/{cell['sessions']} "
                     f"sessions, sentence TTFA p50 {t['p50']} p95 {t['p95']} s; avoidable stalls {cell['stalls']} "
                     f"in {cell['stalled_sessions']} sessions ({cell['stall_s']:.2f} s); {cell['audio_s_per_s']:.1f} "
                     f"audio s/s")

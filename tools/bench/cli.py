@@ -56,8 +56,9 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("agent suite (voice-agent websocket sessions, Poisson arrivals)")
     g.add_argument("--agent-rates", default="0.5,1,2", help="session arrival rates (sessions/s)")
     g.add_argument("--agent-duration-s", type=float, default=20.0, help="seconds of session arrivals per cell")
-    g.add_argument("--agent-lookahead", default="0,1",
-                   help="ws_lookahead values to compare (sentences synthesised ahead of the one being sent)")
+    g.add_argument("--agent-settings", default="ws_lookahead=0+ws_buffer_hints=0,ws_lookahead=1+ws_buffer_hints=0,"
+                                                "ws_lookahead=1+ws_buffer_hints=1",
+                   help="server settings to compare, comma-separated, each NAME=N[+NAME=N] (int / bool fields)")
     g.add_argument("--agent-words-per-s", type=float, default=12.0, help="the simulated LLM's text speed")
 
 
@@ -139,18 +140,18 @@ def run(args) -> int:
         b.section("open_loop", lambda: bench_open_loop(cfg, llm, flow, hift, args.device, b, variants[0], spec,
                                                        rates, args.drain_s, ab))
     if "agent" in suites:
-        from .agent import AgentSpec, bench_agent
+        from .agent import AgentSpec, bench_agent, parse_settings
 
         try:
             agent_rates = [float(r) for r in args.agent_rates.split(",") if r.strip()]
-            lookaheads = [int(x) for x in args.agent_lookahead.split(",") if x.strip()]
-        except ValueError:
-            raise InputError("--agent-rates / --agent-lookahead: comma lists of numbers") from None
-        if not agent_rates or min(agent_rates) <= 0 or not lookaheads or min(lookaheads) < 0:
-            raise InputError("--agent-rates needs positive rates, --agent-lookahead values >= 0")
+            agent_settings = parse_settings(args.agent_settings)
+        except ValueError as e:
+            raise InputError(f"--agent-rates / --agent-settings: {e}") from None
+        if not agent_rates or min(agent_rates) <= 0:
+            raise InputError("--agent-rates needs positive rates")
         spec = AgentSpec(agent_rates[0], args.agent_duration_s, args.seed, words_per_s=args.agent_words_per_s)
         b.section("agent", lambda: bench_agent(cfg, llm, flow, hift, args.device, b, variants[0], spec,
-                                               agent_rates, lookaheads))
+                                               agent_rates, agent_settings))
     if suites & {"serving", "features"}:
         from .serving import bench_serving
 

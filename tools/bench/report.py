@@ -407,23 +407,23 @@ def open_loop_plot(res: dict, out_dir: str) -> str | None:
 
 
 def agent_tables(res: dict) -> str:
-    """Voice-agent cells (agent.py): per ws_lookahead and session rate, sentence TTFA and avoidable stalls."""
+    """Voice-agent cells (agent.py): per server setting and session rate, sentence TTFA and avoidable stalls."""
     cells = (res.get("agent") or {}).get("cells") or []
     if not cells:
         return ""
-    rows = [[c["lookahead"], c["rate"], f"{c['completed']} / {c['sessions']}", c["sentences"],
+    rows = [[c["setting"], c["rate"], f"{c['completed']} / {c['sessions']}", c["sentences"],
              _p50_p95(c.get("sentence_ttfa")), (c.get("sentence_ttfa") or {}).get("p99"),
              _p50_p95(c.get("first_sentence_ttfa")), f"{c['stalls']} in {c['stalled_sessions']}", c["stall_s"],
              c["text_bound_s"], c.get("audio_s_per_s"), c["failed"] + c["unfinished"]] for c in cells]
     return ("### Voice-agent websocket sessions (sentence TTFA: first audio after the sentence's text was complete; "
             "avoidable stall: playback ran dry though the text of what came next was complete)\n\n" +
-            _md(["lookahead", "sessions/s", "completed", "sentences", "sentence TTFA p50 / p95 s", "p99 s",
+            _md(["setting", "sessions/s", "completed", "sentences", "sentence TTFA p50 / p95 s", "p99 s",
                  "first sentence TTFA p50 / p95 s", "avoidable stalls (sessions)", "stall s", "text-bound gap s",
                  "audio s/s", "failed + unfinished"], rows))
 
 
 def agent_plot(res: dict, out_dir: str) -> str | None:
-    """Sentence TTFA p50 / p95 and avoidable stall seconds vs session rate, one line style per ws_lookahead."""
+    """Sentence TTFA p50 / p95 and avoidable stall seconds vs session rate, one line style per server setting."""
     cells = (res.get("agent") or {}).get("cells") or []
     if not cells:
         return None
@@ -433,15 +433,15 @@ def agent_plot(res: dict, out_dir: str) -> str | None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for i, la in enumerate(sorted({c["lookahead"] for c in cells})):
-        pts = sorted((c for c in cells if c["lookahead"] == la), key=lambda c: c["rate"])
+    for i, la in enumerate(dict.fromkeys(c["setting"] for c in cells)):
+        pts = sorted((c for c in cells if c["setting"] == la), key=lambda c: c["rate"])
         xs = [c["rate"] for c in pts]
         ls = ["-", "--", ":", "-."][i % 4]
         for q, color in (("p50", "C0"), ("p95", "C1")):
             axes[0].plot(xs, [(c.get("sentence_ttfa") or {}).get(q) for c in pts], ls, color=color, marker="o",
-                         label=f"lookahead {la}: sentence TTFA {q}")
+                         label=f"{la}: sentence TTFA {q}")
         axes[1].plot(xs, [c["stall_s"] for c in pts], ls, color=f"C{3 + i}", marker="o",
-                     label=f"lookahead {la}: avoidable stall s")
+                     label=f"{la}: avoidable stall s")
     axes[0].set(xlabel="sessions / s", ylabel="seconds", title="sentence time to first audio")
     axes[1].set(xlabel="sessions / s", ylabel="seconds (all sessions)", title="avoidable playback stalls")
     fig.suptitle(f"Voice-agent sessions - {provenance(res)}")
