@@ -365,3 +365,25 @@ def test_next_sentence_tells_the_runtime_what_the_listener_still_has(tmp_path):
             assert 2.0 < second.opts["buffered_s"] <= 3.0  # 3 s sent, a moment of it played
         else:
             assert "buffered_s" not in second.opts
+
+
+def test_a_sentence_refused_after_look_ahead_admission_gives_its_slot_back(tmp_path):
+    """A sentence synthesised ahead holds a slot taken at once; when it then fails its own checks (here: too long)
+    its slot goes back at once, and the session ends with the error once the sentence before it is done."""
+    import time
+
+    fake = FakeTTS(free=1)
+    app, c = fake_client(tmp_path, fake, max_input_chars=40)
+    adm = app.state.server.admission
+    with c:
+        wait_ready(c, 5)
+        with configured(c) as ws:
+            ws.send_json({"type": "input.text", "text": "Short one. " + "x" * 45 + ". "})
+            events(ws, "audio.start")
+            time.sleep(0.3)  # the second sentence has been tried meanwhile
+            assert adm.in_flight == 1 and adm.snapshot()["admitted"] >= 2
+            fake.gate.set()
+            got = events(ws, "error")
+            assert got[-1][1]["error"]["code"] == "input_too_long"
+            assert [e["sentence_index"] for k, e in got if k == "audio.done"] == [0]
+        assert adm.in_flight == 0

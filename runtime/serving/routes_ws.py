@@ -112,10 +112,10 @@ def add_ws_routes(app, state) -> None:
         """The sentence's synthesis into `s.out` (admission unless `ticket` is given, speaker, one SpeechJob);
         cancelled with its task. `buffered_s`: audio the listener still has to play (the runtime's priority)."""
         try:
-            params = parse_speech_request({**base, "input": s.text}, settings)
-            if ticket is None:
-                ticket = await state.admit("websocket sentence")
             try:
+                params = parse_speech_request({**base, "input": s.text}, settings)
+                if ticket is None:
+                    ticket = await state.admit("websocket sentence")
                 speaker = await resolve_speaker(state, params)
                 options = {"speaker": speaker, **params.options, **state.lease(ticket)}
                 if params.speed != 1.0:
@@ -130,12 +130,11 @@ def add_ws_routes(app, state) -> None:
                     async for chunk in job.chunks():
                         s.out.put_nowait(resample(chunk))
                     s.out.put_nowait(resample.flush())
-            finally:
-                state.release(ticket)
+            finally:  # however it ends (cancelled included), the ticket goes back: given or admitted here
+                if ticket is not None:
+                    state.release(ticket)
             s.out.put_nowait(_END)
         except asyncio.CancelledError:
-            if ticket is not None:
-                state.release(ticket)  # a ticket given but not yet used (releasing twice is a no-op)
             raise
         except Exception as e:  # noqa: BLE001 - the session sends it as an error event
             s.out.put_nowait(e)
