@@ -158,7 +158,7 @@ def provenance(res: dict) -> str:
                        for c in ((res.get(sec) or {}).get("cells") or []) if isinstance(c, dict) and c.get("variant")}
                       | ({(res.get(sec) or {}).get("variant") for sec in ("open_loop", "agent")} - {None}))
     engines = ", ".join(v for v in variants if v) or "micro-benchmarks"
-    if meta.get("graph_profile"):
+    if meta.get("graph_profile") and set(variants) - {"eager", "engines", None}:  # only graph variants use it
         engines += f" (graph profile {meta['graph_profile']})"
     return (f"engines: {engines}; cosytrt {meta.get('commit') or '?'}; {meta.get('gpu') or 'no GPU (CPU)'}; "
             f"{meta.get('model', '?')} model")
