@@ -188,16 +188,20 @@ class TTS:
         return spk
 
     # ------------------------------------------------------------------ synthesis
-    def submit(self, text: str | Request, *, lease: Ticket | None = None, **kw) -> RequestHandle:
+    def submit(self, text: str | Request, *, lease: Ticket | None = None, after: RequestHandle | None = None,
+               **kw) -> RequestHandle:
         """Queue one request (text + options, or a ready `Request`); returns its RequestHandle once admitted
         (`self.admission`: waits or raises RejectedError when full). `lease`: a ticket of `self.admission` the caller
         holds (`tts.admission.admit()`), under which this request takes no slot of its own (the server runs one HTTP
-        request as several runtime requests under one ticket)."""
+        request as several runtime requests under one ticket). `after`: the handle of the request the same listener
+        hears right before this one (a conversation's previous sentence): a scheduling hint, the audio is the same."""
+        if after is not None and not isinstance(after, RequestHandle):
+            raise InputError(f"after must be a RequestHandle of this TTS, got {type(after).__name__}")
         if isinstance(text, Request):
             if kw:
                 raise InputError(f"submit(Request) takes no further options, got {sorted(kw)}")
-            return self.scheduler.submit(text, lease=lease)
-        return self.scheduler.submit(make_request(text, **kw), lease=lease)
+            return self.scheduler.submit(text, lease=lease, after=after)
+        return self.scheduler.submit(make_request(text, **kw), lease=lease, after=after)
 
     def synthesize_request(self, req: Request) -> tuple[np.ndarray, RequestMetrics]:
         h = self.submit(req)

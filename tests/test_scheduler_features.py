@@ -187,6 +187,19 @@ def test_playback_slack_and_dit_order():
     assert [j.name for j in dit_order([_Job("next", nxt), _Job("new", new)], now, True)] == ["new", "next"]
     nxt.ttfa, nxt.audio_seconds = 0.5, 1.0  # its first second came at 99.5; playback starts when the 3 s run out
     assert playback_slack(nxt, now) == pytest.approx(1.0 - (100.0 - 99.0 - 3.0))
+    # chained: a sentence that follows another of the same listener
+    prev = _metrics(t_submit=98.0, ttfa=0.5, audio_seconds=1.0)  # producing: 1 s delivered, playing since 98.5
+    chained = _metrics(t_submit=99.0)
+    chained.follows = prev
+    assert playback_slack(prev, now) == pytest.approx(-0.5)
+    assert playback_slack(chained, now) == pytest.approx(-0.5)  # needed once prev's audio runs out, at the earliest
+    chained.ttfa, chained.audio_seconds = 0.5, 2.0  # a chunk of its own already, prev still producing
+    assert playback_slack(chained, now) == pytest.approx(2.0 - 0.5)
+    prev.audio_seconds, prev.total = 4.0, 1.5  # prev done: 4 s, heard 98.5 .. 102.5
+    assert playback_slack(chained, now) == pytest.approx(2.0 + 2.5)  # its 2 s play from 102.5 on
+    chained.ttfa, chained.audio_seconds = None, 0.0
+    assert playback_slack(chained, now) == pytest.approx(2.5)  # needed at 102.5
+    assert [j.name for j in dit_order([_Job("chained", chained), _Job("new", new)], now, True)] == ["new", "chained"]
 
 
 def test_buffered_hint_keeps_the_audio(tts, speaker):
@@ -199,6 +212,16 @@ def test_buffered_hint_keeps_the_audio(tts, speaker):
     hint, st = run_all(tts, SchedulerConfig(dit_max_wait_ms=20), hinted)
     assert st["completed"] == 3
     assert_same_audio(plain, hint)
+    sched = Scheduler(tts.pipeline, SchedulerConfig(dit_max_wait_ms=20))  # chained with `after`
+    try:
+        handles = []
+        for r in reqs:
+            handles.append(sched.submit(dataclasses.replace(r), after=handles[-1] if handles else None))
+        chained = [h.result(timeout=120) for h in handles]
+        assert handles[1].metrics.follows is handles[0].metrics
+    finally:
+        sched.close()
+    assert_same_audio(plain, chained)
     with pytest.raises(Exception, match="buffered_s"):
         make_request("x", buffered_s=-1.0)
 

@@ -360,11 +360,12 @@ def test_next_sentence_tells_the_runtime_what_the_listener_still_has(tmp_path):
                 ws.send_json({"type": "input.done"})
                 events(ws, "session.done")
         first, second = [h for h in fake.handles if h.text != "Warm up."]
-        assert "buffered_s" not in first.opts
+        assert "buffered_s" not in first.opts and "after" not in first.opts
         if hints:
             assert 2.0 < second.opts["buffered_s"] <= 3.0  # 3 s sent, a moment of it played
+            assert second.opts["after"] is first  # the runtime handle of the sentence heard before it
         else:
-            assert "buffered_s" not in second.opts
+            assert "buffered_s" not in second.opts and "after" not in second.opts
 
 
 def test_a_sentence_refused_after_look_ahead_admission_gives_its_slot_back(tmp_path):

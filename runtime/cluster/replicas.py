@@ -197,8 +197,9 @@ class ClusterTTS:
         self.admission = AdmissionControl(64)
 
     # ---------------------------------------------------------------- TTS surface
-    def submit(self, text, *, lease: Ticket | None = None, **kw) -> RequestHandle:
-        """Like `TTS.submit`: admitted by `self.admission` unless the caller holds a ticket of it (`lease`)."""
+    def submit(self, text, *, lease: Ticket | None = None, after=None, **kw) -> RequestHandle:
+        """Like `TTS.submit`: admitted by `self.admission` unless the caller holds a ticket of it (`lease`). `after`
+        (a scheduling hint of one process's scheduler) is accepted and not used: the stages run on other replicas."""
         from ..tts import make_request
 
         if isinstance(text, Request):

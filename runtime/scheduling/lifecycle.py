@@ -37,7 +37,7 @@ class Lifecycle:
         self.dead: str | None = None  # why a worker thread died (the scheduler is then unhealthy)
         self.counts = dict(completed=0, failed=0, cancelled=0, rejected=0)
 
-    def admit(self, req: Request, inputs=None, lease: Ticket | None = None) -> RequestState:
+    def admit(self, req: Request, inputs=None, lease: Ticket | None = None, after=None) -> RequestState:
         """A new request's state (and handle) once admission grants a slot; RejectedError when closed, full
         (QueueFullError) or no slot freed in time (AdmissionTimeoutError). Under `lease` (a ticket of the same
         admission control, held by the caller) the request takes no slot of its own."""
@@ -57,7 +57,8 @@ class Lifecycle:
                 with self.lock:
                     self.counts["rejected"] += 1
                 raise
-        m = RequestMetrics(request_id=req.request_id, stream=req.stream, buffered_s=req.buffered_s)
+        m = RequestMetrics(request_id=req.request_id, stream=req.stream, buffered_s=req.buffered_s,
+                           follows=getattr(after, "metrics", None))
         with self.space:
             if self.closing:
                 self.counts["rejected"] += 1

@@ -33,16 +33,47 @@ def admit(waiting, running: int, free_slots: int, cfg: SchedulerConfig) -> int:
     return n
 
 
-def playback_slack(m: RequestMetrics, now: float) -> float:
+_CHAIN = 8  # requests of one listener followed back at most (a conversation's earlier sentences)
+
+
+def _needed_from(m: RequestMetrics, depth: int = 0) -> float | None:
+    """When the listener runs out of the audio that plays before `m` (perf_counter time): its submission plus the
+    `buffered_s` it came with, or later the end of the request it follows; None while that one is still producing."""
+    t = m.t_submit + getattr(m, "buffered_s", 0.0)
+    prev = getattr(m, "follows", None)
+    if prev is not None and depth < _CHAIN:
+        if not prev.total or prev.ttfa is None:  # still running (or it produced nothing: then it does not count)
+            return None if not prev.total else t
+        start = _playback_start(prev, depth + 1)
+        if start is None:
+            return None
+        t = max(t, start + prev.audio_seconds)
+    return t
+
+
+def _playback_start(m: RequestMetrics, depth: int = 0) -> float | None:
+    need = _needed_from(m, depth)
+    return None if need is None else max(m.t_submit + m.ttfa, need)
+
+
+def playback_slack(m: RequestMetrics, now: float, depth: int = 0) -> float:
     """How far ahead of its listener a request is, in seconds: the audio it has delivered minus the time since its
-    playback began (a client plays from the first chunk on, or, with `buffered_s` seconds of earlier audio still to
-    play when the request came — a conversation's next sentence —, from when that runs out, if later). Before its
-    first chunk (and for offline requests, which deliver one chunk at the end) it is the buffered seconds minus the
-    time since submission: the longer a request has waited, the more urgent it is."""
-    buffered = getattr(m, "buffered_s", 0.0)
+    playback began. A client plays from the first chunk on — or, for a request that follows others of the same
+    listener (`buffered_s` seconds of earlier audio still to play when it came, or `follows`: the request heard right
+    before it), from when that earlier audio runs out, if later. Before its first chunk (and for offline requests,
+    which deliver one chunk at the end) it is the time until the listener needs it: minus the time since submission
+    for a request on its own (the longer it has waited, the more urgent). While the request it follows is still
+    producing, it is at least that one's slack (the listener needs it after all of that one's audio)."""
+    prev = getattr(m, "follows", None)
     if m.ttfa is None:
-        return buffered - (now - m.t_submit)
-    return m.audio_seconds - (now - m.t_submit - max(m.ttfa, buffered))
+        need = _needed_from(m, depth)
+        if need is None:
+            return playback_slack(prev, now, depth + 1)
+        return need - now
+    start = _playback_start(m, depth)
+    if start is None:
+        return m.audio_seconds + playback_slack(prev, now, depth + 1)
+    return m.audio_seconds - (now - start)
 
 
 def dit_order(ready: list, now: float, slack_priority: bool) -> list:

@@ -183,14 +183,17 @@ class Scheduler:
                                        ("hift", self.token2wav.hift_loop)], self.requests)
 
     # ================================================================== public API
-    def submit(self, req: Request, lease: Ticket | None = None) -> RequestHandle:
+    def submit(self, req: Request, lease: Ticket | None = None, after: RequestHandle | None = None) -> RequestHandle:
         """Queue a request; returns at once (or after waiting for admission, see `SchedulerConfig.on_full`).
         `lease`: a ticket of `self.admission` the caller holds; the request then takes no slot of its own.
+        `after`: the handle of the request whose audio the same listener plays right before this one's (a
+        conversation's previous sentence): the DiT's playback-slack priority then knows when this one is needed
+        (ordering only, the audio is the same).
 
         Raises RejectedError when the scheduler is closed or full (admission.py's QueueFullError /
         AdmissionTimeoutError). Input errors (bad prompt, too long for the noise
         buffers: RequestTooLongError) are raised by the handle, before any model work."""
-        r = self.requests.admit(req, lease=lease)
+        r = self.requests.admit(req, lease=lease, after=after)
         self.frontend.submit(r)
         return r.handle
 

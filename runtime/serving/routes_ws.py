@@ -77,6 +77,7 @@ class _Sentence:
         self.out: asyncio.Queue = asyncio.Queue()
         self.task: asyncio.Task | None = None
         self.submitted = False  # its runtime request exists (a sentence after it may start)
+        self.job = None  # its SpeechJob (job.handle: the runtime request, the next sentence's `after`)
         self.announced = False  # audio.start sent
         self.sent = 0
         self.held: list[bytes] = []  # stream_audio false: the sentence's PCM until it ends
@@ -108,9 +109,10 @@ def add_ws_routes(app, state) -> None:
         return event
 
     async def synthesize(s: _Sentence, base: dict, stream_audio: bool, sr_out: int, ticket=None,
-                         buffered_s: float = 0.0) -> None:
+                         buffered_s: float = 0.0, after=None) -> None:
         """The sentence's synthesis into `s.out` (admission unless `ticket` is given, speaker, one SpeechJob);
-        cancelled with its task. `buffered_s`: audio the listener still has to play (the runtime's priority)."""
+        cancelled with its task. `buffered_s` (audio the listener still has to play) and `after` (the runtime
+        handle of the session's previous sentence): the runtime's priority hints."""
         try:
             try:
                 params = parse_speech_request({**base, "input": s.text}, settings)
@@ -120,9 +122,13 @@ def add_ws_routes(app, state) -> None:
                 options = {"speaker": speaker, **params.options, **state.lease(ticket)}
                 if params.speed != 1.0:
                     options["speed"] = params.speed
-                if buffered_s > 0 and settings.ws_buffer_hints:
-                    options["buffered_s"] = min(buffered_s, 3599.0)
+                if settings.ws_buffer_hints:
+                    if buffered_s > 0:
+                        options["buffered_s"] = min(buffered_s, 3599.0)
+                    if after is not None:
+                        options["after"] = after
                 job = SpeechJob(state.tts, [s.text], options, stream_audio)
+                s.job = job
                 resample = Resampler(state.sample_rate, sr_out)
                 async with tracked_job(state, job, ticket):
                     s.submitted = True
@@ -180,6 +186,7 @@ def add_ws_routes(app, state) -> None:
         buffer, index, done = "", 0, False
         get_event = get_item = None
         play_start, sent_s = None, 0.0  # the listener's playback as the server sees it (from the first audio sent)
+        last: _Sentence | None = None  # the sentence started last (the next one plays after it)
 
         def buffered() -> float:
             """Audio seconds sent and not yet played (a lower bound: the sentence being sent has more to come)."""
@@ -197,7 +204,9 @@ def add_ws_routes(app, state) -> None:
                         break
                     s = _Sentence(index, pending.popleft())
                     index += 1
-                    s.task = asyncio.create_task(synthesize(s, base, stream_audio, sr_out, ticket, buffered()))
+                    s.task = asyncio.create_task(synthesize(s, base, stream_audio, sr_out, ticket, buffered(),
+                                                            last.job.handle if last is not None and last.job else None))
+                    last = s
                     state.metrics.ws_event("sentences")
                     active.append(s)
                 if done and not active:
@@ -232,7 +241,8 @@ def add_ws_routes(app, state) -> None:
                                                     "total_bytes": s.sent, "error": False, "cancelled": True})
                         active.clear()
                         pending.clear()
-                        buffer = ""
+                        buffer, last = "", None
+                        play_start, sent_s = None, 0.0  # the client drops what it had (barge-in)
                         await ws.send_json({"type": "input.cancelled", "sentence_indices": cancelled})
                         continue
                     if done:

@@ -69,6 +69,9 @@ class RequestMetrics:
     audio_seconds: float = 0.0
     error: str | None = None
     buffered_s: float = 0.0  # the request's `buffered_s` hint (playback_slack)
+    # the metrics of the request whose audio the same listener hears right before this one's (TTS.submit(after=...)):
+    # playback_slack chains them
+    follows: "RequestMetrics | None" = field(default=None, repr=False, compare=False)
     # Where the first audio's time went: seconds after submit at which the request's AR prefill started ("prefill"),
     # its first DiT job was queued ("dit_queued"), started ("dit_start") and handed its mel on ("dit_end"); with
     # `ttfa` they split time to first audio into frontend + queue, AR, DiT wait, DiT, vocoder + copy
