@@ -17,6 +17,21 @@ CONFIG = {"type": "session.config", "model": "x", "voice": "default", "response_
 
 
 @contextlib.contextmanager
+def serving(tmp_path, fake, **settings):
+    """(app, client) of a server over `fake`, ready."""
+    app, c = fake_client(tmp_path, fake, **settings)
+    with c:
+        wait_ready(c, 5)
+        yield app, c
+
+
+def say(ws, text):
+    """A whole reply: its text, then input.done."""
+    ws.send_json({"type": "input.text", "text": text})
+    ws.send_json({"type": "input.done"})
+
+
+@contextlib.contextmanager
 def configured(c, config=CONFIG):
     """An open session on client `c`, its config sent and acknowledged."""
     with c.websocket_connect(PATH) as ws:
@@ -43,9 +58,7 @@ def events(ws, until):
 
 def test_sentences_start_before_the_text_is_complete(tmp_path):
     fake = FakeTTS()
-    app, c = fake_client(tmp_path, fake)
-    with c:
-        wait_ready(c, 5)
+    with serving(tmp_path, fake) as (app, c):
         with c.websocket_connect(PATH) as ws:
             ws.send_json(CONFIG)
             assert events(ws, "session.configured")[-1][1]["stream_audio"] is True
@@ -55,8 +68,7 @@ def test_sentences_start_before_the_text_is_complete(tmp_path):
             assert got[0][1]["sentence_text"] == "Hello world." and got[0][1]["format"] == "pcm"
             assert [k for k, _ in got[1:-1]] == ["binary"] * 3  # each runtime chunk as it comes (stream_audio)
             assert got[-1][1]["total_bytes"] == 3 * 480 * 2
-            ws.send_json({"type": "input.text", "text": " more"})
-            ws.send_json({"type": "input.done"})
+            say(ws, " more")
             got = events(ws, "session.done")
             assert got[0][1]["sentence_text"] == "And then more" and got[-1][1]["total_sentences"] == 2
             assert events(ws, "never")[-1][0] == "close"
@@ -72,9 +84,7 @@ def test_sentences_start_before_the_text_is_complete(tmp_path):
     ({**CONFIG, "stream_audio": True, "speed": 2.0}, "unsupported_value"),
 ])
 def test_bad_session_gets_an_error_event_and_close(tmp_path, first, code):
-    app, c = fake_client(tmp_path, FakeTTS())
-    with c:
-        wait_ready(c, 5)
+    with serving(tmp_path, FakeTTS()) as (app, c):
         with c.websocket_connect(PATH) as ws:
             ws.send_json(first)
             got = events(ws, "error")
@@ -84,9 +94,7 @@ def test_bad_session_gets_an_error_event_and_close(tmp_path, first, code):
 
 
 def test_handshake_checks_key_and_origin(tmp_path):
-    app, c = fake_client(tmp_path, FakeTTS(), api_key="sekret")
-    with c:
-        wait_ready(c, 5)
+    with serving(tmp_path, FakeTTS(), api_key="sekret") as (app, c):
         with pytest.raises(WebSocketDisconnect) as e:
             with c.websocket_connect(PATH):
                 pass
@@ -94,9 +102,7 @@ def test_handshake_checks_key_and_origin(tmp_path):
         with c.websocket_connect(PATH, headers={"Authorization": "Bearer sekret"}) as ws:
             ws.send_json(CONFIG)
             assert events(ws, "session.configured")
-    app, c = fake_client(tmp_path / "b", FakeTTS())
-    with c:
-        wait_ready(c, 5)
+    with serving(tmp_path / "b", FakeTTS()) as (app, c):
         with pytest.raises(WebSocketDisconnect):  # a page elsewhere cannot drive a keyless localhost server
             with c.websocket_connect(PATH, headers={"Origin": "http://evil.example"}):
                 pass
@@ -107,15 +113,12 @@ def test_handshake_checks_key_and_origin(tmp_path):
 
 def test_sentence_refused_by_admission_is_an_error_event(tmp_path):
     fake = FakeTTS()
-    app, c = fake_client(tmp_path, fake, max_in_flight=1, max_queue=0)
-    with c:
-        wait_ready(c, 5)
+    with serving(tmp_path, fake, max_in_flight=1, max_queue=0) as (app, c):
         held = app.state.server.admission.admit("someone else")
         try:
             with c.websocket_connect(PATH) as ws:
                 ws.send_json(CONFIG)
-                ws.send_json({"type": "input.text", "text": "Hi."})
-                ws.send_json({"type": "input.done"})
+                say(ws, "Hi.")
                 err = events(ws, "error")[-1][1]
                 assert err["error"]["code"] == "too_many_requests" and err["error"]["status"] == 429
         finally:
@@ -126,9 +129,7 @@ def test_cancel_stops_the_sentence_and_the_session_goes_on(tmp_path):
     """Barge-in: input.cancel while a sentence streams cancels its runtime request (and the one synthesised ahead),
     drops the unfinished text, answers input.cancelled, and the session takes new text with the next index."""
     fake = FakeTTS(free=1)  # each sentence: one chunk at once, the rest held by the gate
-    app, c = fake_client(tmp_path, fake)
-    with c:
-        wait_ready(c, 5)
+    with serving(tmp_path, fake) as (app, c):
         with configured(c) as ws:
             ws.send_json({"type": "input.text", "text": "First one. Second one. And a half"})
             got = events(ws, "audio.start")
@@ -144,8 +145,7 @@ def test_cancel_stops_the_sentence_and_the_session_goes_on(tmp_path):
             assert [h.text for h in sent] == ["First one.", "Second one."]
             assert all(h.cancelled.is_set() for h in sent)
             fake.gate.set()
-            ws.send_json({"type": "input.text", "text": "After."})
-            ws.send_json({"type": "input.done"})
+            say(ws, "After.")
             got = events(ws, "session.done")
             start = [e for k, e in got if k == "audio.start"]
             assert [e["sentence_index"] for e in start] == [2] and start[0]["sentence_text"] == "After."
@@ -174,12 +174,9 @@ def test_next_sentence_is_synthesised_while_the_current_one_streams(tmp_path):
     """Look-ahead: the second sentence's runtime request starts while the first is still held, yet its audio comes
     only after the first's audio.done (sentence order)."""
     fake = FakeTTS(free=1)
-    app, c = fake_client(tmp_path, fake)
-    with c:
-        wait_ready(c, 5)
+    with serving(tmp_path, fake) as (app, c):
         with configured(c) as ws:
-            ws.send_json({"type": "input.text", "text": "One. Two. Three."})
-            ws.send_json({"type": "input.done"})
+            say(ws, "One. Two. Three.")
             events(ws, "audio.start")
             wait_submitted(fake, 2)
             sent = [h.text for h in fake.handles if h.text != "Warm up."]
@@ -198,13 +195,10 @@ def test_look_ahead_takes_only_a_free_slot(tmp_path):
     other clients)."""
     fake = FakeTTS()
     fake.gate.set()
-    app, c = fake_client(tmp_path, fake, max_in_flight=1, max_queue=0)
-    with c:
-        wait_ready(c, 5)
+    with serving(tmp_path, fake, max_in_flight=1, max_queue=0) as (app, c):
         with c.websocket_connect(PATH) as ws:
             ws.send_json(CONFIG)
-            ws.send_json({"type": "input.text", "text": "One. Two. Three."})
-            ws.send_json({"type": "input.done"})
+            say(ws, "One. Two. Three.")
             got = events(ws, "session.done")
             assert [k for k, _ in got].count("audio.done") == 3 and got[-1][1]["total_sentences"] == 3
         assert app.state.server.admission.snapshot()["queue_full"] == 0
@@ -213,14 +207,11 @@ def test_look_ahead_takes_only_a_free_slot(tmp_path):
 def test_session_sample_rate_and_bad_messages(tmp_path):
     fake = FakeTTS()
     fake.gate.set()
-    app, c = fake_client(tmp_path, fake)
-    with c:
-        wait_ready(c, 5)
+    with serving(tmp_path, fake) as (app, c):
         with c.websocket_connect(PATH) as ws:
             ws.send_json({**CONFIG, "sample_rate": 8000})
             assert events(ws, "session.configured")[-1][1]["sample_rate"] == 8000
-            ws.send_json({"type": "input.text", "text": "Narrowband."})
-            ws.send_json({"type": "input.done"})
+            say(ws, "Narrowband.")
             got = events(ws, "session.done")
             start = [e for k, e in got if k == "audio.start"][0]
             done = [e for k, e in got if k == "audio.done"][0]
@@ -229,8 +220,7 @@ def test_session_sample_rate_and_bad_messages(tmp_path):
             ws.send_json({**CONFIG, "response_format": "ulaw"})
             configured = events(ws, "session.configured")[-1][1]
             assert configured["sample_rate"] == 8000 and configured["response_format"] == "ulaw"
-            ws.send_json({"type": "input.text", "text": "Telephone."})
-            ws.send_json({"type": "input.done"})
+            say(ws, "Telephone.")
             got = events(ws, "session.done")
             start = [e for k, e in got if k == "audio.start"][0]
             done = [e for k, e in got if k == "audio.done"][0]
@@ -255,9 +245,7 @@ def test_sessions_are_bounded_in_number_and_idle_time(tmp_path):
     with nothing to synthesise and no message for that long gets a 408 error event and is closed (before its config
     too), while one that is synthesising stays open however long the audio takes."""
     fake = FakeTTS(free=1)
-    app, c = fake_client(tmp_path, fake, max_ws_sessions=1, ws_idle_timeout_s=0.4)
-    with c:
-        wait_ready(c, 5)
+    with serving(tmp_path, fake, max_ws_sessions=1, ws_idle_timeout_s=0.4) as (app, c):
         with c.websocket_connect(PATH) as first:
             first.send_json(CONFIG)
             events(first, "session.configured")
@@ -287,17 +275,14 @@ def test_sessions_are_bounded_in_number_and_idle_time(tmp_path):
 def test_flush_speaks_the_unfinished_text_and_keeps_the_session(tmp_path):
     fake = FakeTTS()
     fake.gate.set()
-    app, c = fake_client(tmp_path, fake)
-    with c:
-        wait_ready(c, 5)
+    with serving(tmp_path, fake) as (app, c):
         with configured(c) as ws:
             ws.send_json({"type": "input.text", "text": "no sentence end here"})
             ws.send_json({"type": "input.flush"})
             got = events(ws, "audio.done")
             assert [e for k, e in got if k == "audio.start"][0]["sentence_text"] == "no sentence end here"
             ws.send_json({"type": "input.flush"})  # nothing buffered: nothing spoken
-            ws.send_json({"type": "input.text", "text": "Next turn."})
-            ws.send_json({"type": "input.done"})
+            say(ws, "Next turn.")
             got = events(ws, "session.done")
             assert [e["sentence_text"] for k, e in got if k == "audio.start"] == ["Next turn."]
             assert got[-1][1]["total_sentences"] == 2
@@ -319,9 +304,7 @@ def test_take_complete_waits_for_what_follows_a_period():
 
 def test_unfinished_sentence_is_bounded(tmp_path):
     fake = FakeTTS()
-    app, c = fake_client(tmp_path, fake, max_input_chars=50)
-    with c:
-        wait_ready(c, 5)
+    with serving(tmp_path, fake, max_input_chars=50) as (app, c):
         with configured(c) as ws:
             for _ in range(6):
                 ws.send_json({"type": "input.text", "text": "word " * 2})
@@ -333,12 +316,9 @@ def test_no_look_ahead_when_switched_off(tmp_path):
     import time
 
     fake = FakeTTS(free=1)
-    app, c = fake_client(tmp_path, fake, ws_lookahead=0)
-    with c:
-        wait_ready(c, 5)
+    with serving(tmp_path, fake, ws_lookahead=0) as (app, c):
         with configured(c) as ws:
-            ws.send_json({"type": "input.text", "text": "One. Two. Three."})
-            ws.send_json({"type": "input.done"})
+            say(ws, "One. Two. Three.")
             events(ws, "audio.start")
             time.sleep(0.3)
             assert [h.text for h in fake.handles if h.text != "Warm up."] == ["One."]
@@ -356,8 +336,7 @@ def test_next_sentence_tells_the_runtime_what_the_listener_still_has(tmp_path):
         with c:
             wait_ready(c, 5)
             with configured(c) as ws:
-                ws.send_json({"type": "input.text", "text": "One. Two."})
-                ws.send_json({"type": "input.done"})
+                say(ws, "One. Two.")
                 events(ws, "session.done")
         first, second = [h for h in fake.handles if h.text != "Warm up."]
         assert "buffered_s" not in first.opts and "after" not in first.opts
