@@ -193,8 +193,11 @@ def test_playback_slack_and_dit_order():
     chained.follows = prev
     assert playback_slack(prev, now) == pytest.approx(-0.5)
     assert playback_slack(chained, now) == pytest.approx(-0.5)  # needed once prev's audio runs out, at the earliest
+    prev.tokens = 100  # prev's LM is done: 4 s in all, 3 s of it still to come
+    assert playback_slack(chained, now) == pytest.approx(-0.5 + 3.0)
     chained.ttfa, chained.audio_seconds = 0.5, 2.0  # a chunk of its own already, prev still producing
-    assert playback_slack(chained, now) == pytest.approx(2.0 - 0.5)
+    assert playback_slack(chained, now) == pytest.approx(2.0 - 0.5 + 3.0)
+    prev.tokens = 0
     prev.audio_seconds, prev.total = 4.0, 1.5  # prev done: 4 s, heard 98.5 .. 102.5
     assert playback_slack(chained, now) == pytest.approx(2.0 + 2.5)  # its 2 s play from 102.5 on
     chained.ttfa, chained.audio_seconds = None, 0.0

@@ -34,6 +34,13 @@ def admit(waiting, running: int, free_slots: int, cfg: SchedulerConfig) -> int:
 
 
 _CHAIN = 8  # requests of one listener followed back at most (a conversation's earlier sentences)
+SPEECH_TOKENS_PER_S = 25  # CosyVoice3's speech tokens (one token = 0.04 s of audio)
+
+
+def _still_to_come(m: RequestMetrics) -> float:
+    """Audio seconds a running request will still deliver, as far as known: once its LM has finished
+    (`tokens` set) the rest of its tokens' audio, before that nothing yet (a lower bound)."""
+    return max(0.0, m.tokens / SPEECH_TOKENS_PER_S - m.audio_seconds) if m.tokens else 0.0
 
 
 def _needed_from(m: RequestMetrics, depth: int = 0) -> float | None:
@@ -63,16 +70,17 @@ def playback_slack(m: RequestMetrics, now: float, depth: int = 0) -> float:
     before it), from when that earlier audio runs out, if later. Before its first chunk (and for offline requests,
     which deliver one chunk at the end) it is the time until the listener needs it: minus the time since submission
     for a request on its own (the longer it has waited, the more urgent). While the request it follows is still
-    producing, it is at least that one's slack (the listener needs it after all of that one's audio)."""
+    producing, it is that one's slack plus the audio that one will still deliver, as far as known (the listener needs
+    it after all of that one's audio: otherwise a conversation's next sentence would compete with its current one)."""
     prev = getattr(m, "follows", None)
     if m.ttfa is None:
         need = _needed_from(m, depth)
         if need is None:
-            return playback_slack(prev, now, depth + 1)
+            return playback_slack(prev, now, depth + 1) + _still_to_come(prev)
         return need - now
     start = _playback_start(m, depth)
     if start is None:
-        return m.audio_seconds + playback_slack(prev, now, depth + 1)
+        return m.audio_seconds + playback_slack(prev, now, depth + 1) + _still_to_come(prev)
     return m.audio_seconds - (now - start)
 
 
