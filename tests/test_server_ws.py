@@ -129,7 +129,7 @@ def test_cancel_stops_the_sentence_and_the_session_goes_on(tmp_path):
     """Barge-in: input.cancel while a sentence streams cancels its runtime request (and the one synthesised ahead),
     drops the unfinished text, answers input.cancelled, and the session takes new text with the next index."""
     fake = FakeTTS(free=1)  # each sentence: one chunk at once, the rest held by the gate
-    with serving(tmp_path, fake) as (app, c):
+    with serving(tmp_path, fake, ws_lookahead=1) as (app, c):
         with configured(c) as ws:
             ws.send_json({"type": "input.text", "text": "First one. Second one. And a half"})
             got = events(ws, "audio.start")
@@ -174,7 +174,7 @@ def test_next_sentence_is_synthesised_while_the_current_one_streams(tmp_path):
     """Look-ahead: the second sentence's runtime request starts while the first is still held, yet its audio comes
     only after the first's audio.done (sentence order)."""
     fake = FakeTTS(free=1)
-    with serving(tmp_path, fake) as (app, c):
+    with serving(tmp_path, fake, ws_lookahead=1) as (app, c):
         with configured(c) as ws:
             say(ws, "One. Two. Three.")
             events(ws, "audio.start")
@@ -195,7 +195,7 @@ def test_look_ahead_takes_only_a_free_slot(tmp_path):
     other clients)."""
     fake = FakeTTS()
     fake.gate.set()
-    with serving(tmp_path, fake, max_in_flight=1, max_queue=0) as (app, c):
+    with serving(tmp_path, fake, max_in_flight=1, max_queue=0, ws_lookahead=1) as (app, c):
         with c.websocket_connect(PATH) as ws:
             ws.send_json(CONFIG)
             say(ws, "One. Two. Three.")
@@ -353,7 +353,7 @@ def test_a_sentence_refused_after_look_ahead_admission_gives_its_slot_back(tmp_p
     import time
 
     fake = FakeTTS(free=1)
-    app, c = fake_client(tmp_path, fake, max_input_chars=40)
+    app, c = fake_client(tmp_path, fake, max_input_chars=40, ws_lookahead=1)
     adm = app.state.server.admission
     with c:
         wait_ready(c, 5)

@@ -54,8 +54,8 @@ def add_arguments(p) -> None:
                    help="open websocket sessions (WS /v1/audio/speech/stream) at once; beyond: an error event")
     p.add_argument("--ws-idle-timeout-s", type=float, default=60.0,
                    help="close a websocket session with nothing to synthesise and no message for this long")
-    p.add_argument("--ws-lookahead", type=int, default=1,
-                   help="sentences a websocket session synthesises ahead of the one it sends (0: none)")
+    p.add_argument("--ws-lookahead", type=int, default=0,
+                   help="sentences a websocket session synthesises ahead of the one it sends (default 0: none)")
     p.add_argument("--no-ws-buffer-hints", action="store_true",
                    help="do not tell the runtime how much audio a websocket listener still has when a session's next "
                         "sentence starts (it then counts as urgent as a new session's first)")

@@ -20,9 +20,10 @@ harness (benchmarks/tts_serving/ws_client.py) speaks, plus barge-in:
     server, at the end: {"type": "session.done", "total_sentences"}, then it closes the socket.
     on a bad message or a failed sentence: {"type": "error", "error": {OpenAI error fields}, "code"} and close.
 
-The socket is read while audio is sent (a cancel or more text is seen at once), and the next complete sentence is
-synthesised while the current one streams (at most `ws_lookahead` sentences ahead, default 1; audio is always sent
-in sentence order), so a short sentence is not followed by a gap of the next one's time to first audio. Each sentence is
+The socket is read while audio is sent (a cancel or more text is seen at once). With `ws_lookahead` (default 0: off)
+the next complete sentences are synthesised while the current one streams (audio always sent in sentence order);
+later sentences carry priority hints (`ws_buffer_hints`: the audio the listener still has, the request they play
+after). Each sentence is
 admitted by the runtime's admission control on its own (a refusal is an error event). The handshake is checked like
 HTTP: API key (Authorization header), Host (app.py's guard) and Origin (browsers let any page open a WebSocket, so a
 keyless localhost server refuses foreign origins); a message is at most `ws_max_bytes` (uvicorn closes the socket

@@ -55,7 +55,9 @@ class ServerSettings:
     max_segment_units: int = 80    # long input is split into sentences merged up to this many tokens (upstream 80)
     max_ws_sessions: int = 64      # open WS /v1/audio/speech/stream sessions at once (beyond: an error event, 1013)
     ws_idle_timeout_s: float = 60.0  # a session with nothing to synthesise and no message for this long is closed
-    ws_lookahead: int = 1          # sentences a websocket session synthesises ahead of the one it sends (0: none)
+    # sentences a websocket session synthesises ahead of the one it sends (0: none; off by default: on the CPU it
+    # added stalls once synthesis was the bottleneck, BENCHMARKS.md thirteenth session; the GPU is not measured)
+    ws_lookahead: int = 0
     ws_buffer_hints: bool = True   # a session's next sentence tells the runtime how much audio its listener still has
 
     def __post_init__(self):

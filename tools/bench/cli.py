@@ -56,7 +56,7 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("agent suite (voice-agent websocket sessions, Poisson arrivals)")
     g.add_argument("--agent-rates", default="0.5,1,2", help="session arrival rates (sessions/s)")
     g.add_argument("--agent-duration-s", type=float, default=20.0, help="seconds of session arrivals per cell")
-    g.add_argument("--agent-settings", default="ws_lookahead=0+ws_buffer_hints=0,ws_lookahead=1+ws_buffer_hints=0,"
+    g.add_argument("--agent-settings", default="ws_lookahead=0+ws_buffer_hints=0,ws_lookahead=0+ws_buffer_hints=1,"
                                                 "ws_lookahead=1+ws_buffer_hints=1",
                    help="server settings to compare, comma-separated, each NAME=N[+NAME=N] (int / bool fields)")
     g.add_argument("--agent-words-per-s", type=float, default=12.0, help="the simulated LLM's text speed")
