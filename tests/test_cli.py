@@ -117,6 +117,16 @@ def test_synth_batch_writes_each_line_as_synthesised_alone(tmp_path, capsys):
     assert summary["ok"] == 1 and summary["skipped"] == 2 and (out / "a.wav").exists()
 
 
+def test_synth_batch_concurrency_is_capped_at_the_runtime_slots(tmp_path, capsys):
+    from cosytrt.runtime.scheduling.config import SchedulerConfig
+
+    jobs = _jobs(tmp_path, {"text": "One.", "force_tokens": 5}, {"text": "Two.", "force_tokens": 5})
+    slots = SchedulerConfig().max_in_flight
+    assert main(["synth", "--batch", jobs, "--out-dir", str(tmp_path / "o"), "--concurrency", str(slots + 100),
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["concurrency"] == slots
+
+
 def test_synth_batch_line_failure_is_isolated(tmp_path, capsys):
     (tmp_path / "not_audio.wav").write_bytes(b"this is not audio")
     jobs = _jobs(tmp_path, {"text": "Fine.", "out": "ok.wav", "force_tokens": 10},

@@ -156,7 +156,10 @@ def run(args, tts_factory) -> int:
     if not os.access(out_dir, os.W_OK):
         raise InputError(f"--out-dir {out_dir!r} is not writable")
     tts = tts_factory()
-    concurrency = args.concurrency or int(getattr(getattr(tts, "admission", None), "max_in_flight", 8))
+    # at most the runtime's slots: a request beyond them would wait for admission, and one waiting past the
+    # admission timeout behind long utterances would fail although nothing is wrong with it
+    slots = int(getattr(getattr(tts, "admission", None), "max_in_flight", 8))
+    concurrency = min(args.concurrency or slots, slots)
     from tqdm import tqdm
 
     bar = tqdm(total=len(jobs), desc="synthesising", unit="utt", file=sys.stderr, disable=args.json)
