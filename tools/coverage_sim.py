@@ -113,7 +113,7 @@ class HiFTWindows:
 
 class _Metrics:  # what playback_slack reads
     def __init__(self, t_submit: float):
-        self.t_submit, self.ttfa, self.audio_seconds, self.buffered_s = t_submit, None, 0.0, 0.0
+        self.t_submit, self.ttfa, self.audio_seconds, self.buffered_s, self.follows = t_submit, None, 0.0, 0.0, None
 
 
 class _Req:

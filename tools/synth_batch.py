@@ -163,12 +163,9 @@ def run(args, tts_factory) -> int:
     from tqdm import tqdm
 
     bar = tqdm(total=len(jobs), desc="synthesising", unit="utt", file=sys.stderr, disable=args.json)
-    failed_lines: list[int] = []
-
     def progress(r: dict) -> None:
         bar.update(1)
         if r["status"] == "error":
-            failed_lines.append(r["line"])
             bar.write(f"line {r['line']}: {r['error']}", file=sys.stderr)
 
     t0 = time.perf_counter()

@@ -115,12 +115,19 @@ class AdmissionControl:
         return QueueFullError(f"{what}: too many requests: {self.in_flight} in flight and {len(self._waiters)} "
                               f"waiting (max_in_flight={self.max_in_flight}, max_waiting={self.max_waiting})")
 
-    def _enter_locked(self, what: str, wake) -> Ticket | _Waiter:
-        """A ticket at once, a queued waiter, or raise QueueFullError."""
+    def _free_ticket_locked(self) -> Ticket | None:
+        """A ticket if a slot is free and nobody waits for one (they come first), else None."""
         if self.in_flight < self.max_in_flight and not self._waiters:
             self.in_flight += 1
             self.counts["admitted"] += 1
             return Ticket(self)
+        return None
+
+    def _enter_locked(self, what: str, wake) -> Ticket | _Waiter:
+        """A ticket at once, a queued waiter, or raise QueueFullError."""
+        ticket = self._free_ticket_locked()
+        if ticket is not None:
+            return ticket
         if self.on_full == "reject" or (self.max_waiting is not None and len(self._waiters) >= self.max_waiting):
             raise self._refusal(what)
         waiter = _Waiter(wake)
@@ -157,11 +164,7 @@ class AdmissionControl:
         """A ticket if one is free now and nobody waits for one, else None (nothing queued, nothing counted as a
         refusal): for optional work such as synthesising a session's next sentence ahead."""
         with self._lock:
-            if self.in_flight < self.max_in_flight and not self._waiters:
-                self.in_flight += 1
-                self.counts["admitted"] += 1
-                return Ticket(self)
-        return None
+            return self._free_ticket_locked()
 
     async def admit_async(self, what: str = "request", timeout: float | None = None) -> Ticket:
         """`admit` for a coroutine: waits on the event loop (no thread held). Cancelling it while it waits leaves

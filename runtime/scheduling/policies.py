@@ -46,15 +46,16 @@ def _still_to_come(m: RequestMetrics) -> float:
 def _needed_from(m: RequestMetrics, depth: int = 0) -> float | None:
     """When the listener runs out of the audio that plays before `m` (perf_counter time): its submission plus the
     `buffered_s` it came with, or later the end of the request it follows; None while that one is still producing."""
-    t = m.t_submit + getattr(m, "buffered_s", 0.0)
-    prev = getattr(m, "follows", None)
+    t = m.t_submit + m.buffered_s
+    prev = m.follows
     if prev is not None and depth < _CHAIN:
-        if not prev.total or prev.ttfa is None:  # still running (or it produced nothing: then it does not count)
-            return None if not prev.total else t
-        start = _playback_start(prev, depth + 1)
-        if start is None:
-            return None
-        t = max(t, start + prev.audio_seconds)
+        if not prev.total:
+            return None  # still producing
+        if prev.ttfa is not None:  # it delivered audio (one that ended without any does not count)
+            start = _playback_start(prev, depth + 1)
+            if start is None:
+                return None
+            t = max(t, start + prev.audio_seconds)
     return t
 
 
@@ -72,7 +73,7 @@ def playback_slack(m: RequestMetrics, now: float, depth: int = 0) -> float:
     for a request on its own (the longer it has waited, the more urgent). While the request it follows is still
     producing, it is that one's slack plus the audio that one will still deliver, as far as known (the listener needs
     it after all of that one's audio: otherwise a conversation's next sentence would compete with its current one)."""
-    prev = getattr(m, "follows", None)
+    prev = m.follows
     if m.ttfa is None:
         need = _needed_from(m, depth)
         if need is None:

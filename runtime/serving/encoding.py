@@ -182,15 +182,18 @@ class Resampler:
         return np.concatenate([out, tail]) if tail.size else out
 
 
+def encode_at(wav: np.ndarray, rate_in: int, rate_out: int, fmt: str) -> bytes:
+    """`encode_audio` of `wav` (at the model's `rate_in`) at the response's `rate_out`, resampled when they differ.
+    Blocking: run it off the event loop."""
+    if rate_out != rate_in:
+        wav = Resampler(rate_in, rate_out).whole(wav)
+    return encode_audio(wav, rate_out, fmt)
+
+
 def pcm_headers(sample_rate: int, fmt: str = "pcm") -> dict:
     """What raw samples are (peer clients read these): rate, channels, bits (8 for G.711), encoding."""
     return {"X-Sample-Rate": str(sample_rate), "X-Channels": "1", "X-Bit-Depth": "8" if fmt in G711_FORMATS else "16",
             "X-Encoding": {"pcm": "pcm_s16le", "ulaw": "mulaw", "alaw": "alaw"}[fmt]}
-
-
-def default_sample_rate(fmt: str, model_rate: int) -> int:
-    """The output rate of a request that gives none: the model's, but 8 kHz for G.711 (defined only there)."""
-    return 8000 if fmt in G711_FORMATS else model_rate
 
 
 # ------------------------------------------------------------------------------------------------ upload decoding

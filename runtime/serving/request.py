@@ -4,9 +4,9 @@ options.
 OpenAI's fields (`model` required, `input`, `voice` (optional here: the model's default voice), `response_format`,
 `speed`, `instructions`, `stream_format`) plus ours (`seed`, `stream`, `instruct`, `max_tokens`, `force_tokens`,
 `ref_audio` / `ref_text` inline cloning, `sample_rate` of the output: 8–48 kHz, e.g. 8000 for telephony) and an
-allow-list of extras that peer clients and benchmarks send (vllm-omni, sglang-omni): `max_new_tokens` (= `max_tokens`), `language`, `task_type`, `top_p`, `top_k`, and knobs
-accepted but not used (`temperature`, `repetition_penalty`, ...). `strict` turns the extras off (400 on any
-unknown field)."""
+allow-list of extras that peer clients and benchmarks send (vllm-omni, sglang-omni): `max_new_tokens` (=
+`max_tokens`), `language`, `task_type`, `top_p`, `top_k`, and knobs accepted but not used (`temperature`,
+`repetition_penalty`, ...). `strict` turns the extras off (400 on any unknown field)."""
 from __future__ import annotations
 
 import json
@@ -202,8 +202,8 @@ def parse_speech_request(body, settings: ServerSettings) -> SpeechParams:
     # since OpenAI-style clients send the same body and read a chunked WAV
     sse_wav = settings.stream_wav_sse and stream and b.stream_format is None and fmt == "wav"
     if stream and fmt not in STREAM_FORMATS:
-        raise invalid(f"streaming supports response_format {', '.join(STREAM_FORMATS)}, not {fmt!r}", "response_format",
-                      "unsupported_value")
+        raise invalid(f"streaming supports response_format {', '.join(STREAM_FORMATS)}, not {fmt!r}",
+                      "response_format", "unsupported_value")
     if stream and speed != 1.0:
         raise invalid("speed applies offline only (as upstream, the whole mel is resampled): send stream=false or "
                       "speed 1.0", "speed", "unsupported_value")

@@ -14,7 +14,7 @@ import uuid
 
 import numpy as np
 
-from .encoding import MEDIA_TYPES, Resampler, encode_audio
+from .encoding import MEDIA_TYPES, encode_at
 from .errors import APIError, from_runtime_error, invalid
 from .http import check_content_type, read_body_capped, until_done_or_gone
 from .jobs import SpeechJob, _ClientGone, segment_text, tracked_job
@@ -35,14 +35,12 @@ async def synthesize_item(state, params, ticket) -> dict:
     async with tracked_job(state, job, ticket):
         parts = [c async for c in job.chunks()]
     wav = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    seconds = round(wav.size / state.sample_rate, 4)
-    loop = asyncio.get_running_loop()
     sr = params.sample_rate or state.sample_rate
-    if sr != state.sample_rate:
-        wav = await loop.run_in_executor(None, Resampler(state.sample_rate, sr).whole, wav)
-    data = await loop.run_in_executor(None, encode_audio, wav, sr, params.response_format)
+    data = await asyncio.get_running_loop().run_in_executor(None, encode_at, wav, state.sample_rate, sr,
+                                                            params.response_format)
     return {"status": "ok", "media_type": MEDIA_TYPES[params.response_format],
-            "audio_data": base64.b64encode(data).decode("ascii"), "audio_seconds": seconds, "sample_rate": sr}
+            "audio_data": base64.b64encode(data).decode("ascii"),
+            "audio_seconds": round(wav.size / state.sample_rate, 4), "sample_rate": sr}
 
 
 def item_error(e: BaseException) -> dict:

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from ...engines.errors import CosytrtError
-from .encoding import MEDIA_TYPES, RAW_FORMATS, Resampler, encode_audio, pcm_headers
+from .encoding import MEDIA_TYPES, RAW_FORMATS, encode_at, pcm_headers
 from .errors import APIError, from_runtime_error, invalid
 from .http import BIG_BODY, check_content_type, read_body_capped, until_done_or_gone
 from .jobs import SpeechJob, _ClientGone, segment_text
@@ -128,8 +128,6 @@ def add_speech_routes(app, state) -> None:
         headers = {"X-Audio-Seconds": f"{wav.size / sr:.4f}", **extra}
         if job.metrics is not None:
             headers["X-Speech-Tokens"] = str(int(getattr(job.metrics, "tokens", 0) or 0))
-        loop = asyncio.get_running_loop()
-        if sr_out != sr:
-            wav = await loop.run_in_executor(None, Resampler(sr, sr_out).whole, wav)
-        body = await loop.run_in_executor(None, encode_audio, wav, sr_out, params.response_format)
+        body = await asyncio.get_running_loop().run_in_executor(None, encode_at, wav, sr, sr_out,
+                                                                params.response_format)
         return Response(body, media_type=MEDIA_TYPES[params.response_format], headers=headers)

@@ -77,11 +77,15 @@ class _Sentence:
         self.index, self.text = index, text
         self.out: asyncio.Queue = asyncio.Queue()
         self.task: asyncio.Task | None = None
-        self.submitted = False  # its runtime request exists (a sentence after it may start)
         self.job = None  # its SpeechJob (job.handle: the runtime request, the next sentence's `after`)
         self.announced = False  # audio.start sent
         self.sent = 0
-        self.held: list[bytes] = []  # stream_audio false: the sentence's PCM until it ends
+        self.held: list[np.ndarray] = []  # stream_audio false: the sentence's samples until it ends
+
+    @property
+    def handle(self):
+        """Its runtime request once submitted (a sentence after it may start then), else None."""
+        return None if self.job is None else self.job.handle
 
 
 def add_ws_routes(app, state) -> None:
@@ -97,13 +101,16 @@ def add_ws_routes(app, state) -> None:
                             "code": err.code or "error"})
         await ws.close(code=close_code or (1008 if err.status < 500 else 1011))
 
+    def idle_closed() -> APIError:
+        state.metrics.ws_event("idle_closed")
+        return APIError(408, f"no message for {settings.ws_idle_timeout_s:g} s with nothing to synthesise: session "
+                             f"closed (--ws-idle-timeout-s)", code="session_idle")
+
     async def receive_json(ws, idle_s: float | None = None) -> dict:
         try:
             msg = await asyncio.wait_for(ws.receive_text(), idle_s)
         except asyncio.TimeoutError:
-            state.metrics.ws_event("idle_closed")
-            raise APIError(408, f"no message for {idle_s:g} s with nothing to synthesise: session closed "
-                                f"(--ws-idle-timeout-s)", code="session_idle") from None
+            raise idle_closed() from None
         event = load_json(msg.encode("utf-8", "surrogatepass"), settings)  # depth-checked; 400 if not JSON
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             raise invalid("messages must be JSON objects with a 'type'", "type", "invalid_type")
@@ -132,7 +139,6 @@ def add_ws_routes(app, state) -> None:
                 s.job = job
                 resample = Resampler(state.sample_rate, sr_out)
                 async with tracked_job(state, job, ticket):
-                    s.submitted = True
                     s.out.put_nowait(_START)
                     async for chunk in job.chunks():
                         s.out.put_nowait(resample(chunk))
@@ -193,12 +199,21 @@ def add_ws_routes(app, state) -> None:
             """Audio seconds sent and not yet played (a lower bound: the sentence being sent has more to come)."""
             return 0.0 if play_start is None else max(0.0, sent_s - (time.perf_counter() - play_start))
 
+        async def send_audio(s: _Sentence, samples: np.ndarray) -> None:
+            nonlocal play_start, sent_s
+            data = raw_audio(samples, fmt)
+            if data:
+                await ws.send_bytes(data)
+                s.sent += len(data)
+                play_start = play_start or time.perf_counter()
+                sent_s += samples.size / sr_out
+
         try:
             while True:
                 while pending and len(active) <= settings.ws_lookahead:
                     # the sentence being sent waits for admission as any request; one ahead of it only takes a slot
                     # that is free now (else it starts when the current one is done, as without look-ahead)
-                    if active and not active[-1].submitted:
+                    if active and active[-1].handle is None:
                         break  # the runtime gets the sentences in order (the one before holds its ticket then)
                     ticket = state.try_admit() if active else None
                     if active and ticket is None:
@@ -206,7 +221,7 @@ def add_ws_routes(app, state) -> None:
                     s = _Sentence(index, pending.popleft())
                     index += 1
                     s.task = asyncio.create_task(synthesize(s, base, stream_audio, sr_out, ticket, buffered(),
-                                                            last.job.handle if last is not None and last.job else None))
+                                                            last.handle if last is not None else None))
                     last = s
                     state.metrics.ws_event("sentences")
                     active.append(s)
@@ -220,9 +235,7 @@ def add_ws_routes(app, state) -> None:
                 finished, _ = await asyncio.wait([t for t in (get_event, get_item) if t is not None], timeout=idle,
                                                  return_when=asyncio.FIRST_COMPLETED)
                 if not finished:
-                    state.metrics.ws_event("idle_closed")
-                    raise APIError(408, f"no message for {idle:g} s with nothing to synthesise: session closed "
-                                        f"(--ws-idle-timeout-s)", code="session_idle")
+                    raise idle_closed()
                 if get_event.done():
                     event, get_event = get_event.result(), None
                     if event is None:
@@ -271,25 +284,14 @@ def add_ws_routes(app, state) -> None:
                                             "sentence_text": s.text, "format": fmt, "sample_rate": sr_out})
                     elif item is _END:
                         if s.held:
-                            data = b"".join(s.held)
-                            await ws.send_bytes(data)
-                            s.sent = len(data)
-                            if play_start is None:
-                                play_start = time.perf_counter()
-                            sent_s += len(data) / (2 if fmt == "pcm" else 1) / sr_out
+                            await send_audio(s, np.concatenate(s.held))
                         await ws.send_json({"type": "audio.done", "sentence_index": s.index,
                                             "total_bytes": s.sent, "error": False})
                         active.popleft()
-                    else:
-                        data = raw_audio(item, fmt)
-                        if data and stream_audio:
-                            await ws.send_bytes(data)
-                            s.sent += len(data)
-                            if play_start is None:
-                                play_start = time.perf_counter()
-                            sent_s += item.size / sr_out
-                        elif data:
-                            s.held.append(data)
+                    elif stream_audio:
+                        await send_audio(s, item)
+                    elif item.size:
+                        s.held.append(item)
             await ws.send_json({"type": "session.done", "total_sentences": index})
             await ws.close(code=1000)
         finally:

@@ -8,7 +8,8 @@ from ...engines.errors import InputError
 
 SERVE_PACKAGES = ((("fastapi",), "fastapi"), (("uvicorn",), "uvicorn"),
                   (("python_multipart", "multipart"), "python-multipart"), (("prometheus_client",), "prometheus-client"),
-                  (("pydantic",), "pydantic"), (("websockets", "wsproto"), "websockets"))  # (import names, pip name)
+                  (("pydantic",), "pydantic"),
+                  (("websockets", "wsproto"), "websockets"))  # (import names, pip name)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 

@@ -24,9 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .playback import percentile
-
-SAMPLE_RATE = 24000
+from .playback import distribution
 
 
 @dataclass(frozen=True)
@@ -106,15 +104,11 @@ def summarize_agent(records: list[SessionRecord], wall_s: float) -> dict:
     ttfa = [x for p in parts for x in p["sentence_ttfa"]]
     first = [p["sentence_ttfa"][0] for p in parts if p["sentence_ttfa"]]
     audio = sum(p["audio_s"] for p in parts)
-
-    def dist(v):
-        return {"p50": percentile(v, 50), "p95": percentile(v, 95), "p99": percentile(v, 99), "n": len(v)}
-
     return {"sessions": len(records), "completed": len(parts),
             "failed": sum(r.error is not None for r in records),
             "unfinished": sum(not r.done and r.error is None for r in records),
             "sentences": sum(len(r.plan.sentences) for r in records),
-            "sentence_ttfa": dist(ttfa), "first_sentence_ttfa": dist(first),
+            "sentence_ttfa": distribution(ttfa), "first_sentence_ttfa": distribution(first),
             "stalled_sessions": sum(p["stalls"] > 0 for p in parts), "stalls": sum(p["stalls"] for p in parts),
             "stall_s": sum(p["stall_s"] for p in parts), "text_bound_s": sum(p["text_bound_s"] for p in parts),
             "audio_s": audio, "audio_s_per_s": audio / wall_s if wall_s > 0 else None, "wall_s": wall_s,

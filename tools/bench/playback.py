@@ -40,7 +40,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-def _dist(values: Sequence[float]) -> dict:
+def distribution(values: Sequence[float]) -> dict:
     return {"p50": percentile(values, 50), "p95": percentile(values, 95), "p99": percentile(values, 99),
             "max": max(values) if values else None, "n": len(values)}
 
@@ -77,7 +77,7 @@ def ttfa_parts(records: Sequence[RequestRecord]) -> dict:
         rows.append({name: (r.ttfa_s if b is None else m[b]) - (0.0 if a is None else m[a])
                      for name, a, b in TTFA_PARTS})
     total = sum(sum(x.values()) for x in rows)
-    return {name: {**_dist([x[name] for x in rows]),
+    return {name: {**distribution([x[name] for x in rows]),
                    "share": sum(x[name] for x in rows) / total if total > 0 else None}
             for name, _, _ in TTFA_PARTS} if rows else {}
 
@@ -119,9 +119,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, end_t: float,
     return {"requests": len(records), "streams": len(streams), "offline": len(offline),
             "completed": counts[OK], "failed": counts[FAILED], "unfinished": counts[UNFINISHED],
             "not_submitted": counts[NOT_SUBMITTED],
-            "ttfa": {**_dist(ttfa), "censored": ttfa_censored},
+            "ttfa": {**distribution(ttfa), "censored": ttfa_censored},
             "ttfa_parts": ttfa_parts(records),
-            "offline_latency": {**_dist(latency), "censored": latency_censored},
+            "offline_latency": {**distribution(latency), "censored": latency_censored},
             "inter_chunk_p95": percentile(gaps, 95),
             "underrun_requests": with_underrun, "underrun_fraction": with_underrun / len(per) if per else None,
             "underrun_events": sum(n for n, _ in per), "stall_s": sum(s for _, s in per),
