@@ -258,6 +258,17 @@ def _fmt(v, f=".3f"):
     return "-" if v is None else format(v, f)
 
 
+def _gpu_memory(device) -> dict:
+    """Reserved / allocated GPU memory and the device's used share, in GB, after a set-up (graph pools included);
+    empty on the CPU."""
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    return {"gpu_reserved_gb": round(torch.cuda.memory_reserved(device) / 1e9, 2),
+            "gpu_allocated_gb": round(torch.cuda.memory_allocated(device) / 1e9, 2),
+            "gpu_used_gb": round((total - free) / 1e9, 2)}
+
+
 def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec: OpenLoopSpec, rates: list[float],
                     drain_s: float, ab: list[str]) -> dict:
     """The rate sweep (per A/B setting) on the `variant` pipeline; results under bench.results["open_loop"], saved
@@ -287,8 +298,9 @@ def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec: Ope
         t = time.perf_counter()
         tts = start_tts(pipe, dataclasses.replace(base, **overrides))
         setup = time.perf_counter() - t
-        out["settings"].append({"label": label, "overrides": overrides, "scheduler_setup_s": setup})
-        log(f"open loop {variant} / {label}: scheduler ready in {setup:.1f}s")
+        mem = _gpu_memory(pipe.device)
+        out["settings"].append({"label": label, "overrides": overrides, "scheduler_setup_s": setup, **mem})
+        log(f"open loop {variant} / {label}: scheduler ready in {setup:.1f}s; GPU memory {mem}")
         if len(out["settings"]) == 1 and getattr(bench.args, "compile_cache", None):
             # the compiles are done: keep them even if the device call's time limit cuts the cells short (a cold
             # compiled set-up can take most of a call; the next call then starts from this cache)
