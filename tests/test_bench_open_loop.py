@@ -78,13 +78,15 @@ def test_summarize_cell():
 def test_ttfa_parts_split_time_to_first_audio():
     from cosytrt.tools.bench.playback import ttfa_parts
 
-    marks = {"prefill": 0.01, "dit_queued": 0.11, "dit_start": 0.13, "dit_end": 0.18}
+    marks = {"tokenized": 0.002, "frontend_done": 0.005, "prefill": 0.01, "dit_queued": 0.11, "dit_start": 0.13,
+             "dit_end": 0.18}
     recs = [RequestRecord(0.0, 3.0, True, [0.2], [1.0], marks=marks, ttfa_s=0.2),
             RequestRecord(1.0, 3.0, True, [1.4], [1.0], marks={k: 2 * v for k, v in marks.items()}, ttfa_s=0.4),
             RequestRecord(2.0, 2.0, False, [2.5], [2.0], marks=marks, ttfa_s=0.5),    # offline: not counted
             RequestRecord(3.0, 2.0, True, [3.5], [2.0], marks={"prefill": 0.1}, ttfa_s=0.5)]  # marks missing
     p = ttfa_parts(recs)
-    assert p["frontend_queue"]["n"] == 2 and p["frontend_queue"]["max"] == pytest.approx(0.02)
+    assert p["tokenizer"]["n"] == 2 and p["tokenizer"]["max"] == pytest.approx(0.004)
+    assert p["frontend"]["p50"] == pytest.approx(0.0045) and p["admission"]["max"] == pytest.approx(0.01)
     assert p["ar"]["p50"] == pytest.approx(0.15) and p["dit_wait"]["max"] == pytest.approx(0.04)
     assert p["dit"]["p50"] == pytest.approx(0.075) and p["vocoder"]["max"] == pytest.approx(0.04)
     assert sum(v["share"] for v in p.values()) == pytest.approx(1.0)
@@ -241,7 +243,7 @@ def test_tiny_open_loop_sweep(tiny_open_loop):
         assert c["dit_frames"].keys() == {"frames_computed", "frames_reused", "cache_fallbacks"}
         assert sum(v["calls"] for v in c["dit_calls"].values()) >= c["requests"]
         parts = c["ttfa_parts"]  # every stream has all marks: the parts add up to its time to first audio
-        assert set(parts) == {"frontend_queue", "ar", "dit_wait", "dit", "vocoder"}
+        assert set(parts) == {"tokenizer", "frontend", "admission", "ar", "dit_wait", "dit", "vocoder"}
         assert all(p["n"] == c["streams"] and p["p50"] >= 0 for p in parts.values())
         assert sum(p["share"] for p in parts.values()) == pytest.approx(1.0)
         assert c["underrun_requests"] <= c["streams"]
@@ -267,7 +269,7 @@ def _cell(setting, rate, offered, achieved, p50, under):
             "fallbacks": 13, "dit_frames": {"frames_computed": 5000, "frames_reused": None}, "compiles": 0,
             "peak_gpu_gb": 30.0,
             "ttfa_parts": {k: {"p50": 0.01, "p95": 0.02, "share": 0.2}
-                           for k in ("frontend_queue", "ar", "dit_wait", "dit", "vocoder")},
+                           for k in ("tokenizer", "frontend", "admission", "ar", "dit_wait", "dit", "vocoder")},
             "dit_calls": {"cached/step": {"calls": 40, "rows": 100, "rows_per_call": 2.5}},
             "cached_hops": {"hits": 30, "misses": 10, "capture_failed": 0,
                             "shapes": {"1,100,200": 25, "2,200,400": 5, "9,100,0": 10},

@@ -261,6 +261,7 @@ class Scheduler:
         t0 = time.perf_counter()
         inputs = prepare_inputs(self.pipeline.frontend, r.req, self.pipeline.default_speaker)
         r.metrics.t_tokenizer = time.perf_counter() - t0
+        r.metrics.mark("tokenized")
         with self._frontend_stream_ctx():
             flow_prompt(r, inputs, self.device)
             lm_input(r, inputs, self.lm, self.device)
@@ -268,3 +269,4 @@ class Scheduler:
         self.pipeline._check_noise(inputs, r.req)
         token_policy(r, inputs, self.lm, self.ar_max_len, noise_room=self.pipeline.noise_room(inputs))
         self.token2wav.start(r)
+        r.metrics.mark("frontend_done")

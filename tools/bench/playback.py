@@ -60,19 +60,21 @@ class RequestRecord:
 
 
 # time to first audio split at RequestMetrics.marks: (part, mark it starts at, mark it ends at); None = submit / ttfa
-TTFA_PARTS = (("frontend_queue", None, "prefill"), ("ar", "prefill", "dit_queued"), ("dit_wait", "dit_queued",
-              "dit_start"), ("dit", "dit_start", "dit_end"), ("vocoder", "dit_end", None))
+TTFA_PARTS = (("tokenizer", None, "tokenized"), ("frontend", "tokenized", "frontend_done"),
+              ("admission", "frontend_done", "prefill"), ("ar", "prefill", "dit_queued"),
+              ("dit_wait", "dit_queued", "dit_start"), ("dit", "dit_start", "dit_end"), ("vocoder", "dit_end", None))
+_TTFA_MARKS = tuple(dict.fromkeys(m for _, a, b in TTFA_PARTS for m in (a, b) if m is not None))
 
 
 def ttfa_parts(records: Sequence[RequestRecord]) -> dict:
-    """Where the first audio's time went, over the streams that have every mark: per part (frontend + admission
-    queue, AR up to the first hop, DiT queue wait, the first DiT job, vocoder + copy to the host) p50 / p95 / p99 /
-    max of its seconds, and its share of the summed time to first audio."""
+    """Where the first audio's time went, over the streams that have every mark: per part (the text frontend, the
+    prompt features / LM input / uploads, the wait for a KV slot and the AR loop, AR up to the first hop, DiT queue
+    wait, the first DiT job, vocoder + copy to the host) p50 / p95 / p99 / max of its seconds, and its share of the
+    summed time to first audio."""
     rows = []
     for r in records:
         m = r.marks or {}
-        if not r.stream or r.ttfa_s is None or any(k not in m for k in ("prefill", "dit_queued", "dit_start",
-                                                                        "dit_end")):
+        if not r.stream or r.ttfa_s is None or any(k not in m for k in _TTFA_MARKS):
             continue
         rows.append({name: (r.ttfa_s if b is None else m[b]) - (0.0 if a is None else m[a])
                      for name, a, b in TTFA_PARTS})

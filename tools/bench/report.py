@@ -312,8 +312,8 @@ def open_loop_tables(res: dict) -> str:
                  for c in cells if "error" not in c and c.get("ttfa_parts")]
     if ttfa_rows:
         parts.append("**Open loop: where time to first audio goes** (streams; p50 / p95 s, share of the summed TTFA): "
-                     "frontend + admission queue, AR up to the first hop, DiT queue wait, the first DiT job, vocoder "
-                     "+ copy\n\n" + _md(["setting", "req/s"] + [name for name, _, _ in TTFA_PARTS], ttfa_rows))
+                     "text frontend, prompt features + LM input, admission (KV slot, AR loop), AR up to the first hop, "
+                     "DiT queue wait, the first DiT job, vocoder + copy\n\n" + _md(["setting", "req/s"] + [name for name, _, _ in TTFA_PARTS], ttfa_rows))
     kinds = sorted({k for c in cells for k in (c.get("dit_calls") or {})})
     if kinds:
         parts.append("**Open loop: DiT calls per kind** (calls / rows per call; '/step': one Euler step per call)\n\n"
