@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,7 @@ MEL_BINS = 80
 TOKEN_MEL_RATIO = 2
 SPEAKER_FORMAT = "cosytrt-speaker"
 SPEAKER_FORMAT_VERSION = 1
+_PROMPT_MEMO = 256  # prompt texts whose token ids a Frontend keeps
 
 
 @dataclass
@@ -99,6 +101,19 @@ def load_speaker(path: str) -> SavedSpeaker:
     features = PromptFeatures(tensors["speech_tokens"], tensors["mel"], tensors["embedding"])
     _check_features(features, path)
     return SavedSpeaker(features, meta["prompt_text"])
+
+
+def _stamp(f: PromptFeatures) -> tuple:
+    """(tensor identity, storage, in-place version) of each feature tensor: changes when one is replaced or
+    written in place (inference tensors keep no version: their identity and storage stand for it)."""
+    out = []
+    for t in (f.speech_tokens, f.mel, f.embedding):
+        try:
+            version = t._version
+        except (RuntimeError, AttributeError):
+            version = None
+        out.append((id(t), t.data_ptr() if isinstance(t, torch.Tensor) else None, version))
+    return tuple(out)
 
 
 def _check_features(f: PromptFeatures, where: str) -> None:
@@ -237,24 +252,38 @@ class Frontend:
 
     def _features(self, prompt_wav, sr, features: PromptFeatures | None) -> PromptFeatures:
         if features is not None:
-            _check_features(features, "prompt features")
+            # a saved voice's features come request after request: checked once per content version
+            stamp = _stamp(features)
+            if getattr(features, "_cosytrt_checked", None) != stamp:
+                _check_features(features, "prompt features")
+                features._cosytrt_checked = stamp
             return features
         if prompt_wav is None:
             raise InputError("a request needs reference audio (prompt_wav) or saved prompt features")
         return self.prompt_features(prompt_wav, sr)
 
-    def _encode(self, text: str) -> torch.Tensor:
-        return torch.tensor(self.tokenizer.encode(text), dtype=torch.int64)
+    def _encode_prompt(self, prompt_text: str) -> tuple[int, ...]:
+        """Token ids of a prompt text (a saved voice's transcript or an instruction: the same string request after
+        request), memoized (a bounded LRU per frontend)."""
+        memo = self.__dict__.setdefault("_prompt_ids", OrderedDict())
+        ids = memo.get(prompt_text)
+        if ids is None:
+            ids = memo[prompt_text] = tuple(self.tokenizer.encode(prompt_text))
+            if len(memo) > _PROMPT_MEMO:
+                memo.popitem(last=False)
+        else:
+            memo.move_to_end(prompt_text)
+        return ids
 
     def _request(self, mode: str, prompt_text: str, tts_text: str, features: PromptFeatures,
                  lm_gets_prompt_speech: bool) -> LMRequestInputs:
-        prompt_ids = self._encode(prompt_text) if prompt_text else torch.zeros(0, dtype=torch.int64)
-        text_ids = self._encode(tts_text)
-        if text_ids.numel() == 0:
+        prompt_ids = self._encode_prompt(prompt_text) if prompt_text else ()
+        text_ids = self.tokenizer.encode(tts_text)
+        if not text_ids:
             raise InputError("tts text gives no tokens")
         lm_tokens = features.speech_tokens if lm_gets_prompt_speech else torch.zeros(0, dtype=torch.int64)
-        return LMRequestInputs(mode=mode, text_ids=torch.cat([prompt_ids, text_ids]),
-                               prompt_text_len=int(prompt_ids.numel()), text_len=int(text_ids.numel()),
+        return LMRequestInputs(mode=mode, text_ids=torch.tensor([*prompt_ids, *text_ids], dtype=torch.int64),
+                               prompt_text_len=len(prompt_ids), text_len=len(text_ids),
                                prompt_speech_tokens=lm_tokens.to(torch.int64),
                                flow_prompt_tokens=features.speech_tokens.to(torch.int64),
                                flow_prompt_mel=features.mel.to(torch.float32),

@@ -300,31 +300,49 @@ class CosyVoice3LM(nn.Module):
     def embed_speech(self, ids: torch.Tensor) -> torch.Tensor:
         return self.speech_embedding(ids)
 
-    def build_lm_input(self, text_ids: torch.Tensor, prompt_speech_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def build_lm_input(self, text_ids: torch.Tensor, prompt_speech_ids: torch.Tensor | None = None, *,
+                       prompt_speech_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """[sos, embed_tokens(text), task_id, speech_embedding(prompt_speech)] -> [L, H].
 
-        `text_ids` is prompt text + target text ([1, Lt] or [Lt]); `prompt_speech_ids` [Ls] or [1, Ls], may be empty."""
+        `text_ids` is prompt text + target text ([1, Lt] or [Lt]); `prompt_speech_ids` [Ls] or [1, Ls], may be empty.
+        `prompt_speech_embeds` instead of the ids: `embed_prompt_speech(ids)` made earlier (a saved voice's, reused
+        request after request: the same values, fewer operations on the frontend's thread)."""
         text_ids = _as_ids(text_ids, "text_ids")
         if text_ids.numel() == 0:
             raise InputError("build_lm_input: text_ids is empty")
-        dev = self.device
         # ids are checked where they are (the tokenizer's are on the host) before they move: a check of device ids
         # reads them back, which waits for every kernel queued on the stream (under load: other requests' DiT steps)
-        vocab = self.config.qwen.vocab_size
-        if int(text_ids.min()) < 0 or int(text_ids.max()) >= vocab:
-            raise InputError(f"build_lm_input: text id out of range [0, {vocab}): "
-                             f"min {int(text_ids.min())}, max {int(text_ids.max())}")
+        _check_range(text_ids, self.config.qwen.vocab_size, "build_lm_input: text id")
+        if prompt_speech_embeds is None:
+            prompt_speech_embeds = self.embed_prompt_speech(prompt_speech_ids)
+        dev = self.device
+        sos, task = self._special_embeds(dev)
+        return torch.cat([sos, self.backbone.embed_tokens(upload(text_ids, dev)), task, prompt_speech_embeds], dim=0)
+
+    def embed_prompt_speech(self, prompt_speech_ids: torch.Tensor | None) -> torch.Tensor:
+        """The LM input's prompt speech part: speech_embedding(ids) [Ls, H] on the model's device (ids checked on
+        the host first); [0, H] for none."""
         if prompt_speech_ids is None:
             prompt_speech_ids = torch.zeros(0, dtype=torch.long)
         speech = _as_ids(prompt_speech_ids, "prompt_speech_ids")
-        n_fsq = self.config.speech_token_size
-        if speech.numel() and (int(speech.min()) < 0 or int(speech.max()) >= n_fsq):
-            raise InputError(f"build_lm_input: prompt speech token out of range [0, {n_fsq}): "
-                             f"min {int(speech.min())}, max {int(speech.max())}")
-        text_ids, speech = upload(text_ids, dev), upload(speech, dev)
-        special = self._special_ids(dev)
-        se = self.speech_embedding(special)
-        return torch.cat([se[:1], self.backbone.embed_tokens(text_ids), se[1:], self.speech_embedding(speech)], dim=0)
+        _check_range(speech, self.config.speech_token_size, "build_lm_input: prompt speech token")
+        return self.speech_embedding(upload(speech, self.device))
+
+    def _special_embeds(self, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        """speech_embedding of [sos] and [task_id] ([1, H] each), memoized per weight version (an in-place weight
+        load makes them anew)."""
+        w = self.speech_embedding.weight
+        try:
+            version = (w.data_ptr(), w._version)
+        except RuntimeError:  # inference tensors keep no version counter
+            version = (w.data_ptr(), None)
+        memo = self.__dict__.setdefault("_cosytrt_special_embeds", {})
+        hit = memo.get(str(dev))
+        if hit is None or hit[0] != version:
+            with torch.inference_mode(False), torch.no_grad():  # a normal tensor: usable in and out of inference
+                se = self.speech_embedding(self._special_ids(dev))
+            hit = memo[str(dev)] = (version, (se[:1], se[1:]))
+        return hit[1]
 
     def _special_ids(self, dev) -> torch.Tensor:
         """[sos, task_id] on `dev`, made once (a tensor built from a list is a blocking host-to-device copy)."""
@@ -450,4 +468,15 @@ def _as_ids(x, name: str) -> torch.Tensor:
         x = x[0]
     if x.dim() != 1:
         raise InputError(f"{name} must be [L] or [1, L], got shape {tuple(x.shape)}")
-    return x.long()
+    return x if x.dtype == torch.long else x.long()
+
+
+def _check_range(ids: torch.Tensor, size: int, what: str) -> None:
+    """InputError unless every id is in [0, size). Read as a list: one call into torch instead of four (each
+    one a GIL hand-off on a busy server's frontend thread)."""
+    if not ids.numel():
+        return
+    vals = ids.tolist()
+    lo, hi = min(vals), max(vals)
+    if lo < 0 or hi >= size:
+        raise InputError(f"{what} out of range [0, {size}): min {lo}, max {hi}")

@@ -1,6 +1,11 @@
 """Frontend-side steps that prepare a request for its workers (run in the frontend pool, one request at a time)."""
 from __future__ import annotations
 
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Callable
+
 import torch
 
 from ...engines.cuda_graphs import upload
@@ -9,12 +14,65 @@ from ..models.sampling import TokenPolicy
 from .state import RequestState
 
 
-def lm_input(r: RequestState, inputs, lm, device) -> None:
-    """The request's LM input embeddings on the device (ids checked on the host, uploaded without blocking); on CUDA
-    an event marks the end of this thread's work on them and on the flow prompt (the AR stream waits for it before
-    the prefill, the DiT's before the first hop)."""
+class VoiceMemo:
+    """The per-voice part of a request's preparation, done once per voice: a saved speaker's prompt tensors are the
+    same objects request after request, so their upload, host ids, content digest and the LM's prompt speech
+    embeddings are kept (a bounded LRU, entries keyed by the tensors' identity and checked against their storage and
+    in-place version, so a replaced or edited tensor is never served stale). The values are those the uncached path
+    computes: ordering and operation count change, not the numbers. Shared by the frontend threads (a lock)."""
+
+    def __init__(self, capacity: int = 64):
+        self.capacity = capacity
+        self.lock = threading.Lock()
+        self.entries: OrderedDict = OrderedDict()
+        self.dead: list = []  # keys whose tensors were freed (weakref callbacks: no lock there), purged by get()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def _stamp(tensors) -> tuple:
+        out = []
+        for t in tensors:
+            try:
+                version = t._version
+            except RuntimeError:  # inference tensors keep no version counter
+                version = None
+            out.append((t.data_ptr(), version))
+        return tuple(out)
+
+    def get(self, kind: str, tensors: tuple, make: Callable[[], object]):
+        """`make()`'s value for these tensors (`kind` names what is made), cached while they live unchanged."""
+        if any(t.numel() == 0 for t in tensors):  # nothing worth keeping (and a fresh empty tensor each time)
+            return make()
+        key = (kind,) + tuple(id(t) for t in tensors)
+        stamp = self._stamp(tensors)
+        with self.lock:
+            while self.dead:  # a request's own prompt audio: its entry goes with its tensors
+                self.entries.pop(self.dead.pop(), None)
+            e = self.entries.get(key)
+            if e is not None and all(ref() is t for ref, t in zip(e[0], tensors)) and e[1] == stamp:
+                self.entries.move_to_end(key)
+                self.hits += 1
+                return e[2]
+            self.misses += 1
+        value = make()
+        with self.lock:
+            self.entries[key] = (tuple(weakref.ref(t, lambda _, k=key: self.dead.append(k)) for t in tensors),
+                                 stamp, value)
+            self.entries.move_to_end(key)
+            while len(self.entries) > self.capacity:
+                self.entries.popitem(last=False)
+        return value
+
+
+def lm_input(r: RequestState, inputs, lm, device, memo: VoiceMemo | None = None) -> None:
+    """The request's LM input embeddings on the device (ids checked on the host, uploaded without blocking; a saved
+    voice's prompt speech embeddings from `memo`); on CUDA an event marks the end of this thread's work on them and
+    on the flow prompt (the AR stream waits for it before the prefill, the DiT's before the first hop)."""
     with torch.inference_mode():
-        r.lm_input = lm.build_lm_input(inputs.text_ids, inputs.prompt_speech_tokens)
+        speech = inputs.prompt_speech_tokens
+        embeds = (lm.embed_prompt_speech(speech) if memo is None
+                  else memo.get("lm_speech", (speech,), lambda: lm.embed_prompt_speech(speech)))
+        r.lm_input = lm.build_lm_input(inputs.text_ids, prompt_speech_embeds=embeds)
     if torch.device(device).type == "cuda":
         r.inputs_ready = torch.cuda.Event()
         r.inputs_ready.record()
@@ -30,15 +88,20 @@ def runner_ids(r: RequestState, inputs, runner) -> None:
     r.lm_ids = ids
 
 
-def flow_prompt(r: RequestState, inputs, device) -> None:
+def flow_prompt(r: RequestState, inputs, device, memo: VoiceMemo | None = None) -> None:
     """The flow prompt (tokens, mel, speaker embedding) on the device, plus what the DiT thread needs of it on the
-    host: the prompt's token ids and its content digest (so its DiT calls never read the prompt back)."""
-    from ..stages.flow_cache import prompt_digest
+    host: the prompt's token ids and its content digest (so its DiT calls never read the prompt back). A saved
+    voice's come from `memo` (its device tensors are shared by its requests: nothing writes to them)."""
+    tensors = (inputs.flow_prompt_tokens, inputs.flow_prompt_mel, inputs.embedding)
 
-    tok, mel, emb = inputs.flow_prompt_tokens, inputs.flow_prompt_mel, inputs.embedding
-    r.prompt_ids = tok.reshape(-1).long().cpu()
-    r.prompt_digest = prompt_digest(r.prompt_ids, mel.cpu(), emb.cpu())
-    r.prompt = tuple(upload(t, device) for t in (tok, mel, emb))
+    def make():
+        from ..stages.flow_cache import prompt_digest
+
+        tok, mel, emb = tensors
+        ids = tok.reshape(-1).long().cpu()
+        return ids, prompt_digest(ids, mel.cpu(), emb.cpu()), tuple(upload(t, device) for t in tensors)
+
+    r.prompt_ids, r.prompt_digest, r.prompt = make() if memo is None else memo.get("flow_prompt", tensors, make)
 
 
 def token_policy(r: RequestState, inputs, lm, max_len: int, slots_name: str = "the KV-cache slots",

@@ -32,7 +32,7 @@ from .config import SchedulerConfig
 from .handle import RequestHandle
 from .lifecycle import FrontendPool, Lifecycle
 from .policies import POLICIES, dit_order, playback_slack  # noqa: F401 - re-exported
-from .prepare import flow_prompt, lm_input, runner_ids, token_policy
+from .prepare import VoiceMemo, flow_prompt, lm_input, runner_ids, token_policy
 from ..stages.request import Request, RequestMetrics, prepare_inputs
 from .stage_clock import StageClock
 from .state import RequestState
@@ -172,6 +172,7 @@ class Scheduler:
         # wait for exactly them, by event)
         self._frontend_stream = (torch.cuda.Stream(self.device, priority=-100) if self.device.type == "cuda"
                                  else None)
+        self.voices = VoiceMemo()  # a saved voice's prompt uploads, digest and LM prompt embeddings, made once
         self.requests = Lifecycle(cfg, on_finish, on_dead=self._on_dead, admission=admission)
         self.admission = self.requests.admission
         self.token2wav = Token2WavWorker(models, self.backends, cfg, self.sample_rate, self.device, self.clock,
@@ -263,8 +264,8 @@ class Scheduler:
         r.metrics.t_tokenizer = time.perf_counter() - t0
         r.metrics.mark("tokenized")
         with self._frontend_stream_ctx():
-            flow_prompt(r, inputs, self.device)
-            lm_input(r, inputs, self.lm, self.device)
+            flow_prompt(r, inputs, self.device, self.voices)
+            lm_input(r, inputs, self.lm, self.device, self.voices)
         runner_ids(r, inputs, self.runner)
         self.pipeline._check_noise(inputs, r.req)
         token_policy(r, inputs, self.lm, self.ar_max_len, noise_room=self.pipeline.noise_room(inputs))
