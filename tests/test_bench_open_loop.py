@@ -397,3 +397,20 @@ def test_graphs_ar_variant_compiles_only_the_ar():
     cfg = scheduler_config("graphs_ar")
     assert cfg.compile and cfg.cuda_graphs
     assert not scheduler_config("graphs").compile and scheduler_config("compiled").compile
+
+
+def test_cached_hops_delta_reads_the_schedulers_stats(tiny_tts):
+    """The cell's cached-hop numbers come from where Scheduler.stats() puts them (dit.flow_cache.hop_graphs): the
+    runs of 2026-12-06 reported none because the bench looked for a top-level flow_cache."""
+    from cosytrt.tools.bench.open_loop import cached_hops_delta
+
+    assert "flow_cache" in tiny_tts.scheduler.stats()["dit"]
+
+    def stats(hits, shapes):
+        return {"dit": {"flow_cache": {"hop_graphs": {"hits": hits, "misses": 1, "capture_failed": 0,
+                                                      "shapes": shapes, "replays": shapes}}}}
+
+    d = cached_hops_delta(stats(3, {"1,100,200": 3}), stats(10, {"1,100,200": 5, "2,200,400": 2}))
+    assert d == {"hits": 7, "misses": 0, "capture_failed": 0, "shapes": {"1,100,200": 2, "2,200,400": 2},
+                 "replays": {"1,100,200": 2, "2,200,400": 2}}
+    assert cached_hops_delta({}, {"dit": {"flow_cache": {}}}) is None  # no cached-hop graphs (eager, CPU)

@@ -316,6 +316,15 @@ def test_pick_dit_step_lets_a_first_hop_overtake_a_final_mid_solve():
     # nothing mid-solve: the call is formed (and waited for) as without step-level scheduling
     group, wait = pick_dit_step([hop], [], replace(cfg, dit_max_wait_ms=1e6), now, True)
     assert group == [] and wait > 0
+    # ... except a stream's first job: later jobs can join its next step, so it does not wait for them
+    hop.first, hop.r.stream = True, object()
+    group, wait = pick_dit_step([hop], [], replace(cfg, dit_max_wait_ms=1e6), now, True)
+    assert [j.name for j in group] == ["hop"] and wait is None
+    hop.r.stream = None  # an offline request's first job still waits for company
+    assert pick_dit_step([hop], [], replace(cfg, dit_max_wait_ms=1e6), now, True)[0] == []
+    from cosytrt.runtime.scheduling.policies import pick_dit_group
+    hop.r.stream = object()  # whole-call scheduling keeps the wait (a call's rows cannot join later)
+    assert pick_dit_group([hop], replace(cfg, dit_max_wait_ms=1e6), now, True)[0] == []
 
 
 def test_dit_step_level_keeps_the_audio_and_steps_rows_together(tts, speaker):

@@ -130,13 +130,19 @@ def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
             "cached_hops": cached_hops_delta(before, after)}
 
 
+def _hop_graphs(stats: dict) -> dict:
+    """The cached-hop graphs' counters in `Scheduler.stats()`: under dit.flow_cache (SchedulerStats.to_dict)."""
+    fc = (stats.get("dit") or {}).get("flow_cache") or stats.get("flow_cache") or {}
+    return fc.get("hop_graphs") or {}
+
+
 def cached_hops_delta(before: dict, after: dict) -> dict | None:
     """The cell's cached-hop graph calls: hits / misses, calls per shape "b,n,p" (requests, new frames, prefix
     frames; `tools/coverage_profile.derive_cached_grid` takes them) and replays per bucket key."""
-    a = ((after.get("flow_cache") or {}).get("hop_graphs")) or None
+    a = _hop_graphs(after) or None
     if not isinstance(a, dict):
         return None
-    b = ((before.get("flow_cache") or {}).get("hop_graphs")) or {}
+    b = _hop_graphs(before)
 
     def diff(name: str) -> dict:
         prev = b.get(name) or {}
