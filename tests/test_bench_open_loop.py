@@ -240,6 +240,7 @@ def test_tiny_open_loop_sweep(tiny_open_loop):
             assert t == pytest.approx(a.t, abs=1e-3) and status == OK and first >= t and last >= first
             assert chunks >= 1 and (stream or chunks == 1)
         assert set(c["busy"]) == {"ar", "dit", "hift"} and c["buckets"] is None  # eager: no engine set
+        assert c["gil_wait_ms"]["n"] > 0 and c["gil_wait_ms"]["p50"] >= 0  # the lock probe ran through the cell
         assert c["dit_frames"].keys() == {"frames_computed", "frames_reused", "cache_fallbacks"}
         assert sum(v["calls"] for v in c["dit_calls"].values()) >= c["requests"]
         parts = c["ttfa_parts"]  # every stream has all marks: the parts add up to its time to first audio
@@ -414,3 +415,14 @@ def test_cached_hops_delta_reads_the_schedulers_stats(tiny_tts):
     assert d == {"hits": 7, "misses": 0, "capture_failed": 0, "shapes": {"1,100,200": 2, "2,200,400": 2},
                  "replays": {"1,100,200": 2, "2,200,400": 2}}
     assert cached_hops_delta({}, {"dit": {"flow_cache": {}}}) is None  # no cached-hop graphs (eager, CPU)
+
+
+def test_gil_probe_records_wakeups():
+    import time
+
+    from cosytrt.tools.bench.gil_probe import GilProbe
+
+    with GilProbe(interval_s=0.002) as probe:
+        time.sleep(0.05)
+    d = probe.summary()
+    assert d["n"] >= 5 and set(d) == {"p50", "p95", "p99", "max", "n"} and d["max"] >= d["p50"]

@@ -320,6 +320,7 @@ def test_pick_dit_step_lets_a_first_hop_overtake_a_final_mid_solve():
     hop.first, hop.r.stream = True, object()
     group, wait = pick_dit_step([hop], [], replace(cfg, dit_max_wait_ms=1e6), now, True)
     assert [j.name for j in group] == ["hop"] and wait is None
+    assert pick_dit_step([hop], [], replace(cfg, dit_max_wait_ms=1e6, dit_first_now=False), now, True)[0] == []
     hop.r.stream = None  # an offline request's first job still waits for company
     assert pick_dit_step([hop], [], replace(cfg, dit_max_wait_ms=1e6), now, True)[0] == []
     from cosytrt.runtime.scheduling.policies import pick_dit_group

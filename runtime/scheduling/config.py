@@ -35,6 +35,10 @@ class SchedulerConfig:
     # paged prefix store cut 11-35x since: run 35, open loop not re-run; BENCHMARKS.md). Off: the whole 10-step
     # solve per call (for offline batch jobs near saturation)
     dit_step_level: bool = True
+    # with dit_step_level: a stream's first DiT job starts at once instead of waiting up to dit_max_wait_ms for
+    # company (later jobs join its next step, so the wait buys no batching; run 39: the whole 5 ms of a lone first
+    # hop's queue wait at 1 req/s). Ordering only; not yet measured on the GPU
+    dit_first_now: bool = True
     hift_length_aware: bool = True    # off: offline HiFT batches in arrival order, no padding-waste limit
     async_d2h: bool = True            # off (CUDA): each chunk's device-to-host copy blocks the HiFT worker
     # on CUDA: the AR worker's stream gets the device's highest priority, so its small decode kernels are scheduled

@@ -154,7 +154,7 @@ def pick_dit_step(queue: list, active: list, cfg: SchedulerConfig, now: float, m
     progress as soon as its stream's playback slack is the least. While rows are mid-solve nothing waits."""
     describe = describe or _job_kind
     if not active:
-        return pick_dit_group(queue, cfg, now, more_coming, describe, cap, first_audio_now=True)
+        return pick_dit_group(queue, cfg, now, more_coming, describe, cap, first_audio_now=cfg.dit_first_now)
     busy = {id(j.r) for j in active}
     ready = [j for j in first_per_request(queue) if id(j.r) not in busy]
     order = dit_order(ready + list(active), now, cfg.dit_slack_priority)

@@ -26,6 +26,7 @@ import time
 import torch
 
 from .common import jsonable, log, make_pipeline, random_models, scheduler_config, start_tts
+from .gil_probe import GilProbe
 from .playback import FAILED, NOT_SUBMITTED, OK, UNFINISHED, RequestRecord, saturated, summarize
 from .workload import Arrival, OpenLoopSpec, generate
 
@@ -236,7 +237,7 @@ def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, la
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = _scheduler_stats(tts)
-    with timed_sampler(sample_stacks) as sampler:
+    with timed_sampler(sample_stacks) as sampler, GilProbe() as gil:
         records, end = drive(tts, arrivals, spec.duration_s, drain_s, speaker)
     if cuda:
         torch.cuda.synchronize()  # every stage span of the cell has completed
@@ -246,6 +247,7 @@ def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, la
             **stats_delta(before, after, end),
             "compiles": compiled_graph_count() - compiles,
             "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+            "gil_wait_ms": gil.summary(),  # a probe thread's lateness waking from 5 ms sleeps (gil_probe.py)
             # [arrival s, audio s, stream, first chunk s, last chunk s, chunks, status]
             "request_rows": [[round(r.arrival, 4), r.audio_s, r.stream,
                               round(r.chunk_t[0], 4) if r.chunk_t else None,
@@ -339,6 +341,8 @@ def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec: Ope
                     f"{_fmt(t_['p95'])} p99 {_fmt(t_['p99'])} s; underruns {cell['underrun_requests']} of "
                     f"{cell['streams']} streams ({cell['stall_s']:.1f} s stalled); {cell['unfinished']} unfinished, "
                     f"{cell['failed']} failed; busy " + ", ".join(f"{k} {v:.2f}" for k, v in cell["busy"].items())
+                    + f"; GIL wait p50 {_fmt(cell['gil_wait_ms']['p50'], '.2f')} p95 "
+                      f"{_fmt(cell['gil_wait_ms']['p95'], '.2f')} ms"
                     + (f"; WARNING: {cell['compiles']} graph(s) compiled during the cell" if cell["compiles"] else ""))
                 if why:
                     log(f"open loop {label}: saturated at {rate:g} req/s ({why}): higher rates skipped")

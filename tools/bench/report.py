@@ -294,7 +294,7 @@ def open_loop_tables(res: dict) -> str:
         res_rows.append(label + [busy.get(s) for s in ("ar", "dit", "hift")]
                         + [((c.get("buckets") or {}).get(sm) or {}).get("hit_rate") for sm in sms]
                         + [c.get("fallbacks"), frames.get("frames_computed"), frames.get("frames_reused"),
-                           c.get("compiles"), c.get("peak_gpu_gb")])
+                           c.get("compiles"), c.get("peak_gpu_gb"), _p50_p95(c.get("gil_wait_ms"))])
     parts = [head + "\n\n" + _md(
         ["setting", "req/s", "offered audio s/s", "achieved", "delivered (with drain)", "streams/offline", "TTFA p50 s",
          "TTFA p95 s", "TTFA p99 s", "inter-chunk p95 s", "streams with underrun", "underrun fraction", "stall s",
@@ -304,7 +304,7 @@ def open_loop_tables(res: dict) -> str:
                      "\n\n" + _md(["setting", "req/s", "AR busy", "DiT busy", "HiFT busy"]
                                    + [f"hits {sm}" for sm in sms]
                                    + ["eager fallbacks", "DiT frames computed", "DiT frames reused", "compiles",
-                                      "peak GB"], res_rows))
+                                      "peak GB", "GIL wait p50 / p95 ms"], res_rows))
     from .playback import TTFA_PARTS
 
     ttfa_rows = [[c.get("setting"), c.get("rate")]
