@@ -31,9 +31,9 @@ class SchedulerConfig:
     # on: the DiT worker advances rows one Euler step per call (prefix-cached hops too, each row at its own step), so
     # a new first hop joins the next step instead of waiting for a long final. On by default: on the H200 (open loop,
     # graphs_ar, runs 29-31) TTFA p95 1.5-1.6x lower at 4-8 req/s in the same run; near saturation (8 req/s) 13 %
-    # less audio per second and twice the streams with an underrun (the DiT thread's host time per step, which the
-    # paged prefix store cut 11-35x since: run 35, open loop not re-run; BENCHMARKS.md). Off: the whole 10-step
-    # solve per call (for offline batch jobs near saturation)
+    # less audio per second and twice the streams with an underrun then (the DiT thread's host time per step); with
+    # the paged prefix store (run 36, H100, same process) TTFA p95 2.1-2.6x lower at 4-8 req/s and half the stall
+    # seconds at 8 req/s. Off: the whole 10-step solve per call (for offline batch jobs near saturation)
     dit_step_level: bool = True
     # with dit_step_level: a stream's first DiT job starts at once instead of waiting up to dit_max_wait_ms for
     # company (later jobs join its next step, so the wait buys no batching; run 39: the whole 5 ms of a lone first
