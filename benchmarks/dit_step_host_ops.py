@@ -11,31 +11,17 @@ microseconds per step on this machine's CPU as a rough guide.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from cosytrt.tools.bench.op_count import OpCounter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = os.path.join(HERE, "..", "tests", "data", "golden")
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts aten ops by name while `active`."""
-
-    def __init__(self):
-        super().__init__()
-        self.active = True
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.active:
-            self.ops[str(func.overloadpacket.__name__)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class PausedRun:

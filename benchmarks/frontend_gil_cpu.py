@@ -19,17 +19,6 @@ import threading
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def main() -> int:
@@ -40,6 +29,7 @@ def main() -> int:
     args = ap.parse_args()
     import cosytrt
     from cosytrt.runtime import TTS
+    from cosytrt.tools.bench.op_count import OpCounter
     from cosytrt.runtime.scheduling.handle import RequestHandle
     from cosytrt.runtime.scheduling.state import RequestState
     from cosytrt.runtime.stages.request import Request, RequestMetrics
@@ -61,7 +51,7 @@ def main() -> int:
 
     for _ in range(5):
         one()
-    with _Ops() as ops:
+    with OpCounter() as ops:
         one()
     alone = [one() for _ in range(args.n)]
     stop = False
@@ -89,7 +79,7 @@ def main() -> int:
         v = sorted(v)
         return v[min(len(v) - 1, round(p / 100 * (len(v) - 1)))]
 
-    print(json.dumps({"cosytrt": cosytrt.__file__, "torch": torch.__version__, "aten_ops": ops.n,
+    print(json.dumps({"cosytrt": cosytrt.__file__, "torch": torch.__version__, "aten_ops": ops.total,
                       "alone_ms": {"p50": round(statistics.median(alone) * 1e3, 3), "p95": round(q(alone, 95) * 1e3, 3)},
                       "busy_threads": args.busy, "switch_interval_s": args.switch_interval,
                       "busy_ms": {"p50": round(statistics.median(busy) * 1e3, 3), "p95": round(q(busy, 95) * 1e3, 3),

@@ -218,49 +218,36 @@ def test_host_work_per_step_does_not_grow_with_rows_or_prefix(flow):
     table and its upload), the same for 1 or 3 streams with 1 or 3 committed hops each. Before the paged prefix
     store each step copied every prefix segment of every row and updated each row on the host (rows x segments x ~3
     ops: the DiT thread's host time limited step-level scheduling near saturation, BENCHMARKS.md run 31)."""
-    import collections
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from cosytrt.runtime.stages.flow_hops import step_cached
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n, self.on = collections.Counter(), True
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if self.on:
-                self.n[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
+    from cosytrt.tools.bench.op_count import OpCounter
 
     counts = {}
     for B, k in ((1, 1), (3, 1), (1, 3), (3, 3)):
         graphs = graphs_for(flow, batch=(1, 4), frames=(64, 128, 256), prefix=(0, 200, 400, 800))
         solves = stream_solves(flow, graphs, FlowCachePool(BIG), B, k)
         assert max(len(sv.plan.prefix.segments) for sv in solves) == k
-        counter = Count()
+        counter = OpCounter()
         entry = graphs.entry
 
         def paused_entry(key, entry=entry, counter=counter):  # the replay (the whole hop_step) is not host work
             meta, replay = entry(key)
 
             def run():
-                counter.on = False
+                counter.active = False
                 try:
                     replay()
                 finally:
-                    counter.on = True
+                    counter.active = True
             return meta, run
 
         graphs.entry = paused_entry
         with torch.inference_mode():
             step_cached(flow, solves, graphs)  # the first call binds and fills the bucket's table
-            counter.n.clear()
+            counter.ops.clear()
             with counter:
                 step_cached(flow, solves, graphs)
         assert graphs.counts["misses"] == 0
-        counts[(B, k)] = sum(counter.n.values())
+        counts[(B, k)] = counter.total
         for sv in solves:
             sv.release()
     assert len(set(counts.values())) == 1 and max(counts.values()) <= 8, counts

@@ -8,7 +8,6 @@ import gc
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from cosytrt.engines.errors import InputError
 from cosytrt.runtime.models.frontend import PromptFeatures
@@ -17,21 +16,12 @@ from cosytrt.runtime.scheduling.prepare import VoiceMemo, flow_prompt, lm_input
 from cosytrt.runtime.scheduling.state import RequestState
 from cosytrt.runtime.stages.flow_cache import prompt_digest
 from cosytrt.runtime.stages.request import Request, RequestMetrics, prepare_inputs
+from cosytrt.tools.bench.op_count import OpCounter
 
 
 def _state(text="Hello there, my friend."):
     q = Request(text, stream=True)
     return RequestState(q, RequestHandle(q, RequestMetrics(request_id=q.request_id, stream=True), lambda h: None))
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_memo_hits_stale_and_dead_entries():
@@ -103,6 +93,6 @@ def test_frontend_step_operation_count(tiny_tts):
     (47 -> 11 when written): under load each one waits for the GIL behind the AR, DiT and HiFT threads."""
     sch = tiny_tts.scheduler
     sch._prepare(_state())  # the voice's first request: memo filled
-    with _Ops() as ops:
+    with OpCounter() as ops:
         sch._prepare(_state("A second request of the same voice."))
-    assert ops.n <= 16, ops.n
+    assert ops.total <= 16, ops.ops

@@ -134,28 +134,19 @@ def time_steps(worker, steps: int, repeats: int, timed: _TimedRunner | None = No
     return statistics.median(per), statistics.median(outside)
 
 
-_VIEWS = frozenset({"slice", "select", "view", "unsqueeze", "squeeze", "as_strided", "alias", "_unsafe_view", "expand",
-                    "t", "transpose", "detach", "detach_", "lift_fresh", "resolve_conj", "resolve_neg"})
 
 
 def ops_per_step(worker, steps: int = 20) -> float:
     """Dispatched aten ops per decode step that are not views (on a GPU each is about one kernel launch; here the
     CPU form of the sampler, which differs from the CUDA form in the repeat resample only)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += func.overloadpacket.__name__ not in _VIEWS
-            return func(*args, **(kwargs or {}))
+    from .op_count import OpCounter
 
     with torch.inference_mode():
         worker._decode()
-        with Count() as c:
+        with OpCounter(views=False) as c:
             for _ in range(steps):
                 worker._decode()
-    return c.n / steps
+    return c.total / steps
 
 
 def table(batches=(1, 8, 32), steps: int = 100, repeats: int = 5, device: str = "cpu") -> list[dict]:
