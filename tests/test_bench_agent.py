@@ -53,6 +53,11 @@ def test_agent_cell_through_a_real_server(tiny_tts):
     assert cell["sessions"] == n and cell["completed"] == n and cell["failed"] == 0, cell["errors"]
     assert cell["sentence_ttfa"]["n"] == 2 * n and cell["sentence_ttfa"]["p50"] > 0
     assert cell["audio_s"] == pytest.approx(sum(2 * p.force_tokens / 25 for p in plan_sessions(spec)), rel=1e-3)
+    assert set(cell["busy"]) == {"ar", "dit", "hift"} and cell["busy"]["ar"] > 0  # the stages' share of the cell
+    assert cell["gil_wait_ms"]["n"] > 0
+    from cosytrt.tools.bench.report import agent_tables
+
+    assert "GIL wait" in agent_tables({"agent": {"cells": [cell]}})
 
 
 def test_parse_settings():

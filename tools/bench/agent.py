@@ -24,6 +24,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .gil_probe import GilProbe
+from .open_loop import scheduler_stats, stats_delta
 from .playback import distribution
 
 
@@ -235,9 +237,12 @@ def run_agent_cell(tts, spec: AgentSpec, overrides: dict | None = None, label: s
                                    for p, r in zip(plans, records)))
             return time.perf_counter() - t0
 
-        wall = asyncio.run(main())
+        before = scheduler_stats(tts)
+        with GilProbe() as gil:
+            wall = asyncio.run(main())
+        busy = stats_delta(before, scheduler_stats(tts), wall)["busy"]
     return {"setting": label, "overrides": dict(overrides or {}), "rate": spec.rate,
-            **summarize_agent(records, wall)}
+            **summarize_agent(records, wall), "busy": busy, "gil_wait_ms": gil.summary()}
 
 
 def bench_agent(cfg, llm, flow, hift, device, bench, variant: str, spec: AgentSpec, rates: list[float],
@@ -264,7 +269,8 @@ def bench_agent(cfg, llm, flow, hift, device, bench, variant: str, spec: AgentSp
                 log(f"agent {label}, {rate:g} sessions/s: {cell['completed']}/{cell['sessions']} "
                     f"sessions, sentence TTFA p50 {t['p50']} p95 {t['p95']} s; avoidable stalls {cell['stalls']} "
                     f"in {cell['stalled_sessions']} sessions ({cell['stall_s']:.2f} s); {cell['audio_s_per_s']:.1f} "
-                    f"audio s/s")
+                    f"audio s/s; busy " + ", ".join(f"{k} {v:.2f}" for k, v in cell["busy"].items())
+                    + f"; GIL wait p95 {cell['gil_wait_ms']['p95']} ms")
     finally:
         tts.close()
     return out

@@ -71,7 +71,7 @@ def ab_settings(base, flags: list[str]) -> tuple[list[tuple[str, dict]], list[st
     return settings or [("default", {})], skipped
 
 
-def _scheduler_stats(tts) -> dict:
+def scheduler_stats(tts) -> dict:
     try:
         return tts.scheduler.stats() or {}
     except Exception:  # noqa: BLE001 - stats are extras: a runtime without them still runs the cell
@@ -83,7 +83,7 @@ def _settle(tts, timeout_s: float = 10.0) -> None:
     it does not run inside the next cell."""
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
-        queues = _scheduler_stats(tts).get("queues")
+        queues = scheduler_stats(tts).get("queues")
         if not isinstance(queues, dict) or not any(v for v in queues.values() if isinstance(v, (int, float))):
             return
         time.sleep(0.05)
@@ -236,12 +236,12 @@ def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, la
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    before = _scheduler_stats(tts)
+    before = scheduler_stats(tts)
     with timed_sampler(sample_stacks) as sampler, GilProbe() as gil:
         records, end = drive(tts, arrivals, spec.duration_s, drain_s, speaker)
     if cuda:
         torch.cuda.synchronize()  # every stage span of the cell has completed
-    after = _scheduler_stats(tts)
+    after = scheduler_stats(tts)
     cell = {"setting": label, "rate": spec.rate, "duration_s": spec.duration_s, "drain_s": drain_s, "seed": spec.seed,
             "stream_fraction": spec.stream_fraction, **summarize(records, spec.duration_s, end),
             **stats_delta(before, after, end),
@@ -348,7 +348,7 @@ def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec: Ope
                     log(f"open loop {label}: saturated at {rate:g} req/s ({why}): higher rates skipped")
                     break
         finally:
-            out["settings"][-1]["stats"] = jsonable(_scheduler_stats(tts))
+            out["settings"][-1]["stats"] = jsonable(scheduler_stats(tts))
             tts.close(close_backends=False)  # the pipeline (and its graphs) serves the next setting
             del tts
             if torch.cuda.is_available():

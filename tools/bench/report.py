@@ -414,12 +414,14 @@ def agent_tables(res: dict) -> str:
     rows = [[c["setting"], c["rate"], f"{c['completed']} / {c['sessions']}", c["sentences"],
              _p50_p95(c.get("sentence_ttfa")), (c.get("sentence_ttfa") or {}).get("p99"),
              _p50_p95(c.get("first_sentence_ttfa")), f"{c['stalls']} in {c['stalled_sessions']}", c["stall_s"],
-             c["text_bound_s"], c.get("audio_s_per_s"), c["failed"] + c["unfinished"]] for c in cells]
+             c["text_bound_s"], c.get("audio_s_per_s"), c["failed"] + c["unfinished"],
+             " / ".join(f"{(c.get('busy') or {}).get(k, 0):.2f}" for k in ("ar", "dit", "hift")) if c.get("busy")
+             else "-", _p50_p95(c.get("gil_wait_ms"))] for c in cells]
     return ("### Voice-agent websocket sessions (sentence TTFA: first audio after the sentence's text was complete; "
             "avoidable stall: playback ran dry though the text of what came next was complete)\n\n" +
             _md(["setting", "sessions/s", "completed", "sentences", "sentence TTFA p50 / p95 s", "p99 s",
                  "first sentence TTFA p50 / p95 s", "avoidable stalls (sessions)", "stall s", "text-bound gap s",
-                 "audio s/s", "failed + unfinished"], rows))
+                 "audio s/s", "failed + unfinished", "AR / DiT / HiFT busy", "GIL wait p50 / p95 ms"], rows))
 
 
 def agent_plot(res: dict, out_dir: str) -> str | None:
