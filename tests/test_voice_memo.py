@@ -96,3 +96,18 @@ def test_frontend_step_operation_count(tiny_tts):
     with OpCounter() as ops:
         sch._prepare(_state("A second request of the same voice."))
     assert ops.total <= 16, ops.ops
+
+
+def test_own_prompt_audio_stays_out_of_the_memo(tiny_tts):
+    """A request with its own reference audio is prepared without the memo (used once: it would only evict the
+    saved voices' entries); a saved voice's request goes through it."""
+    from cosytrt.runtime.stages.request import default_voice_wav
+
+    sch = tiny_tts.scheduler
+    sch.voices.entries.clear()
+    q = Request("Hello there.", prompt_wav=default_voice_wav(16000, 1.0), prompt_sr=16000, prompt_text="A voice.")
+    r = RequestState(q, RequestHandle(q, RequestMetrics(request_id=q.request_id), lambda h: None))
+    sch._prepare(r)
+    assert not sch.voices.entries and r.prompt_digest is not None
+    sch._prepare(_state())
+    assert len(sch.voices.entries) == 2  # the default voice: flow prompt and LM prompt speech

@@ -98,7 +98,7 @@ def flow_prompt(r: RequestState, inputs, device, memo: VoiceMemo | None = None) 
         from ..stages.flow_cache import prompt_digest
 
         tok, mel, emb = tensors
-        ids = tok.reshape(-1).long().cpu()
+        ids = tok.reshape(-1).long().cpu().clone()  # not a view: a memo entry must not keep its key tensor alive
         return ids, prompt_digest(ids, mel.cpu(), emb.cpu()), tuple(upload(t, device) for t in tensors)
 
     r.prompt_ids, r.prompt_digest, r.prompt = make() if memo is None else memo.get("flow_prompt", tensors, make)

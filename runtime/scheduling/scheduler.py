@@ -263,9 +263,12 @@ class Scheduler:
         inputs = prepare_inputs(self.pipeline.frontend, r.req, self.pipeline.default_speaker)
         r.metrics.t_tokenizer = time.perf_counter() - t0
         r.metrics.mark("tokenized")
+        # a saved voice's (or the default voice's) prompt comes back request after request: its per-voice work is
+        # memoized; a request's own prompt audio is used once and stays out of the memo
+        memo = self.voices if r.req.prompt_wav is None else None
         with self._frontend_stream_ctx():
-            flow_prompt(r, inputs, self.device, self.voices)
-            lm_input(r, inputs, self.lm, self.device, self.voices)
+            flow_prompt(r, inputs, self.device, memo)
+            lm_input(r, inputs, self.lm, self.device, memo)
         runner_ids(r, inputs, self.runner)
         self.pipeline._check_noise(inputs, r.req)
         token_policy(r, inputs, self.lm, self.ar_max_len, noise_room=self.pipeline.noise_room(inputs))
