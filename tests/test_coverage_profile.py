@@ -89,7 +89,8 @@ def test_simulate_and_derive_a_profile(tmp_path, capsys):
         assert (out / "heatmap_derived.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("name,cached", [("h200-open-loop", False), ("h200-cached-open-loop", True)])
+@pytest.mark.parametrize("name,cached", [("h200-open-loop", False), ("h200-cached-open-loop", True),
+                                         ("h200-mixed", True)])
 def test_shipped_open_loop_profile_loads_and_covers_its_simulation(name, cached):
     from cosytrt.tools.coverage_sim import rate_cached
 
@@ -105,6 +106,24 @@ def test_shipped_open_loop_profile_loads_and_covers_its_simulation(name, cached)
     if cached:  # a 40 s stream's last hops too; fewer graphs than h200-graphs' 160
         grid = p.stage("dit").cached
         assert rate_cached(ch.calls, grid)["hit_rate"] == 1.0 and len(grid.keys()) <= 64
+
+
+def test_mixed_profile_covers_the_matrix_waves_too():
+    """h200-mixed (derived from open-loop traffic plus the matrix's waves, `--plus-matrix`) runs every simulated
+    call of the default matrix in a bucket, where the open-loop-only profile falls back for most HiFT windows
+    (BENCHMARKS.md, runs 36-39: 142 of 888 calls)."""
+    from cosytrt.tools.coverage_workload import default_matrix
+
+    cells: dict = {}
+    for r in default_matrix():  # each matrix cell is its own run (a wave submitted at t = 0)
+        cells.setdefault(r.group, []).append(r)
+    for name, covered in (("h200-mixed", True), ("h200-cached-open-loop", False)):
+        p = load_profile(name)
+        calls = []
+        for cell in cells.values():
+            calls += simulate(cell, 75, cached=CachedHops(cap=max(p.stage("dit").cached.batch)))
+        tables = {(s, m): p.table(s, m) for s in ("dit", "hift") for m in ("stream", "offline")}
+        assert (hit_rates(rate_calls(calls, tables))["total"]["hit_rate"] == 1.0) == covered, name
 
 
 def _stream_runtime_calls(flow, P: int, n_tokens: list[int]) -> list[tuple]:
@@ -226,3 +245,19 @@ def test_coverage_cached_from_a_bench_run(tmp_path, capsys):
     assert "holds no cached-hop call shapes" in capsys.readouterr().err
     assert main(["coverage", "--simulate", "--open-loop", "rate=2,duration=3,seed=1", "--cached-from", str(path)]) == 2
     assert "--cached-from goes with --simulate --cached-hops" in capsys.readouterr().err
+
+
+def test_plus_matrix_adds_the_waves(tmp_path, capsys):
+    """--plus-matrix: the matrix's cells join the open-loop traffic (each its own run) before a profile is derived;
+    without --open-loop it is an error that names it."""
+    from cosytrt.tools.coverage_workload import default_matrix
+
+    prof = tmp_path / "mixed.yaml"
+    assert main(["coverage", "--simulate", "--open-loop", "rate=2,duration=3,seed=1", "--plus-matrix", "--quick",
+                 "--json", "--derive-profile", str(prof), "--quiet"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert "plus the default matrix" in r["workload"]["source"]
+    assert r["workload"]["requests"] > len(default_matrix(quick=True))
+    assert "--plus-matrix" in " ".join(line.lstrip("# ") for line in prof.read_text().splitlines()[:12])
+    assert main(["coverage", "--simulate", "--matrix", "default", "--plus-matrix"]) == 2
+    assert "--plus-matrix goes with --open-loop" in capsys.readouterr().err

@@ -51,6 +51,9 @@ def add_arguments(p) -> None:
     p.add_argument("--profile", default=None,
                    help="the profile to rate simulated calls against and to derive from (default h200-graphs)")
     p.add_argument("--rates", default=None, help="with --simulate --open-loop: simulate these rates too, e.g. 4,8,16")
+    p.add_argument("--plus-matrix", action="store_true",
+                   help="with --open-loop: the built-in matrix's waves too (each cell its own run), so a derived "
+                        "profile serves both kinds of traffic")
     p.add_argument("--prompt-tokens", type=int, default=75, help="with --simulate: the voice's prompt speech tokens")
     p.add_argument("--derive-profile", default=None, metavar="OUT.yaml",
                    help="write a profile derived from the call shapes; compare hit rates old vs derived")
@@ -169,8 +172,13 @@ def _workload(args):
             rates = [float(x) for x in args.rates.split(",") if x.strip()]
             reqs = [replace(r, group=f"open-loop {rate:g}") for rate in rates
                     for r in open_loop_workload(spec.at_rate(rate))]
-            return reqs, f"open loop {args.open_loop} at rates {args.rates} (one after another)"
-        return open_loop_workload(spec), f"open loop {args.open_loop}"
+            reqs, source = reqs, f"open loop {args.open_loop} at rates {args.rates} (one after another)"
+        else:
+            reqs, source = open_loop_workload(spec), f"open loop {args.open_loop}"
+        if args.plus_matrix:
+            reqs += default_matrix(args.scale, quick=args.quick)
+            source += " plus the default matrix"
+        return reqs, source
     reqs = default_matrix(args.scale, quick=args.quick)
     return reqs, ("matrix default" + (" (quick)" if args.quick else "") + (f" x{args.scale:g}" if args.scale != 1
                                                                            else ""))
@@ -264,6 +272,8 @@ def run(args) -> int:
         raise InputError("coverage: --cached-hops goes with --simulate (a replay records the runtime's own calls)")
     if args.cached_from and not args.cached_hops:
         raise InputError("coverage: --cached-from goes with --simulate --cached-hops")
+    if args.plus_matrix and not args.open_loop:
+        raise InputError("coverage: --plus-matrix goes with --open-loop (the matrix alone is --matrix default)")
     reqs, source = _workload(args)
     cached_calls: list = []
     if args.simulate:
@@ -313,6 +323,7 @@ def _derive(args, report: dict, calls, base, label, source: str, cached_calls: l
                   "(dit/stream: whole-history hops, as with flow_prefix_cache off; prefix-cached hops run in the "
                   "dit.cached grid, kept from the base profile)"))
         workload = (f"--open-loop {args.open_loop}" + (f" --rates {args.rates}" if args.rates else "")
+                    + (" --plus-matrix" if args.plus_matrix else "")
                     if args.open_loop else f"--workload {args.workload}" if args.workload else "--matrix default")
         if args.cached_from:
             how += f"; dit.cached from the cached-hop calls recorded in {args.cached_from} instead"
