@@ -157,6 +157,25 @@ class TTS:
                                              self.pipeline.backends.engine_set)
         return self._ar_runner
 
+    def reconfigure(self, config: SchedulerConfig, drain_timeout_s: float = 30.0) -> None:
+        """Finish the requests in flight and stop the scheduler; the next request starts one with `config` over the
+        same AR runner (its decode / prefill graphs and compiled LM) and stage backends — an A/B over scheduling
+        settings without building them again. InputError naming the fields when `config` would need another AR
+        runner (`AR_RUNNER_FIELDS` differ): close() and load a new TTS for that. The admission limits
+        (max_in_flight, max_waiting, ...) stay this TTS's."""
+        from .scheduling.scheduler import AR_RUNNER_FIELDS
+
+        with self._lock:
+            if self._ar_runner is not None:
+                bad = [f for f in AR_RUNNER_FIELDS if getattr(config, f) != getattr(self.scheduler_config, f)]
+                if bad:
+                    raise InputError(f"TTS.reconfigure: {', '.join(bad)} would need another AR runner; close() this "
+                                     "TTS and load a new one for that")
+            sched, self._scheduler = self._scheduler, None
+            self.scheduler_config = config
+        if sched is not None:
+            sched.close(drain_timeout_s)
+
     def make_scheduler(self, config: SchedulerConfig | None = None, backends=None, on_finish=None) -> Scheduler:
         """A Scheduler over this TTS's AR runner and (default) stage backends: cheap, so a benchmark builds one per
         SchedulerConfig (its AR fields must match the runner's) or per StageBackends variant."""

@@ -208,16 +208,21 @@ def tiny_open_loop(tmp_path_factory, one_torch_thread):
     from cosytrt.runtime.stages import compiled
     from cosytrt.tools.trtbuild import main
 
+    from cosytrt.runtime.scheduling import scheduler
+
     out = tmp_path_factory.mktemp("open_loop")
-    saves = []
+    saves, runners = [], []
+    real_runner = scheduler.make_ar_runner
     with pytest.MonkeyPatch.context() as mp:  # the compile cache is saved once the first scheduler is ready, and
         mp.setattr(compiled, "save_compile_cache", lambda path: saves.append(path) or 0)  # after the section
+        mp.setattr(scheduler, "make_ar_runner", lambda *a, **k: runners.append(1) or real_runner(*a, **k))
         assert main(["bench", "--device", "cpu", "--model", "tiny", "--dtype", "float32", "--suite", "open_loop",
                      "--variants", "eager", "--rates", "2", "--duration-s", "2", "--drain-s", "60", "--lengths",
                      "1:0.3", "--min-s", "0.6", "--max-s", "1.6", "--stream-fraction", "0.5", "--seed", "3",
                      "--ab", "async_d2h,no_such_flag", "--compile-cache", str(out / "cc.bin"),
                      "--out", str(out)]) == 0
     assert saves == [str(out / "cc.bin")] * 2
+    assert len(runners) == 1  # the A/B's two settings ran on one AR runner (TTS.reconfigure), built once
     return out, json.loads((out / "results.json").read_text())
 
 

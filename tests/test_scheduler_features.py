@@ -351,3 +351,26 @@ def test_fast_gil_switch_is_cuda_only_and_restored(tts):
     finally:
         sched.close()
     assert sys.getswitchinterval() == before
+
+
+def test_tts_reconfigure_keeps_the_ar_runner_and_the_audio(speaker):
+    """TTS.reconfigure swaps the scheduler for one with new settings over the same AR runner (an A/B without
+    building the runner's graphs again): the same request gives the same audio; a setting the runner depends on
+    is refused with its name."""
+    from cosytrt.engines.errors import InputError
+    from cosytrt.runtime.tts import TTS
+
+    tts = TTS.load("tiny", scheduler=SchedulerConfig(dit_step_level=True))
+    try:
+        req = make_request("Same words twice.", speaker=speaker, seed=5, force_tokens=60, stream=True)
+        first = np.concatenate(list(tts.submit(req).chunks()))
+        runner = tts.ar_runner
+        tts.reconfigure(replace(tts.scheduler_config, dit_step_level=False, dit_first_now=False))
+        assert tts.scheduler.config.dit_step_level is False and tts.ar_runner is runner
+        req = make_request("Same words twice.", speaker=speaker, seed=5, force_tokens=60, stream=True)
+        again = np.concatenate(list(tts.submit(req).chunks()))
+        np.testing.assert_allclose(again, first, atol=2e-3)  # the scheduling bound (step-level vs whole calls)
+        with pytest.raises(InputError, match="ar_max_batch would need another AR runner"):
+            tts.reconfigure(replace(tts.scheduler_config, ar_max_batch=3))
+    finally:
+        tts.close()

@@ -299,12 +299,26 @@ def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec: Ope
         out["cached_hop_check"] = jsonable(cached_hop_check(pipe))
         bench.save()
         log(f"cached hop check: {out['cached_hop_check']}")
+    held: dict = {}  # the TTS of the settings (not in `out`: that is saved as JSON)
+    try:
+        _sweep(bench, out, held, pipe, base, settings, variant, spec, rates, drain_s, speaker)
+    finally:
+        if held.get("tts") is not None:
+            held.pop("tts").close(close_backends=False)  # the pipeline (and its graphs) may serve another section
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+def _sweep(bench, out, held, pipe, base, settings, variant, spec, rates, drain_s, speaker) -> None:
+    """Each setting's rate sweep; one TTS for all of them where their AR runner fields agree (its scheduler swapped
+    per setting: `start_tts` with the previous TTS), left in held["tts"] for the caller to close."""
     for label, overrides in settings:
         if bench.over_budget():
             log(f"open loop: skip setting {label!r} (time budget)")
             continue
         t = time.perf_counter()
-        tts = start_tts(pipe, dataclasses.replace(base, **overrides))
+        tts = held["tts"] = start_tts(pipe, dataclasses.replace(base, **overrides), held.get("tts"))
         setup = time.perf_counter() - t
         mem = _gpu_memory(pipe.device)
         out["settings"].append({"label": label, "overrides": overrides, "scheduler_setup_s": setup, **mem})
@@ -349,8 +363,3 @@ def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec: Ope
                     break
         finally:
             out["settings"][-1]["stats"] = jsonable(scheduler_stats(tts))
-            tts.close(close_backends=False)  # the pipeline (and its graphs) serves the next setting
-            del tts
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    return out
