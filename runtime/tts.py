@@ -74,7 +74,9 @@ class TTS:
         is given (True: `h200-graphs` for full-size models, `tiny` otherwise; or a profile name/path). AR decode graphs
         are the scheduler's (SchedulerConfig.cuda_graphs). `compile`: torch.compile the AR prefill / decode step and
         (without an engine set) the DiT; on CUDA the compiled functions are what the graphs capture; "regional" (or
-        "whole", = True): how the DiT is compiled (`stages.compiled.set_compile_scope`, process-wide). Everything is
+        "whole", = True): how the DiT is compiled (`stages.compiled.set_compile_scope`, process-wide); "ar": the LM
+        only, the DiT / HiFT as eager modules in CUDA graphs (the benchmarks' `graphs_ar` variant: BENCHMARKS.md runs
+        29-39; a shorter start-up). Everything is
         compiled here, not at the first request (minutes for the full-size model on a cold cache); `compile_cache`
         (a file) is loaded first when it exists and (re)written afterwards, so restarts reuse the compiled code.
         `engines` may also be a `compiled` engine set (`trtbuild build --backend compiled`): its cache is checked and
@@ -82,11 +84,12 @@ class TTS:
         Inductor compile work at start-up)."""
         import dataclasses
 
-        if isinstance(compile, str):
+        ar_only = compile == "ar"  # the LM only; the DiT / HiFT stay eager modules (in CUDA graphs on CUDA)
+        if isinstance(compile, str) and not ar_only:
             from .stages.compiled import set_compile_scope
 
             set_compile_scope(compile)
-            compile = True
+        compile = bool(compile)
         compiled_set = None
         if engines is not None:  # a `compiled` set (torch.compile's cache): loaded first, then compile as usual
             from .stages.engine_set import open_compiled_set
@@ -119,8 +122,9 @@ class TTS:
 
             name = cuda_graphs if isinstance(cuda_graphs, str) else (
                 "h200-graphs" if models.config.flow.dit.dim >= 1024 else "tiny")
-            pipeline.set_backends(cuda_graph_backends(models, pipeline.device, load_profile(name), compile=compile))
-        elif compile:
+            pipeline.set_backends(cuda_graph_backends(models, pipeline.device, load_profile(name),
+                                                      compile=compile and not ar_only))
+        elif compile and not ar_only:
             from .stages.compiled import compiled_backends
 
             pipeline.set_backends(compiled_backends(models))

@@ -299,3 +299,20 @@ def test_stage_backends_route_the_stage_calls(tiny_tts):
     backends.close()
     backends.close()
     assert closed == [1]
+
+
+def test_compile_ar_only(tiny_tts, monkeypatch):
+    """TTS.load(compile="ar") (`serve --compile --compile-scope ar`): the LM compiled by the scheduler, the DiT /
+    HiFT left eager (on CUDA: eager modules in CUDA graphs, the benchmarks' graphs_ar variant); same audio as the
+    eager TTS. torch.compile is stubbed: what is checked is which parts ask for it."""
+    from cosytrt.runtime.stages import compiled
+    from cosytrt.runtime.tts import TTS
+
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: asked.append(getattr(fn, "__name__", "?")) or fn)
+    monkeypatch.setattr(compiled, "compiled_backends",
+                        lambda *a, **k: pytest.fail("compile='ar' must not compile the DiT / HiFT"))
+    with TTS.load("tiny", compile="ar") as tts:
+        assert tts.scheduler_config.compile is True and asked  # the AR prefill / decode step
+        wav = tts.synthesize("Hello there.", seed=0)
+    np.testing.assert_array_equal(wav, tiny_tts.synthesize("Hello there.", seed=0))

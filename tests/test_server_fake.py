@@ -273,6 +273,11 @@ def test_settings_validation():
     with pytest.raises(InputError, match="queue_timeout_s"):
         ServerSettings(queue_timeout_s=0)
     assert ServerSettings().host == "127.0.0.1"
+    assert ServerSettings(compile=True, compile_scope="ar").compile_scope == "ar"  # the LM only (graphs_ar)
+    with pytest.raises(InputError, match="compile_scope must be one of whole, regional, ar"):
+        ServerSettings(compile=True, compile_scope="layers")
+    with pytest.raises(InputError, match="compile_scope needs compile"):
+        ServerSettings(compile_scope="ar")
 
 
 

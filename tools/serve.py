@@ -24,9 +24,11 @@ def add_arguments(p) -> None:
     p.add_argument("--drain-timeout-s", type=float, default=30.0, help="shutdown waits this long for requests")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the LM and DiT at start-up (minutes on a cold cache; faster serving)")
-    p.add_argument("--compile-scope", default=None, choices=["whole", "regional"],
+    p.add_argument("--compile-scope", default=None, choices=["whole", "regional", "ar"],
                    help="with --compile: the DiT and LM compiled as whole graphs (default) or one block / layer "
-                        "reused by all (regional: a shorter compile, GPU speed not measured yet)")
+                        "reused by all (regional: a shorter compile, GPU speed not measured yet), or the LM only "
+                        "(ar: the DiT / HiFT as eager modules in CUDA graphs, the configuration of the open-loop "
+                        "benchmarks)")
     p.add_argument("--compile-cache", default=None, metavar="FILE",
                    help="with --compile: reuse / write torch.compile's artifacts in FILE (fast restarts)")
     p.add_argument("--api-key-file", default=None, metavar="FILE",

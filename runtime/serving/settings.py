@@ -35,7 +35,7 @@ class ServerSettings:
     log_level: str = "info"
     compile: bool = False          # torch.compile the LM and DiT at start-up (TTS.load(compile=True))
     compile_cache: str | None = None  # torch.compile artifacts to reuse / write (needs compile)
-    compile_scope: str | None = None  # with compile: "whole" or "regional" DiT / LM compilation (default: whole)
+    compile_scope: str | None = None  # with compile: "whole" / "regional" DiT + LM compilation (default: whole), "ar": LM only
     # --- hardening
     strict: bool = False           # reject unknown body fields (422-era behaviour) instead of the vendor allow-list
     allowed_hosts: list[str] | None = None  # Host header names accepted; None: the bound loopback names ("*": any)
@@ -80,9 +80,9 @@ class ServerSettings:
         if self.compile_scope is not None:
             from ..stages.compiled import COMPILE_SCOPES
 
-            if self.compile_scope not in COMPILE_SCOPES:
-                raise InputError(f"server setting compile_scope must be one of {', '.join(COMPILE_SCOPES)}, got "
-                                 f"{self.compile_scope!r}")
+            if self.compile_scope not in COMPILE_SCOPES + ("ar",):
+                raise InputError(f"server setting compile_scope must be one of {', '.join(COMPILE_SCOPES)}, ar; "
+                                 f"got {self.compile_scope!r}")
             if not self.compile:
                 raise InputError("server setting compile_scope needs compile (--compile)")
         if self.allowed_hosts is not None:
