@@ -68,6 +68,20 @@ def test_saved_voice_prepared_once_same_values(tiny_tts):
         assert torch.equal(r.lm_input, ref)
     assert memo.hits == 2 and memo.misses == 2  # flow prompt and LM prompt speech: made for the first request only
     assert all(x is y for x, y in zip(first.prompt, second.prompt))
+    # new LM weights (loaded in place): the prompt speech embeddings are made anew, not served stale
+    w = lm.speech_embedding.weight
+    old = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w.mul_(2.0)
+        third = _state()
+        inputs = prepare_inputs(p.frontend, third.req, p.default_speaker)
+        lm_input(third, inputs, lm, "cpu", memo)
+        with torch.inference_mode():
+            assert torch.equal(third.lm_input, lm.build_lm_input(inputs.text_ids, inputs.prompt_speech_tokens))
+    finally:
+        with torch.no_grad():
+            w.copy_(old)
 
 
 def test_edited_voice_not_served_stale(tiny_tts):

@@ -70,8 +70,10 @@ def lm_input(r: RequestState, inputs, lm, device, memo: VoiceMemo | None = None)
     on the flow prompt (the AR stream waits for it before the prefill, the DiT's before the first hop)."""
     with torch.inference_mode():
         speech = inputs.prompt_speech_tokens
+        # keyed by the embedding table too: a weight load in place makes them anew
         embeds = (lm.embed_prompt_speech(speech) if memo is None
-                  else memo.get("lm_speech", (speech,), lambda: lm.embed_prompt_speech(speech)))
+                  else memo.get("lm_speech", (speech, lm.speech_embedding.weight),
+                                lambda: lm.embed_prompt_speech(speech)))
         r.lm_input = lm.build_lm_input(inputs.text_ids, prompt_speech_embeds=embeds)
     if torch.device(device).type == "cuda":
         r.inputs_ready = torch.cuda.Event()
