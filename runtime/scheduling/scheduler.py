@@ -39,8 +39,8 @@ from .state import RequestState
 from .stats import QueueDepths, SchedulerStats
 from .token2wav_worker import Token2WavWorker
 
-__all__ = ["Scheduler", "SchedulerConfig", "RequestHandle", "POLICIES", "AR_RUNNER_FIELDS", "make_ar_runner", "start_workers",
-           "collect_stats"]
+__all__ = ["Scheduler", "SchedulerConfig", "RequestHandle", "POLICIES", "AR_RUNNER_FIELDS", "make_ar_runner",
+           "start_workers", "collect_stats"]
 
 
 # the SchedulerConfig fields make_ar_runner reads: schedulers over one AR runner must agree on them
