@@ -282,6 +282,20 @@ def test_settings_validation():
 
 
 
+def test_interpreter_lock_probe_runs_with_the_server(tmp_path):
+    """/metrics' cosytrt_interpreter_lock_wait_seconds: the lock probe starts with the app and stops at shutdown."""
+    app, client = fake_client(tmp_path, FakeTTS())
+    with client:
+        wait_ready(client, 5)
+        probe = app.state.server.metrics.lock_probe
+        deadline = time.monotonic() + 5
+        while parse_metrics(client.get("/metrics").text).get("cosytrt_interpreter_lock_wait_seconds_count", 0) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert probe._thread is not None and probe._thread.is_alive()
+    assert probe._thread is None  # stopped with the app
+
+
 def test_inter_chunk_gaps_are_observed_per_gap():
     """/metrics' cosytrt_inter_chunk_seconds: one observation per gap between a streaming request's chunks."""
     from types import SimpleNamespace

@@ -53,6 +53,7 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
     @asynccontextmanager
     async def lifespan(app):
         state.configure_admission()
+        state.metrics.lock_probe.start()
         warm = asyncio.create_task(state.warm_up())
         try:
             yield
@@ -60,6 +61,7 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
             if not warm.done():
                 warm.cancel()
             await state.drain()
+            state.metrics.lock_probe.stop()
 
     public_docs = state.api_key is None  # with a key, the API description is not served to anyone
     app = FastAPI(title="cosytrt speech server", version="0.1.0", lifespan=lifespan,

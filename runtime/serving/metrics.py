@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
+from typing import Callable
 
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0, 50.0)
@@ -15,6 +18,7 @@ HISTOGRAMS = (  # (metric name, RequestMetrics attribute, help, buckets)
     ("cosytrt_time_to_first_audio_seconds", "ttfa", "Time from submit to the first audio chunk", TIME_BUCKETS),
     ("cosytrt_rtf", "rtf", "Real-time factor (synthesis time / audio duration) per request", RTF_BUCKETS),
 )
+LOCK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 RUNTIME_COUNTERS = (("cosytrt_bucket_hits_total", "bucket_hits", "Engine calls that found an exact bucket"),
                     ("cosytrt_bucket_pads_total", "bucket_pads", "Engine calls padded up to a larger bucket"),
                     ("cosytrt_eager_fallbacks_total", "eager_fallbacks", "Calls that no bucket fit, run eagerly"))
@@ -65,6 +69,43 @@ def _number(v) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
+class LockProbe:
+    """How long a thread of this process waits for the interpreter lock: a daemon thread sleeps `interval_s` again and
+    again and passes how late it woke to `observe` (seconds; the OS wakes it on time, the rest is the wait behind the
+    runtime's AR, DiT, HiFT and frontend threads and the event loop — the contention that limits one process,
+    BENCHMARKS.md runs 36-39). It takes the lock itself 1 / interval_s times a second, briefly."""
+
+    def __init__(self, observe: Callable[[float], None], interval_s: float = 0.02):
+        self.observe, self.interval_s = observe, interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        interval, clock, stop = self.interval_s, time.perf_counter, self._stop
+        while not stop.is_set():
+            t = clock()
+            time.sleep(interval)
+            self.observe(max(0.0, clock() - t - interval))
+
+    def start(self) -> "LockProbe":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cosytrt-lock-probe", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> "LockProbe":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 class ServerMetrics:
     """Everything /metrics exposes. Request histograms and counters are prometheus_client metrics in a registry of
     this app's own (fixed memory, O(buckets) per scrape); the runtime's gauges and counters are read from
@@ -92,6 +133,11 @@ class ServerMetrics:
         self.inter_chunk = Histogram("cosytrt_inter_chunk_seconds", "Gap between consecutive audio chunks of a "
                                      "streaming request (a playback stall needs a gap longer than the audio before "
                                      "it)", buckets=TIME_BUCKETS, registry=self.registry)
+        self.lock_wait = Histogram("cosytrt_interpreter_lock_wait_seconds", "How late a probe thread wakes from "
+                                   "20 ms sleeps: the wait for the Python interpreter lock behind the runtime's "
+                                   "threads (their contention limits one server process)", buckets=LOCK_BUCKETS,
+                                   registry=self.registry)
+        self.lock_probe = LockProbe(self.lock_wait.observe)
 
     def count_http(self, method: str, route: str, status: int) -> None:
         self.http.labels(method, route, str(int(status))).inc()
