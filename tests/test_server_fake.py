@@ -284,6 +284,8 @@ def test_settings_validation():
 
 def test_interpreter_lock_probe_runs_with_the_server(tmp_path):
     """/metrics' cosytrt_interpreter_lock_wait_seconds: the lock probe starts with the app and stops at shutdown."""
+    from cosytrt.runtime.serving.metrics import LockProbe
+
     app, client = fake_client(tmp_path, FakeTTS())
     with client:
         wait_ready(client, 5)
@@ -294,6 +296,14 @@ def test_interpreter_lock_probe_runs_with_the_server(tmp_path):
             time.sleep(0.02)
         assert probe._thread is not None and probe._thread.is_alive()
     assert probe._thread is None  # stopped with the app
+    seen = []
+    with LockProbe(seen.append, interval_s=0.002) as again:
+        time.sleep(0.03)
+    first = len(seen)
+    again.start()  # a stopped probe starts again
+    time.sleep(0.03)
+    again.stop()
+    assert first >= 2 and len(seen) >= first + 2 and min(seen) >= 0.0
 
 
 def test_inter_chunk_gaps_are_observed_per_gap():

@@ -89,6 +89,7 @@ class LockProbe:
 
     def start(self) -> "LockProbe":
         if self._thread is None:
+            self._stop.clear()  # an app started again after a shutdown probes again
             self._thread = threading.Thread(target=self._run, name="cosytrt-lock-probe", daemon=True)
             self._thread.start()
         return self
