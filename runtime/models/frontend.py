@@ -20,6 +20,7 @@ from .config import SPEECH_TOKEN_SIZE
 from ...engines.errors import InputError, ModelDirError
 from .text import ENDOFPROMPT, SYSTEM_PROMPT, QwenTokenizer, TextTokenizer
 from .tiny_frontends import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE
+from .versions import tensor_version
 
 MAX_PROMPT_SECONDS = 30.0
 SPEAKER_EMBED_DIM = 192
@@ -105,15 +106,9 @@ def load_speaker(path: str) -> SavedSpeaker:
 
 def _stamp(f: PromptFeatures) -> tuple:
     """(tensor identity, storage, in-place version) of each feature tensor: changes when one is replaced or
-    written in place (inference tensors keep no version: their identity and storage stand for it)."""
-    out = []
-    for t in (f.speech_tokens, f.mel, f.embedding):
-        try:
-            version = t._version
-        except (RuntimeError, AttributeError):
-            version = None
-        out.append((id(t), t.data_ptr() if isinstance(t, torch.Tensor) else None, version))
-    return tuple(out)
+    written in place; None for a field that is not a tensor (`_check_features` names it)."""
+    return tuple((id(t), tensor_version(t)) if isinstance(t, torch.Tensor) else None
+                 for t in (f.speech_tokens, f.mel, f.embedding))
 
 
 def _check_features(f: PromptFeatures, where: str) -> None:

@@ -24,6 +24,7 @@ from ...engines.cuda_graphs import upload
 from ...engines.errors import InputError
 from . import batch_invariant as _bi
 from .rope import apply_rope, rope_cos_sin
+from .versions import tensor_version
 
 TIED_LM_HEAD_KEY = "llm.model.lm_head.weight"
 
@@ -331,11 +332,7 @@ class CosyVoice3LM(nn.Module):
     def _special_embeds(self, dev) -> tuple[torch.Tensor, torch.Tensor]:
         """speech_embedding of [sos] and [task_id] ([1, H] each), memoized per weight version (an in-place weight
         load makes them anew)."""
-        w = self.speech_embedding.weight
-        try:
-            version = (w.data_ptr(), w._version)
-        except RuntimeError:  # inference tensors keep no version counter
-            version = (w.data_ptr(), None)
+        version = tensor_version(self.speech_embedding.weight)
         memo = self.__dict__.setdefault("_cosytrt_special_embeds", {})
         hit = memo.get(str(dev))
         if hit is None or hit[0] != version:

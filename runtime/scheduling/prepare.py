@@ -11,6 +11,7 @@ import torch
 from ...engines.cuda_graphs import upload
 from ...engines.errors import EngineSetError, RequestTooLongError
 from ..models.sampling import TokenPolicy
+from ..models.versions import tensor_version
 from .state import RequestState
 
 
@@ -28,23 +29,12 @@ class VoiceMemo:
         self.dead: list = []  # keys whose tensors were freed (weakref callbacks: no lock there), purged by get()
         self.hits = self.misses = 0
 
-    @staticmethod
-    def _stamp(tensors) -> tuple:
-        out = []
-        for t in tensors:
-            try:
-                version = t._version
-            except RuntimeError:  # inference tensors keep no version counter
-                version = None
-            out.append((t.data_ptr(), version))
-        return tuple(out)
-
     def get(self, kind: str, tensors: tuple, make: Callable[[], object]):
         """`make()`'s value for these tensors (`kind` names what is made), cached while they live unchanged."""
         if any(t.numel() == 0 for t in tensors):  # nothing worth keeping (and a fresh empty tensor each time)
             return make()
         key = (kind,) + tuple(id(t) for t in tensors)
-        stamp = self._stamp(tensors)
+        stamp = tuple(tensor_version(t) for t in tensors)
         with self.lock:
             while self.dead:  # a request's own prompt audio: its entry goes with its tensors
                 self.entries.pop(self.dead.pop(), None)

@@ -56,6 +56,7 @@ from typing import Optional
 import torch
 
 from ..models.flow import cfg_euler_step
+from ..models.versions import tensor_version
 
 
 # ------------------------------------------------------------------------------------------------------- segments
@@ -364,18 +365,10 @@ def _tensor_digest(h, t: torch.Tensor) -> None:
     h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
-def _version(t: torch.Tensor):
-    """(storage, in-place version) of a tensor: changes when it is replaced or written in place."""
-    try:
-        return t.data_ptr(), t._version
-    except RuntimeError:  # inference tensors keep no version counter
-        return t.data_ptr(), None
-
-
 def model_fingerprint(flow) -> str:
     """Content fingerprint of a Flow (every parameter: shape, dtype and a strided sample of values; the noise
     columns' sample; dtype/device). Memoized per parameter version, so in-place weight loads refresh it."""
-    versions = tuple(_version(p) for p in flow.parameters()) + (_version(flow.rand_noise),)
+    versions = tuple(tensor_version(p) for p in flow.parameters()) + (tensor_version(flow.rand_noise),)
     memo = getattr(flow, "_cosytrt_fingerprint", None)
     if memo is not None and memo[0] == versions:
         return memo[1]
