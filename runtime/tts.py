@@ -165,13 +165,13 @@ class TTS:
         """Finish the requests in flight and stop the scheduler; the next request starts one with `config` over the
         same AR runner (its decode / prefill graphs and compiled LM) and stage backends — an A/B over scheduling
         settings without building them again. InputError naming the fields when `config` would need another AR
-        runner (`AR_RUNNER_FIELDS` differ): close() and load a new TTS for that. The admission limits
+        runner (`scheduler.AR_RUNNER_FIELDS` differ): close() and load a new TTS for that. The admission limits
         (max_in_flight, max_waiting, ...) stay this TTS's."""
-        from .scheduling.scheduler import AR_RUNNER_FIELDS
+        from .scheduling.scheduler import ar_runner_differences
 
         with self._lock:
             if self._ar_runner is not None:
-                bad = [f for f in AR_RUNNER_FIELDS if getattr(config, f) != getattr(self.scheduler_config, f)]
+                bad = ar_runner_differences(config, self.scheduler_config)
                 if bad:
                     raise InputError(f"TTS.reconfigure: {', '.join(bad)} would need another AR runner; close() this "
                                      "TTS and load a new one for that")

@@ -39,13 +39,18 @@ from .state import RequestState
 from .stats import QueueDepths, SchedulerStats
 from .token2wav_worker import Token2WavWorker
 
-__all__ = ["Scheduler", "SchedulerConfig", "RequestHandle", "POLICIES", "AR_RUNNER_FIELDS", "make_ar_runner",
-           "start_workers", "collect_stats"]
+__all__ = ["Scheduler", "SchedulerConfig", "RequestHandle", "POLICIES", "AR_RUNNER_FIELDS", "ar_runner_differences",
+           "make_ar_runner", "start_workers", "collect_stats"]
 
 
 # the SchedulerConfig fields make_ar_runner reads: schedulers over one AR runner must agree on them
 AR_RUNNER_FIELDS = ("ar_graph_batches", "ar_max_batch", "ar_max_len", "ar_max_prefill_tokens",
                     "ar_prefill_graph_batches", "ar_prefill_graph_lengths", "batch_invariant", "compile", "cuda_graphs")
+
+
+def ar_runner_differences(a: SchedulerConfig, b: SchedulerConfig) -> list[str]:
+    """The AR_RUNNER_FIELDS on which two configs differ (empty: one AR runner serves both)."""
+    return [f for f in AR_RUNNER_FIELDS if getattr(a, f) != getattr(b, f)]
 
 
 def make_ar_runner(models, config: SchedulerConfig, device, engine_set=None) -> ARRunner:

@@ -164,18 +164,18 @@ def start_tts(pipe, sched_cfg, tts=None):
     `tts` (one over the same pipeline): its scheduler is swapped for one with `sched_cfg` over the same AR runner
     when the runner's fields agree (`TTS.reconfigure`: no AR compile or graph capture again), else it is closed
     (its backends kept) and a new TTS is built."""
-    from ...runtime.scheduling.scheduler import AR_RUNNER_FIELDS
+    from ...runtime.scheduling.scheduler import ar_runner_differences
     from ...runtime.tts import TTS
 
-    if tts is not None and all(getattr(sched_cfg, f) == getattr(tts.scheduler_config, f) for f in AR_RUNNER_FIELDS):
-        tts.reconfigure(sched_cfg)
+    if tts is not None:
+        if ar_runner_differences(sched_cfg, tts.scheduler_config):
+            tts.close(close_backends=False)
+            tts = None
+        else:
+            tts.reconfigure(sched_cfg)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the old scheduler's prefix pool: free before the new one sizes its own
-    else:
-        if tts is not None:
-            tts.close(close_backends=False)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+    if tts is None:
         tts = TTS(pipe, scheduler=sched_cfg)
     tts.synthesize("a" * 40, seed=0, force_tokens=50)  # starts the scheduler (captures decode graphs), warms up
     list(tts.stream("a" * 40, seed=0, force_tokens=50))

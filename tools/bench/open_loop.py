@@ -299,67 +299,67 @@ def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec: Ope
         out["cached_hop_check"] = jsonable(cached_hop_check(pipe))
         bench.save()
         log(f"cached hop check: {out['cached_hop_check']}")
-    held: dict = {}  # the TTS of the settings (not in `out`: that is saved as JSON)
+    tts = None  # one TTS for all settings where their AR runner fields agree (start_tts swaps its scheduler)
     try:
-        _sweep(bench, out, held, pipe, base, settings, variant, spec, rates, drain_s, speaker)
+        for label, overrides in settings:
+            if bench.over_budget():
+                log(f"open loop: skip setting {label!r} (time budget)")
+                continue
+            t = time.perf_counter()
+            tts = start_tts(pipe, dataclasses.replace(base, **overrides), tts)
+            setup = time.perf_counter() - t
+            mem = _gpu_memory(pipe.device)
+            out["settings"].append({"label": label, "overrides": overrides, "scheduler_setup_s": setup, **mem})
+            log(f"open loop {variant} / {label}: scheduler ready in {setup:.1f}s; GPU memory {mem}")
+            if len(out["settings"]) == 1 and getattr(bench.args, "compile_cache", None):
+                # the compiles are done: keep them even if the device call's time limit cuts the cells short (a
+                # cold compiled set-up can take most of a call; the next call then starts from this cache)
+                from ...runtime.stages.compiled import save_compile_cache
+
+                log(f"saved compile cache {bench.args.compile_cache}: "
+                    f"{save_compile_cache(bench.args.compile_cache) / 1e6:.1f} MB")
+            try:
+                _rate_sweep(bench, out, tts, label, spec, rates, drain_s, speaker)
+            finally:
+                out["settings"][-1]["stats"] = jsonable(scheduler_stats(tts))
     finally:
-        if held.get("tts") is not None:
-            held.pop("tts").close(close_backends=False)  # the pipeline (and its graphs) may serve another section
+        if tts is not None:
+            tts.close(close_backends=False)  # the pipeline (and its graphs) may serve another section
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return out
 
 
-def _sweep(bench, out, held, pipe, base, settings, variant, spec, rates, drain_s, speaker) -> None:
-    """Each setting's rate sweep; one TTS for all of them where their AR runner fields agree (its scheduler swapped
-    per setting: `start_tts` with the previous TTS), left in held["tts"] for the caller to close."""
-    for label, overrides in settings:
+def _rate_sweep(bench, out, tts, label, spec, rates, drain_s, speaker) -> None:
+    """One setting's cells, rate after rate, until the time budget or saturation."""
+    for rate in rates:
         if bench.over_budget():
-            log(f"open loop: skip setting {label!r} (time budget)")
-            continue
-        t = time.perf_counter()
-        tts = held["tts"] = start_tts(pipe, dataclasses.replace(base, **overrides), held.get("tts"))
-        setup = time.perf_counter() - t
-        mem = _gpu_memory(pipe.device)
-        out["settings"].append({"label": label, "overrides": overrides, "scheduler_setup_s": setup, **mem})
-        log(f"open loop {variant} / {label}: scheduler ready in {setup:.1f}s; GPU memory {mem}")
-        if len(out["settings"]) == 1 and getattr(bench.args, "compile_cache", None):
-            # the compiles are done: keep them even if the device call's time limit cuts the cells short (a cold
-            # compiled set-up can take most of a call; the next call then starts from this cache)
-            from ...runtime.stages.compiled import save_compile_cache
-
-            log(f"saved compile cache {bench.args.compile_cache}: "
-                f"{save_compile_cache(bench.args.compile_cache) / 1e6:.1f} MB")
+            log(f"open loop {label}: skip rate {rate:g} (time budget)")
+            break
         try:
-            for rate in rates:
-                if bench.over_budget():
-                    log(f"open loop {label}: skip rate {rate:g} (time budget)")
-                    break
-                try:
-                    cell = run_open_loop_cell(tts, spec.at_rate(rate), drain_s, speaker, label,
-                                              getattr(bench.args, "sample_stacks", False))
-                except Exception as e:  # noqa: BLE001 - the sweep goes on with the next setting
-                    import traceback
+            cell = run_open_loop_cell(tts, spec.at_rate(rate), drain_s, speaker, label,
+                                      getattr(bench.args, "sample_stacks", False))
+        except Exception as e:  # noqa: BLE001 - the sweep goes on with the next setting
+            import traceback
 
-                    traceback.print_exc()
-                    out["cells"].append({"setting": label, "rate": rate, "error": repr(e)})
-                    bench.save()
-                    break
-                why = saturated(cell)
-                cell["saturated"] = why
-                out["cells"].append(jsonable(cell))
-                bench.save()
-                t_ = cell["ttfa"]
-                log(f"open loop {label} {rate:g} req/s: offered {cell['offered_audio_s_per_s']:.1f}, achieved "
-                    f"{cell['achieved_audio_s_per_s']:.1f} audio s/s; TTFA p50 {_fmt(t_['p50'])} p95 "
-                    f"{_fmt(t_['p95'])} p99 {_fmt(t_['p99'])} s; underruns {cell['underrun_requests']} of "
-                    f"{cell['streams']} streams ({cell['stall_s']:.1f} s stalled); {cell['unfinished']} unfinished, "
-                    f"{cell['failed']} failed; busy " + ", ".join(f"{k} {v:.2f}" for k, v in cell["busy"].items())
-                    + f"; GIL wait p50 {_fmt(cell['gil_wait_ms']['p50'], '.2f')} p95 "
-                      f"{_fmt(cell['gil_wait_ms']['p95'], '.2f')} ms"
-                    + (f"; WARNING: {cell['compiles']} graph(s) compiled during the cell" if cell["compiles"] else ""))
-                if why:
-                    log(f"open loop {label}: saturated at {rate:g} req/s ({why}): higher rates skipped")
-                    break
-        finally:
-            out["settings"][-1]["stats"] = jsonable(scheduler_stats(tts))
+            traceback.print_exc()
+            out["cells"].append({"setting": label, "rate": rate, "error": repr(e)})
+            bench.save()
+            break
+        why = saturated(cell)
+        cell["saturated"] = why
+        out["cells"].append(jsonable(cell))
+        bench.save()
+        t_ = cell["ttfa"]
+        log(f"open loop {label} {rate:g} req/s: offered {cell['offered_audio_s_per_s']:.1f}, achieved "
+            f"{cell['achieved_audio_s_per_s']:.1f} audio s/s; TTFA p50 {_fmt(t_['p50'])} p95 "
+            f"{_fmt(t_['p95'])} p99 {_fmt(t_['p99'])} s; underruns {cell['underrun_requests']} of "
+            f"{cell['streams']} streams ({cell['stall_s']:.1f} s stalled); {cell['unfinished']} unfinished, "
+            f"{cell['failed']} failed; busy " + ", ".join(f"{k} {v:.2f}" for k, v in cell["busy"].items())
+            + f"; GIL wait p50 {_fmt(cell['gil_wait_ms']['p50'], '.2f')} p95 "
+              f"{_fmt(cell['gil_wait_ms']['p95'], '.2f')} ms"
+            + (f"; WARNING: {cell['compiles']} graph(s) compiled during the cell" if cell["compiles"] else ""))
+        if why:
+            log(f"open loop {label}: saturated at {rate:g} req/s ({why}): higher rates skipped")
+            break
+
