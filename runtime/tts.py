@@ -84,10 +84,10 @@ class TTS:
         Inductor compile work at start-up)."""
         import dataclasses
 
-        ar_only = compile == "ar"  # the LM only; the DiT / HiFT stay eager modules (in CUDA graphs on CUDA)
-        if isinstance(compile, str) and not ar_only:
-            from .stages.compiled import set_compile_scope
+        from .stages.compiled import AR_ONLY, set_compile_scope
 
+        ar_only = compile == AR_ONLY  # the LM only; the DiT / HiFT stay eager modules (in CUDA graphs on CUDA)
+        if isinstance(compile, str) and not ar_only:
             set_compile_scope(compile)
         compile = bool(compile)
         compiled_set = None

@@ -8,6 +8,8 @@ from ._cli import add_device
 
 
 def add_arguments(p) -> None:
+    from ..runtime.stages.compiled import COMPILE_CHOICES
+
     p.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a CosyVoice3 model directory")
     p.add_argument("--engines", default=None, help="engine set folder built by `trtbuild build` (default: eager)")
     add_device(p)
@@ -24,7 +26,7 @@ def add_arguments(p) -> None:
     p.add_argument("--drain-timeout-s", type=float, default=30.0, help="shutdown waits this long for requests")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the LM and DiT at start-up (minutes on a cold cache; faster serving)")
-    p.add_argument("--compile-scope", default=None, choices=["whole", "regional", "ar"],
+    p.add_argument("--compile-scope", default=None, choices=list(COMPILE_CHOICES),
                    help="with --compile: the DiT and LM compiled as whole graphs (default) or one block / layer "
                         "reused by all (regional: a shorter compile, GPU speed not measured yet), or the LM only "
                         "(ar: the DiT / HiFT as eager modules in CUDA graphs, the configuration of the open-loop "

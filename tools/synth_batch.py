@@ -163,6 +163,7 @@ def run(args, tts_factory) -> int:
     from tqdm import tqdm
 
     bar = tqdm(total=len(jobs), desc="synthesising", unit="utt", file=sys.stderr, disable=args.json)
+
     def progress(r: dict) -> None:
         bar.update(1)
         if r["status"] == "error":

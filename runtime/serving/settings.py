@@ -35,7 +35,8 @@ class ServerSettings:
     log_level: str = "info"
     compile: bool = False          # torch.compile the LM and DiT at start-up (TTS.load(compile=True))
     compile_cache: str | None = None  # torch.compile artifacts to reuse / write (needs compile)
-    compile_scope: str | None = None  # with compile: "whole" / "regional" DiT + LM compilation (default: whole), "ar": LM only
+    # with compile: "whole" / "regional" DiT + LM compilation (default: whole), or "ar": the LM only
+    compile_scope: str | None = None
     # --- hardening
     strict: bool = False           # reject unknown body fields (422-era behaviour) instead of the vendor allow-list
     allowed_hosts: list[str] | None = None  # Host header names accepted; None: the bound loopback names ("*": any)
@@ -57,7 +58,8 @@ class ServerSettings:
     max_ws_sessions: int = 64      # open WS /v1/audio/speech/stream sessions at once (beyond: an error event, 1013)
     ws_idle_timeout_s: float = 60.0  # a session with nothing to synthesise and no message for this long is closed
     # sentences a websocket session synthesises ahead of the one it sends (0: none; off by default: on the CPU it
-    # added stalls once synthesis was the bottleneck, BENCHMARKS.md thirteenth session; the GPU is not measured)
+    # added stalls once synthesis was the bottleneck, BENCHMARKS.md thirteenth session; on an H100 below saturation
+    # it cut sentence TTFA p95 0.95 -> 0.58 s, run 37: one run, one rate)
     ws_lookahead: int = 0
     ws_buffer_hints: bool = True   # a session's next sentence tells the runtime how much audio its listener still has
 
@@ -78,10 +80,10 @@ class ServerSettings:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise InputError(f"server setting {name} must be a positive number, got {v!r}")
         if self.compile_scope is not None:
-            from ..stages.compiled import COMPILE_SCOPES
+            from ..stages.compiled import COMPILE_CHOICES
 
-            if self.compile_scope not in COMPILE_SCOPES + ("ar",):
-                raise InputError(f"server setting compile_scope must be one of {', '.join(COMPILE_SCOPES)}, ar; "
+            if self.compile_scope not in COMPILE_CHOICES:
+                raise InputError(f"server setting compile_scope must be one of {', '.join(COMPILE_CHOICES)}; "
                                  f"got {self.compile_scope!r}")
             if not self.compile:
                 raise InputError("server setting compile_scope needs compile (--compile)")

@@ -59,6 +59,8 @@ def compile_fn(fn: Callable) -> Callable:
 
 
 COMPILE_SCOPES = ("whole", "regional")
+AR_ONLY = "ar"  # TTS.load(compile=AR_ONLY): the LM only, the DiT / HiFT eager (the benchmarks' graphs_ar variant)
+COMPILE_CHOICES = COMPILE_SCOPES + (AR_ONLY,)  # what TTS.load(compile=...) and `serve --compile-scope` take
 _scope = {"scope": None}  # set_compile_scope (process-wide)
 
 
