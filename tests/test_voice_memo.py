@@ -125,3 +125,17 @@ def test_own_prompt_audio_stays_out_of_the_memo(tiny_tts):
     assert not sch.voices.entries and r.prompt_digest is not None
     sch._prepare(_state())
     assert len(sch.voices.entries) == 2  # the default voice: flow prompt and LM prompt speech
+
+
+def test_prompt_text_ids_memo_is_bounded_and_exact(tiny_tts, monkeypatch):
+    """The frontend keeps the token ids of the prompt texts it saw last (at most _PROMPT_MEMO), the same ids the
+    tokenizer gives; the oldest goes first, a reused one counts as new."""
+    from cosytrt.runtime.models import frontend as fe_mod
+
+    fe = tiny_tts.pipeline.frontend
+    monkeypatch.setattr(fe_mod, "_PROMPT_MEMO", 2)
+    fe.__dict__.pop("_prompt_ids", None)
+    for text in ("first voice.", "second voice.", "first voice.", "third voice."):
+        assert fe._encode_prompt(text) == tuple(fe.tokenizer.encode(text))
+    assert list(fe._prompt_ids) == ["first voice.", "third voice."]
+    fe.__dict__.pop("_prompt_ids", None)

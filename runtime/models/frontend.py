@@ -261,13 +261,14 @@ class Frontend:
         """Token ids of a prompt text (a saved voice's transcript or an instruction: the same string request after
         request), memoized (a bounded LRU per frontend)."""
         memo = self.__dict__.setdefault("_prompt_ids", OrderedDict())
-        ids = memo.get(prompt_text)
+        # pop and re-insert (the newest last): each step is atomic, so the frontend's worker threads never see a key
+        # vanish between a lookup and a move (a move_to_end after another thread's eviction would raise)
+        ids = memo.pop(prompt_text, None)
         if ids is None:
-            ids = memo[prompt_text] = tuple(self.tokenizer.encode(prompt_text))
-            if len(memo) > _PROMPT_MEMO:
-                memo.popitem(last=False)
-        else:
-            memo.move_to_end(prompt_text)
+            ids = tuple(self.tokenizer.encode(prompt_text))
+        memo[prompt_text] = ids
+        while len(memo) > _PROMPT_MEMO:
+            memo.popitem(last=False)
         return ids
 
     def _request(self, mode: str, prompt_text: str, tts_text: str, features: PromptFeatures,
