@@ -78,3 +78,27 @@ def test_decode_graphs_run_host_is_the_device_call(lm):
         out = dg.run_host([5, 9, 11], [0, 1, 2], [3, 70, 8], need_kv=71)
     assert torch.equal(out, ref) and dg.replays == 2
     assert seen[0] == seen[1] == (128, 4, [[5, 9, 11, 0], [0, 1, 2, 4], [3, 70, 8, 0]])
+
+
+def test_decode_graphs_sample_in_the_graph(lm):
+    """With a `StaticSampler` the graph holds decode + sampling: `run_sampled` feeds it the packed rows padded to the
+    bucket (the captured shapes) and returns the logits of `run_host` and exactly `select_packed`'s ids of them;
+    `run_host` on the same graphs still returns the logits alone."""
+    from cosytrt.runtime.models.sampling import (SamplingParams, StaticSampler, TokenPolicy, pack_rows,
+                                                 select_packed)
+
+    cfg = lm.config
+    sampler = StaticSampler(cfg.speech_vocab, cfg.speech_token_size)
+    dg = DecodeGraphs(lm.decode, [2, 4], [64, 128], 4, "cpu", sampler)
+    assert dg.graphs[128].shapes[4][3] == (4, 7 + sampler.width)
+    policies = [TokenPolicy(4, SamplingParams(seed=s, greedy=s == 2, win_size=4 + s),
+                            speech_token_size=cfg.speech_token_size) for s in range(3)]
+    for p in policies:
+        p.history = [7, 7, 3, 7][:2 + len(p.history)]
+    packed = pack_rows(policies, cfg.speech_vocab)
+    args = ([5, 9, 11], [0, 1, 2], [3, 70, 8], 71)
+    with torch.inference_mode():
+        logits, ids = dg.run_sampled(*args, packed)
+        ref = dg.run_host(*args)
+    assert torch.equal(logits, ref) and logits.shape[0] == 3
+    assert ids == select_packed(ref, packed) and dg.sampled == 1 and dg.replays == 2

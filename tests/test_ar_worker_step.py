@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from cosytrt.runtime.models.sampling import SamplingParams, TokenPolicy
+from cosytrt.runtime.models.sampling import SamplingParams, StaticSampler, TokenPolicy
 from cosytrt.runtime.scheduling.ar_worker import ARWorker
 from cosytrt.runtime.scheduling.config import SchedulerConfig
 from cosytrt.runtime.scheduling.stage_clock import StageClock
@@ -36,6 +36,22 @@ class SlotRunner:
         return self.table[slots]
 
 
+class SamplingRunner(SlotRunner):
+    """`SlotRunner` that samples the decode step itself (as `TorchARRunner` with `ar_graph_sampling`, eagerly)."""
+
+    def __init__(self, slots: int):
+        super().__init__(slots)
+        self.graph_sampler = StaticSampler(V, 6561, top_k=50)
+        self.sampled = 0
+
+    def decode_sampled(self, tokens, slots, positions, packed):
+        logits = self.decode(tokens, slots, positions)
+        if not self.graph_sampler.fits(packed):
+            return logits, None
+        self.sampled += 1
+        return logits, self.graph_sampler(logits, self.graph_sampler.rows(packed, len(tokens))).tolist()
+
+
 class Sink:
     def __init__(self):
         self.calls = []
@@ -47,8 +63,8 @@ class Sink:
         pass
 
 
-def _worker(n: int):
-    runner, sink, failed = SlotRunner(n), Sink(), []
+def _worker(n: int, runner_cls=SlotRunner):
+    runner, sink, failed = runner_cls(n), Sink(), []
     w = ARWorker(runner, SchedulerConfig(), sink, lambda r, e: failed.append((r, str(e))), StageClock(False), "cpu")
     for i in range(n):
         pol = TokenPolicy(1, SamplingParams(seed=i, top_k=50, min_tokens=1000, max_tokens=1000),
@@ -97,6 +113,23 @@ def test_failing_sample_row_fails_alone():
     assert rows[1] not in w.running and rows[1].slot is None
     for i in (0, 2, 3):
         assert rows[i].tokens == ref[i] and rows[i].policy.num_sampled == 8, i
+
+
+def test_runner_sampled_steps_give_the_same_tokens():
+    """`ar_graph_sampling`: the runner samples each decode step (`decode_sampled`); the tokens are the ones
+    `sample_batch` gives, and a failing decode row still fails alone, the others keeping the uniforms they drew."""
+    ref = _reference(4, 12)
+    w, runner, failed = _worker(4, SamplingRunner)
+    rows = list(w.running)
+    with torch.inference_mode():
+        for step in range(12):
+            if step == 5:
+                runner.bad = 2
+            w._decode()
+    assert runner.sampled == 11     # not step 5: its batch failed, the rows went one by one, sampled from the logits
+    assert [(r, e) for r, e in failed] == [(rows[2], "injected decode failure")]
+    for i in (0, 1, 3):
+        assert rows[i].tokens == ref[i] and rows[i].policy.num_sampled == 12, i
 
 
 def test_ar_step_bench_table_runs():

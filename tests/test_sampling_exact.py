@@ -16,8 +16,9 @@ import torch
 
 from cosytrt.runtime.models.config import config_from_golden_json
 from cosytrt.runtime.models.llm import CosyVoice3LM
-from cosytrt.runtime.models.sampling import (DRAW_BLOCK, SamplingParams, TokenPolicy, generate, ras_sample, ras_select,
-                                             sample_batch, sorted_head)
+from cosytrt.runtime.models.sampling import (DRAW_BLOCK, SamplingParams, StaticSampler, TokenPolicy, generate,
+                                             pack_rows, ras_sample, ras_select, sample_batch, select_packed,
+                                             sorted_head)
 
 V = 6761
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
@@ -159,6 +160,50 @@ def test_same_ids_as_the_reference_in_changing_batches(seed, device):
         assert a.history == b.history and a.output == b.output
     assert max(steps) > 2 * DRAW_BLOCK                              # rows crossed uniform blocks
     assert sum(len(p.history) for p in new) > 800
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", [0, 3])
+def test_static_sampler_same_ids_as_the_reference(seed, device):
+    """The fixed-shape sampler of the decode graphs (`StaticSampler`: per-row stop masks, greedy where, every row's
+    resample, the window padded to a static width, padding rows up to the graph's batch bucket) picks the reference's
+    ids in changing batches; so do `select_packed` and a retry of a subset of the packed rows (no new draws)."""
+    rng = random.Random(seed)
+    n = 22
+    new, ref = _policies(n), _policies(n)
+    gens = {id(p): p.params.make_generator() for p in ref}
+    steps = [0] * n
+    while True:
+        live = [i for i in range(n) if not new[i].finished and new[i].num_sampled < new[i].max_len]
+        if not live:
+            break
+        batch = rng.sample(live, rng.randint(1, len(live)))
+        logits = torch.stack([_logits(i, steps[i]) for i in batch]).to(device)
+        packed = pack_rows([new[i] for i in batch], V)
+        sampler = StaticSampler(V, 6561, top_k=packed.max_top_k, width=packed.width + rng.randint(0, 12))
+        assert sampler.fits(packed)
+        B = len(batch) + rng.randint(0, 5)
+        padded = torch.cat([logits, torch.randn(B - len(batch), V, device=device)])
+        got = sampler(padded, sampler.rows(packed, B).to(device))[:len(batch)].tolist()
+        assert got == select_packed(logits, packed)
+        keep = sorted(rng.sample(range(len(batch)), rng.randint(1, len(batch))))
+        assert select_packed(logits[keep], packed.subset(keep)) == [got[j] for j in keep]
+        want = _ref_sample_ids(logits, [ref[i] for i in batch], gens)
+        assert got == want, batch
+        for i, tok in zip(batch, got):
+            new[i].accept(tok)
+            ref[i].accept(tok)
+            steps[i] += 1
+    assert sum(len(p.history) for p in new) > 800
+
+
+def test_static_sampler_fits():
+    packed = pack_rows(_policies(3)[:1], V)   # top_k 1, window 1
+    assert StaticSampler(V, 6561, top_k=1, width=10).fits(packed)
+    assert not StaticSampler(V, 6561, top_k=25, width=10).fits(packed)     # another top_k: sampled from the logits
+    assert not StaticSampler(V, 6560, top_k=1, width=10).fits(packed)
+    wide = pack_rows([TokenPolicy(4, SamplingParams(seed=0, win_size=20))], V)
+    assert not StaticSampler(V, 6561).fits(wide)                           # wider window than the graph's
 
 
 def test_ras_select_both_resample_forms_match_the_reference():

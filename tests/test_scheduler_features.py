@@ -374,3 +374,26 @@ def test_tts_reconfigure_keeps_the_ar_runner_and_the_audio(speaker):
             tts.reconfigure(replace(tts.scheduler_config, ar_max_batch=3))
     finally:
         tts.close()
+
+
+def test_ar_graph_sampling_keeps_the_tokens(tts, speaker):
+    """`ar_graph_sampling`: the AR runner samples each decode step in the fixed-shape ops its decode graphs hold (here
+    on the CPU, eagerly). Free-running requests (stop ids, RAS repeats, a greedy one, one with another top_k that the
+    sampler does not fit and samples from the logits) get the same tokens and audio as with the sampler apart."""
+    reqs = [make_request("Sample me freely, please.", speaker=speaker, seed=s, max_tokens=90, stream=s % 2 == 0,
+                         **extra) for s, extra in enumerate([{}, {}, {"greedy": True}, {"top_k": 5}])]
+    def run(cfg):
+        sched = Scheduler(tts.pipeline, cfg)
+        try:
+            handles = [sched.submit(r) for r in reqs]
+            wavs = [h.result(timeout=120) for h in handles]
+            return wavs, [h.tokens for h in handles], sched
+        finally:
+            sched.close()
+
+    on, tok_on, sched = run(SchedulerConfig(ar_graph_sampling=True))
+    assert sched.runner.graph_sampler is not None and sched.stats()["completed"] == 4
+    off, tok_off, sched = run(SchedulerConfig(ar_graph_sampling=False))
+    assert sched.runner.graph_sampler is None
+    assert tok_on == tok_off and len({len(t) for t in tok_on}) > 1   # free-running: lengths differ
+    assert_same_audio(on, off)

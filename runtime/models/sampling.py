@@ -312,15 +312,35 @@ class TokenPolicy:
         return emit, self.finished
 
 
-def sample_ids(logits: torch.Tensor, policies: list[TokenPolicy]) -> list[int]:
-    """The next id of every row of `logits` [B, V] (row i belongs to `policies[i]`): stop masks, RAS with each row's
-    own top_p / top_k / greedy / window and two uniforms from its own generator, in one set of tensor ops, one
-    upload of the host values and ONE host sync (the final `.tolist()`). Does not touch the policies' bookkeeping
-    (that is `TokenPolicy.accept`)."""
-    _check_batch("sample_ids", logits, policies)
-    if not policies:
-        return []
-    vocab, stop = logits.shape[1], policies[0].speech_token_size
+@dataclass
+class PackedRows:
+    """The host side of one sampling step for B rows (`pack_rows`): every row's two uniforms (already drawn from its
+    generator), top_p / top_k / repeat_min / greedy / stop mode and RAS window, row-major in `flat` ([B, 7 + width]
+    float32 once uploaded), and what the tensor ops need to know on the host."""
+    flat: list[float]
+    rows: int
+    width: int          # window columns (the widest win_size; shorter windows padded with -1)
+    max_top_k: int
+    modes: set
+    any_greedy: bool
+    stop: int           # speech_token_size: the first stop id
+
+    def upload(self, device: torch.device) -> torch.Tensor:
+        return _upload(self.flat, self.rows, device)
+
+    def subset(self, keep: list[int]) -> "PackedRows":
+        """The packed values of rows `keep` (their uniforms as drawn: a retry of fewer rows draws nothing anew)."""
+        c = _WINDOW + self.width
+        flat = [v for i in keep for v in self.flat[i * c:(i + 1) * c]]
+        modes = {int(flat[j * c + _STOP_MODE]) for j in range(len(keep))}
+        return PackedRows(flat, len(keep), self.width, self.max_top_k, modes,
+                          any(flat[j * c + _GREEDY] > 0 for j in range(len(keep))), self.stop)
+
+
+def pack_rows(policies: list[TokenPolicy], vocab: int) -> PackedRows:
+    """Check every policy first (so a bad one draws nothing), then draw each row's two uniforms and pack its host
+    values. Does not touch the policies' bookkeeping (that is `TokenPolicy.accept`)."""
+    stop = policies[0].speech_token_size
     width = max_top_k = 0
     for p in policies:
         if p.finished:
@@ -343,8 +363,66 @@ def sample_ids(logits: torch.Tensor, policies: list[TokenPolicy]) -> list[int]:
         if len(window) < width:
             flat += [-1] * (width - len(window))
         flat += window
-    rows = _upload(flat, len(policies), logits.device)
-    return _select(_masked_scores(logits, rows, modes, stop), rows, max_top_k, any_greedy).tolist()
+    return PackedRows(flat, len(policies), width, max_top_k, modes, any_greedy, stop)
+
+
+def select_packed(logits: torch.Tensor, packed: PackedRows) -> list[int]:
+    """The ids of `pack_rows`'s rows from their logits [B, V]: one upload, the tensor ops, ONE host sync."""
+    rows = packed.upload(logits.device)
+    return _select(_masked_scores(logits, rows, packed.modes, packed.stop), rows, packed.max_top_k,
+                   packed.any_greedy).tolist()
+
+
+def sample_ids(logits: torch.Tensor, policies: list[TokenPolicy]) -> list[int]:
+    """The next id of every row of `logits` [B, V] (row i belongs to `policies[i]`): stop masks, RAS with each row's
+    own top_p / top_k / greedy / window and two uniforms from its own generator, in one set of tensor ops, one
+    upload of the host values and ONE host sync (the final `.tolist()`). Does not touch the policies' bookkeeping
+    (that is `TokenPolicy.accept`)."""
+    _check_batch("sample_ids", logits, policies)
+    if not policies:
+        return []
+    return select_packed(logits, pack_rows(policies, logits.shape[1]))
+
+
+# ---------------------------------------------------------------- the same, in fixed shapes (inside a CUDA graph)
+
+class StaticSampler:
+    """`select_packed` as shape-static, branch-free tensor ops that a CUDA graph can hold (captured after the AR
+    decode step, so a step is one replay and one read of the ids): every row goes through the per-row stop-mode mask
+    and the greedy `where`, the repeat resample is computed for every row, the window has a fixed `width` and the
+    sorted head a fixed `top_k`. A batch it `fits` gets exactly `select_packed`'s ids (the masks and `where`s it
+    adds select what the specialised ops would; tests/test_sampling_exact.py checks it); other batches sample from
+    the logits as before. `rows(packed, B)` pads the packed host values to the static width and to B rows (padding
+    rows: greedy, no stop mask)."""
+
+    def __init__(self, vocab: int, stop: int, top_k: int = SamplingParams.top_k,
+                 width: int = SamplingParams.win_size):
+        self.vocab, self.stop, self.top_k, self.width = vocab, stop, top_k, width
+
+    def fits(self, packed: PackedRows) -> bool:
+        return packed.stop == self.stop and packed.max_top_k == self.top_k and packed.width <= self.width
+
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """ids [B] (long) of `logits` [B, V] with the host values `rows` [B, 7 + width] (float32)."""
+        scores = _masked_scores(logits, rows, {_NO_STOP_MASK, _MASK_FIRST_STOP}, self.stop)  # per-row mode column
+        return ras_select(scores, rows[:, _TOP_P], rows[:, _TOP_K], rows[:, _GREEDY] > 0,
+                          rows[:, _U_NUCLEUS:_U_RESAMPLE + 1], rows[:, _WINDOW:], rows[:, _REPEAT_MIN],
+                          self.top_k, repeated_only=False)
+
+    def rows(self, packed: PackedRows, B: int, pin: bool = False) -> torch.Tensor:
+        """`packed`'s host values as a [B, 7 + width] float32 CPU tensor (pinned with `pin`): each window padded with
+        -1 to the static width (-1 is never an id: the repeat counts do not change), then B - rows padding rows."""
+        c, extra = _WINDOW + packed.width, [-1.0] * (self.width - packed.width)
+        flat: list[float] = []
+        for i in range(0, packed.rows * c, c):
+            flat += packed.flat[i:i + _WINDOW]
+            flat += extra
+            flat += packed.flat[i + _WINDOW:i + c]
+        flat += ([0.5, 0.5, 1.0, self.top_k, 1 << 20, 1, _NO_STOP_MASK] + [-1.0] * self.width) * (B - packed.rows)
+        return torch.tensor(flat, dtype=torch.float32, pin_memory=pin).view(B, _WINDOW + self.width)
+
+    def example_rows(self, B: int) -> torch.Tensor:
+        return self.rows(PackedRows([], 0, self.width, self.top_k, set(), False, self.stop), B)
 
 
 def _masked_scores(logits: torch.Tensor, rows: torch.Tensor, modes: set[int], stop: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..models.sampling import sample_batch
+from ..models.sampling import PackedRows, pack_rows, sample_batch, select_packed
 from ..stages.ar_runner import ARRunner, PrefillRow
 from .config import SchedulerConfig
 from .policies import admit
@@ -52,6 +52,8 @@ class ARWorker:
         self.running: list[RequestState] = []         # in a KV slot (AR thread only)
         self.counters = ARCounters()
         self.stopped = False
+        # the runner samples the decode step itself (`ar_graph_sampling`: in its decode graphs on CUDA)
+        self.graph_sampler = getattr(runner, "graph_sampler", None)
         # On CUDA the worker runs on its own stream: its per-step host sync (the sampled tokens) then waits for its
         # own kernels only, not for DiT / HiFT batches queued by the other workers, and its graphs overlap theirs.
         # Its only device inputs from other threads are lm_input (fenced by `inputs_ready`); what it hands on
@@ -168,27 +170,71 @@ class ARWorker:
     def _decode(self) -> None:
         rows = list(self.running)
         t0 = time.perf_counter()
-        rows_ok, logits = self._logits(lambda rs: self.runner.decode([r.policy.next_input for r in rs],
-                                                                     [r.slot for r in rs], [r.pos for r in rs]), rows)
+
+        def decode(rs):
+            return self.runner.decode([r.policy.next_input for r in rs], [r.slot for r in rs], [r.pos for r in rs])
+
+        packed, ids = self._pack(rows), None
+        if packed is None:
+            rows_ok, logits = self._logits(decode, rows)
+        else:
+            try:
+                logits, ids = self.runner.decode_sampled([r.policy.next_input for r in rows], [r.slot for r in rows],
+                                                         [r.pos for r in rows], packed)
+                rows_ok = rows
+            except Exception:  # as `_logits` does (the rows one by one), each row keeping the uniforms it drew
+                index = {id(r): i for i, r in enumerate(rows)}
+                rows_ok, logits = self._logits(decode, rows)
+                packed = packed.subset([index[id(r)] for r in rows_ok])
         for r in rows_ok:
             r.pos += 1
-        self._sample(rows_ok, logits, t0)
+        self._sample(rows_ok, logits, t0, ids, packed)
         self.counters.decode(len(rows))
 
-    def _sample(self, rows: list[RequestState], logits: torch.Tensor | None, t0: float) -> None:
-        """One `sample_batch` for all rows (one host sync; `TokenPolicy.step` row by row if it raises); append the
-        tokens, free the slots of finished rows, hand the rows to the sink."""
+    def _pack(self, rows: list[RequestState]) -> PackedRows | None:
+        """The step's sampling inputs when the runner samples (`graph_sampler`; its uniforms drawn now), else None:
+        no sampler, a row at its length limit (`sample_batch` finishes it without a draw) or a policy that does not
+        check out (`sample_batch` fails that row alone)."""
+        if self.graph_sampler is None:
+            return None
+        policies = [r.policy for r in rows]
+        if any(p.finished or p.num_sampled >= p.max_len for p in policies):
+            return None
+        try:
+            return pack_rows(policies, self.graph_sampler.vocab)
+        except Exception:
+            return None
+
+    def _sample(self, rows: list[RequestState], logits: torch.Tensor | None, t0: float,
+                ids: list[int] | None = None, packed: PackedRows | None = None) -> None:
+        """One `sample_batch` for all rows (one host sync; `TokenPolicy.step` row by row if it raises), or the ids
+        the runner sampled (`ids`), or `select_packed` of the rows' packed values; append the tokens, free the slots
+        of finished rows, hand the rows to the sink."""
         if not rows:
             return
-        try:
-            steps = list(zip(rows, sample_batch(logits, [r.policy for r in rows])))
-        except Exception:
-            steps = []
-            for r, lg in zip(rows, logits):
-                try:
-                    steps.append((r, r.policy.step(lg)))
-                except Exception as e:
-                    self._fail(r, e)
+        steps = None
+        if ids is not None or packed is not None:
+            try:
+                if ids is None:
+                    ids = select_packed(logits, packed)
+                steps = []
+                for r, tok in zip(rows, ids):
+                    try:
+                        steps.append((r, r.policy.accept(tok)))
+                    except Exception as e:
+                        self._fail(r, e)
+            except Exception:
+                steps = None
+        if steps is None:
+            try:
+                steps = list(zip(rows, sample_batch(logits, [r.policy for r in rows])))
+            except Exception:
+                steps = []
+                for r, lg in zip(rows, logits):
+                    try:
+                        steps.append((r, r.policy.step(lg)))
+                    except Exception as e:
+                        self._fail(r, e)
         finished = False
         for r, (tok, done) in steps:
             try:

@@ -54,6 +54,12 @@ class SchedulerConfig:
     # already launched (run 31: vocoder + copy 21-32 ms p50 of the time to first audio). Off by default: not yet run
     # on the GPU
     hift_own_stream: bool = False
+    # the decode step's sampling (stop masks, RAS) captured in the decode CUDA graphs after the LM step
+    # (`models.sampling.StaticSampler`): a step is one replay and one read of the ids, ~35 fewer kernel launches and
+    # their Python on the AR thread. Exact (the same ids: tests/test_sampling_exact.py, test_ar_graph_sampling.py);
+    # batches it does not fit (another top_k, a wider RAS window) sample as before. Off by default: not yet run on
+    # the GPU
+    ar_graph_sampling: bool = False
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
     ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)

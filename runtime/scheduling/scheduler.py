@@ -44,7 +44,7 @@ __all__ = ["Scheduler", "SchedulerConfig", "RequestHandle", "POLICIES", "AR_RUNN
 
 
 # the SchedulerConfig fields make_ar_runner reads: schedulers over one AR runner must agree on them
-AR_RUNNER_FIELDS = ("ar_graph_batches", "ar_max_batch", "ar_max_len", "ar_max_prefill_tokens",
+AR_RUNNER_FIELDS = ("ar_graph_batches", "ar_graph_sampling", "ar_max_batch", "ar_max_len", "ar_max_prefill_tokens",
                     "ar_prefill_graph_batches", "ar_prefill_graph_lengths", "batch_invariant", "compile", "cuda_graphs")
 
 
@@ -71,7 +71,7 @@ def make_ar_runner(models, config: SchedulerConfig, device, engine_set=None) -> 
                            cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, graph_batches=cfg.ar_graph_batches,
                            prefill_graph_batches=cfg.ar_prefill_graph_batches,
                            prefill_graph_lengths=cfg.ar_prefill_graph_lengths,
-                           max_prefill_tokens=cfg.ar_max_prefill_tokens)
+                           max_prefill_tokens=cfg.ar_max_prefill_tokens, graph_sampling=cfg.ar_graph_sampling)
     if cfg.batch_invariant:  # the promise checked on this device and these graphs (a warning if it fails)
         runner.check_batch_invariance()
     return runner

@@ -3,6 +3,10 @@
 A decode call of b rows runs in the smallest captured batch B >= b; the B - b padding rows write into a scratch KV
 slot that no request owns (position 0, token 0), so real rows are unaffected. The KV length attended is the smallest
 rung >= the longest position + 1 (a static int, so the graph's shapes are fixed).
+
+With a `StaticSampler` the graphs also hold the step's sampling (`run_sampled`: the packed host values go up with
+the step's inputs, one replay, one read of the ids), so a decode step costs the AR thread a few host operations
+instead of the sampler's ~35 kernel launches beside the DiT and vocoder threads.
 """
 from __future__ import annotations
 
@@ -11,26 +15,39 @@ import bisect
 import torch
 
 from ...engines.cuda_graphs import GraphCache
+from ..models.sampling import PackedRows, StaticSampler
+
+
+def _sampled(logits: torch.Tensor, rows: torch.Tensor, sampler: StaticSampler) -> tuple[torch.Tensor, torch.Tensor]:
+    return logits, sampler(logits, rows)
 
 
 class DecodeGraphs:
     """`decode(tokens, slots, positions, kv_len=...)` is the LM's decode step, eager or compiled (`compiled.py`)."""
 
-    def __init__(self, decode, batches: list[int], kv_lens: list[int], scratch_slot: int, device):
+    def __init__(self, decode, batches: list[int], kv_lens: list[int], scratch_slot: int, device,
+                 sampler: StaticSampler | None = None):
         self.batches = sorted(set(batches))
         self.kv_lens = sorted(set(kv_lens))
         self.scratch = scratch_slot
         self.device = torch.device(device)
+        self.sampler = sampler
         self.graphs: dict[int, GraphCache] = {}
         for kv in self.kv_lens:
-            cache = GraphCache(lambda t, s, p, kv=kv: decode(t, s, p, kv_len=kv), self.device)
+            if sampler is None:
+                fn = lambda t, s, p, kv=kv: decode(t, s, p, kv_len=kv)  # noqa: E731
+            else:
+                fn = lambda t, s, p, rows, kv=kv: _sampled(decode(t, s, p, kv_len=kv), rows, sampler)  # noqa: E731
+            cache = GraphCache(fn, self.device)
             for B in sorted(self.batches, reverse=True):
                 t = torch.zeros(B, dtype=torch.long, device=self.device)
                 s = torch.full((B,), scratch_slot, dtype=torch.long, device=self.device)
                 p = torch.zeros(B, dtype=torch.long, device=self.device)
-                cache.capture(B, (t, s, p))
+                extra = () if sampler is None else (sampler.example_rows(B).to(self.device),)
+                cache.capture(B, (t, s, p) + extra)
             self.graphs[kv] = cache
-        self.replays = 0
+        self.replays = self.sampled = 0
+        self._idle: dict[int, torch.Tensor] = {}
 
     def fits(self, b: int, kv_len: int) -> bool:
         return b <= self.batches[-1] and kv_len <= self.kv_lens[-1]
@@ -49,19 +66,45 @@ class DecodeGraphs:
             slots = torch.cat([slots, slots.new_full((pad,), self.scratch)])
             positions = torch.cat([positions, positions.new_zeros(pad)])
         self.replays += 1
-        return self.graphs[kv].run(B, tokens, slots, positions)[:b]
+        return self._logits(self.graphs[kv].run(B, tokens, slots, positions, *self._idle_rows(B)))[:b]
 
     def run_host(self, tokens: list[int], slots: list[int], positions: list[int], need_kv: int) -> torch.Tensor:
         """`__call__` from host lists (the AR worker's per-step inputs): the padded columns are ONE [3, B] int64
         host tensor (pinned on CUDA) whose rows the graph cache copies straight into its static inputs
         (non-blocking): no per-column upload with its host sync, no device-side padding kernels."""
+        B, kv, host = self._host(tokens, slots, positions, need_kv)
+        self.replays += 1
+        return self._logits(self.graphs[kv].run(B, host[0], host[1], host[2], *self._idle_rows(B)))[:len(tokens)]
+
+    def run_sampled(self, tokens: list[int], slots: list[int], positions: list[int], need_kv: int,
+                    packed: PackedRows) -> tuple[torch.Tensor, list[int]]:
+        """`run_host` with the step's sampling in the graph (`self.sampler.fits(packed)` first): (logits, ids)."""
+        B, kv, host = self._host(tokens, slots, positions, need_kv)
+        rows = self.sampler.rows(packed, B, pin=self.device.type == "cuda")
+        self.replays += 1
+        self.sampled += 1
+        logits, ids = self.graphs[kv].run(B, host[0], host[1], host[2], rows)
+        return logits[:len(tokens)], ids[:len(tokens)].tolist()
+
+    def _host(self, tokens: list[int], slots: list[int], positions: list[int], need_kv: int):
         b = len(tokens)
         B, kv = self._bucket(b, need_kv)
         pad = B - b
         host = torch.tensor([tokens + [0] * pad, slots + [self.scratch] * pad, positions + [0] * pad],
                             dtype=torch.long, pin_memory=self.device.type == "cuda")
-        self.replays += 1
-        return self.graphs[kv].run(B, host[0], host[1], host[2])[:b]
+        return B, kv, host
+
+    def _logits(self, out):
+        return out if self.sampler is None else out[0]
+
+    def _idle_rows(self, B: int) -> tuple:
+        """A graph with a sampler called for its logits alone: the sampler's inputs are padding rows (made once)."""
+        if self.sampler is None:
+            return ()
+        rows = self._idle.get(B)
+        if rows is None:
+            rows = self._idle[B] = self.sampler.example_rows(B).to(self.device)
+        return (rows,)
 
 
 class PrefillGraphs:

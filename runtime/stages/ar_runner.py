@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..models.sampling import PackedRows, StaticSampler
 from .kv_slots import KVSlots
 
 KV_LEN_STEP = 256  # decode attends to the cache rounded up to this many positions
@@ -67,7 +68,8 @@ class TorchARRunner:
 
     def __init__(self, lm, max_batch: int, max_len: int, device, *, cuda_graphs: bool = True, compile: bool = False,
                  graph_batches=(1, 2, 4, 8, 16, 32, 64), prefill_graph_batches=(1, 2, 4, 8),
-                 prefill_graph_lengths=(64, 128, 256, 384, 512), max_prefill_tokens: int = 4096):
+                 prefill_graph_lengths=(64, 128, 256, 384, 512), max_prefill_tokens: int = 4096,
+                 graph_sampling: bool = False):
         self.lm = lm
         self.max_batch, self.max_len = max_batch, max_len
         self.device = torch.device(device)
@@ -81,6 +83,8 @@ class TorchARRunner:
             self._decode, self._prefill = compiled_lm(lm)
         self.decode_graphs = self.prefill_graphs = None
         self.invariance_check: dict | None = None
+        # `graph_sampling`: the decode step's sampling runs here (`decode_sampled`), in its CUDA graphs on the GPU
+        self.graph_sampler = StaticSampler(lm.config.speech_vocab, lm.config.speech_token_size) if graph_sampling else None
         if use_graphs:
             from .ar_graphs import DecodeGraphs, PrefillGraphs
 
@@ -92,7 +96,8 @@ class TorchARRunner:
                 rungs.append(kv)
                 kv *= 2
             rungs.append(max_len)
-            self.decode_graphs = DecodeGraphs(self._decode, batches, rungs, self.slots.scratch_slot, self.device)
+            self.decode_graphs = DecodeGraphs(self._decode, batches, rungs, self.slots.scratch_slot, self.device,
+                                              self.graph_sampler)
             rows = [b for b in prefill_graph_batches if b <= max_batch]
             if compile:
                 rows = sorted({max(b, MIN_COMPILED_ROWS) for b in rows})
@@ -133,6 +138,23 @@ class TorchARRunner:
         kv_len = min(self.max_len, -(-need // KV_LEN_STEP) * KV_LEN_STEP)
         t, s, p = self._padded([tokens, slots, positions], [0, self.slots.scratch_slot, 0])
         return self._decode(t, s, p, kv_len=kv_len)[:len(tokens)]
+
+    def decode_sampled(self, tokens: list[int], slots: list[int], positions: list[int],
+                       packed: PackedRows) -> tuple[torch.Tensor, list[int] | None]:
+        """`decode`, and the step's ids when its sampling can run here (`graph_sampler` fits the packed rows): in the
+        decode graph on CUDA, else eagerly in the same fixed-shape ops (the path the CPU tests check). Returns
+        (logits, ids), ids None when the caller samples from the logits (`select_packed` with the same packed rows)."""
+        sampler = self.graph_sampler
+        if sampler is None or not sampler.fits(packed):
+            return self.decode(tokens, slots, positions), None
+        self.slots.install()
+        need = max(positions) + 1
+        if self.decode_graphs is not None:
+            if self.decode_graphs.fits(len(tokens), need):
+                return self.decode_graphs.run_sampled(tokens, slots, positions, need, packed)
+            return self.decode(tokens, slots, positions), None
+        logits = self.decode(tokens, slots, positions)
+        return logits, sampler(logits, sampler.rows(packed, len(tokens)).to(logits.device)).tolist()
 
     def check_batch_invariance(self, rows: int = 64) -> dict:
         """On this device, with this runner's graphs / compiled functions: does a row's decode logits stay the same
