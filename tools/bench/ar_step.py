@@ -7,7 +7,8 @@ requests, default sampling parameters, one seed per row, with two runners:
 - `fixed`: a runner that returns the same logits every step (speech-vocab width, stop ids at -inf so no row ends):
   the worker's own time per step, the LM left out;
 - `tiny`: `TorchARRunner` over the tiny CosyVoice3 LM (seeded random weights, fp32; on CUDA in its decode graphs):
-  the whole step.
+  the whole step; `tiny sampled`: the same with `ar_graph_sampling` (on CUDA the sampling inside the decode graphs;
+  on the CPU the same fixed-shape sampler, eagerly).
 Prints microseconds per step (median of `repeats` blocks of `steps` steps), for `fixed` the aten ops per step that
 are not views (about the kernel launches of a GPU step), and for `tiny` the part spent outside `runner.decode` (on
 CUDA that includes waiting for the GPU: the decode is only launched). On CUDA every step ends in the sampling's host
@@ -83,8 +84,14 @@ class _TimedRunner:
         self.seconds += time.perf_counter() - t0
         return out
 
+    def decode_sampled(self, tokens, slots, positions, packed):
+        t0 = time.perf_counter()
+        out = self.runner.decode_sampled(tokens, slots, positions, packed)
+        self.seconds += time.perf_counter() - t0
+        return out
 
-def tiny_runner(max_batch: int, max_len: int = 1024, device: str = "cpu"):
+
+def tiny_runner(max_batch: int, max_len: int = 1024, device: str = "cpu", graph_sampling: bool = False):
     """TorchARRunner over the tiny LM (fp32); on CUDA with its decode graphs."""
     from ...runtime.models.config import tiny_config
     from ...runtime.models.loading import build_modules
@@ -92,7 +99,8 @@ def tiny_runner(max_batch: int, max_len: int = 1024, device: str = "cpu"):
 
     torch.manual_seed(0)
     llm = build_modules(tiny_config(), device=device)[0].eval()
-    return TorchARRunner(llm, max_batch, max_len, device, cuda_graphs=device.startswith("cuda"))
+    return TorchARRunner(llm, max_batch, max_len, device, cuda_graphs=device.startswith("cuda"),
+                         graph_sampling=graph_sampling)
 
 
 def _reraise(r, e: BaseException) -> None:
@@ -155,10 +163,13 @@ def table(batches=(1, 8, 32), steps: int = 100, repeats: int = 5, device: str = 
         fixed = worker_for(FixedRunner(b, device=device), b, device=device)
         fixed_us, _ = time_steps(fixed, steps, repeats)
         ops = ops_per_step(fixed)
-        timed = _TimedRunner(tiny_runner(b, device=device))
-        tiny_us, tiny_out_us = time_steps(worker_for(timed, b, device=device), max(10, steps // 2), repeats, timed)
-        rows.append({"batch": b, "fixed_us": fixed_us, "fixed_ops": ops, "tiny_us": tiny_us,
-                     "tiny_outside_decode_us": tiny_out_us})
+        row = {"batch": b, "fixed_us": fixed_us, "fixed_ops": ops}
+        for name, sampled in (("tiny", False), ("tiny_sampled", True)):
+            timed = _TimedRunner(tiny_runner(b, device=device, graph_sampling=sampled))
+            w = worker_for(timed, b, device=device)
+            row[f"{name}_us"], row[f"{name}_outside_decode_us"] = time_steps(w, max(10, steps // 2), repeats, timed)
+            row[f"{name}_ops"] = ops_per_step(w)
+        rows.append(row)
     return rows
 
 
@@ -175,11 +186,13 @@ def main(argv=None) -> None:
     rows = table(tuple(int(x) for x in a.batches.split(",")), a.steps, a.repeats, a.device)
     print(f"AR worker decode step, {a.device}, torch {torch.__version__}, {a.threads} thread(s); µs per step (median)")
     print("| batch | fixed logits: worker host µs | its aten ops (not views) | tiny LM: whole step µs "
-          "| tiny LM: outside runner.decode µs |")
-    print("|---|---|---|---|---|")
+          "| tiny LM: outside runner.decode µs | its aten ops | tiny LM, sampling in the runner: whole step µs "
+          "| outside runner.decode µs | its aten ops |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['fixed_us']:.0f} | {r['fixed_ops']:.0f} | {r['tiny_us']:.0f} "
-              f"| {r['tiny_outside_decode_us']:.0f} |")
+              f"| {r['tiny_outside_decode_us']:.0f} | {r['tiny_ops']:.0f} | {r['tiny_sampled_us']:.0f} "
+              f"| {r['tiny_sampled_outside_decode_us']:.0f} | {r['tiny_sampled_ops']:.0f} |")
 
 
 if __name__ == "__main__":
