@@ -3,6 +3,7 @@ a failing decode batch or a failing sample batch falls back row by row, only the
 row samples exactly once per step, with the tokens it gets without the failure."""
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from cosytrt.runtime.models.sampling import SamplingParams, StaticSampler, TokenPolicy
@@ -84,9 +85,12 @@ def _reference(n: int, steps: int) -> list[list[int]]:
     return [r.tokens for r in w.running]
 
 
-def test_failing_decode_row_fails_alone():
+@pytest.mark.parametrize("runner_cls", [SlotRunner, SamplingRunner])
+def test_failing_decode_row_fails_alone(runner_cls):
+    """Also with `ar_graph_sampling` (`SamplingRunner`: the runner samples each decode step, `decode_sampled`): the
+    tokens are the ones `sample_batch` gives, and the rows that do not fail keep the uniforms they drew."""
     ref = _reference(4, 12)
-    w, runner, failed = _worker(4)
+    w, runner, failed = _worker(4, runner_cls)
     rows = list(w.running)
     with torch.inference_mode():
         for step in range(12):
@@ -98,6 +102,8 @@ def test_failing_decode_row_fails_alone():
     assert len(rows[2].tokens) == 5
     for i in (0, 1, 3):
         assert rows[i].tokens == ref[i] and rows[i].policy.num_sampled == 12 and rows[i].pos == 22, i
+    if runner_cls is SamplingRunner:
+        assert runner.sampled == 11  # not step 5: its batch failed, the rows went one by one, sampled from the logits
 
 
 def test_failing_sample_row_fails_alone():
@@ -113,23 +119,6 @@ def test_failing_sample_row_fails_alone():
     assert rows[1] not in w.running and rows[1].slot is None
     for i in (0, 2, 3):
         assert rows[i].tokens == ref[i] and rows[i].policy.num_sampled == 8, i
-
-
-def test_runner_sampled_steps_give_the_same_tokens():
-    """`ar_graph_sampling`: the runner samples each decode step (`decode_sampled`); the tokens are the ones
-    `sample_batch` gives, and a failing decode row still fails alone, the others keeping the uniforms they drew."""
-    ref = _reference(4, 12)
-    w, runner, failed = _worker(4, SamplingRunner)
-    rows = list(w.running)
-    with torch.inference_mode():
-        for step in range(12):
-            if step == 5:
-                runner.bad = 2
-            w._decode()
-    assert runner.sampled == 11     # not step 5: its batch failed, the rows went one by one, sampled from the logits
-    assert [(r, e) for r, e in failed] == [(rows[2], "injected decode failure")]
-    for i in (0, 1, 3):
-        assert rows[i].tokens == ref[i] and rows[i].policy.num_sampled == 12, i
 
 
 def test_ar_step_bench_table_runs():

@@ -205,6 +205,16 @@ class ARWorker:
         except Exception:
             return None
 
+    def _per_row(self, pairs, fn) -> list:
+        """[(r, fn(r, x))] for the (row, x) pairs; a row whose `fn` raises fails alone."""
+        out = []
+        for r, x in pairs:
+            try:
+                out.append((r, fn(r, x)))
+            except Exception as e:
+                self._fail(r, e)
+        return out
+
     def _sample(self, rows: list[RequestState], logits: torch.Tensor | None, t0: float,
                 ids: list[int] | None = None, packed: PackedRows | None = None) -> None:
         """One `sample_batch` for all rows (one host sync; `TokenPolicy.step` row by row if it raises), or the ids
@@ -217,24 +227,14 @@ class ARWorker:
             try:
                 if ids is None:
                     ids = select_packed(logits, packed)
-                steps = []
-                for r, tok in zip(rows, ids):
-                    try:
-                        steps.append((r, r.policy.accept(tok)))
-                    except Exception as e:
-                        self._fail(r, e)
-            except Exception:
+                steps = self._per_row(zip(rows, ids), lambda r, tok: r.policy.accept(tok))
+            except Exception:  # select_packed raised: sample_batch below
                 steps = None
         if steps is None:
             try:
                 steps = list(zip(rows, sample_batch(logits, [r.policy for r in rows])))
             except Exception:
-                steps = []
-                for r, lg in zip(rows, logits):
-                    try:
-                        steps.append((r, r.policy.step(lg)))
-                    except Exception as e:
-                        self._fail(r, e)
+                steps = self._per_row(zip(rows, logits), lambda r, lg: r.policy.step(lg))
         finished = False
         for r, (tok, done) in steps:
             try:
