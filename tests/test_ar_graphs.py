@@ -102,3 +102,52 @@ def test_decode_graphs_sample_in_the_graph(lm):
         ref = dg.run_host(*args)
     assert torch.equal(logits, ref) and logits.shape[0] == 3
     assert ids == select_packed(ref, packed) and dg.sampled == 1 and dg.replays == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA: the graph capture itself needs a GPU")
+def test_graph_sampling_on_cuda_equals_sampling_the_logits(golden_lm):
+    """On a GPU: `TorchARRunner(graph_sampling=True)` samples inside its decode graphs, and every step's ids are
+    exactly `select_packed` of the logits the same replay wrote (batches of 1, 3 and 5 rows: buckets 1, 4 and 8,
+    padding rows included); the token streams equal a runner without the sampler in its graphs."""
+    import copy
+
+    from cosytrt.runtime.models.sampling import SamplingParams, TokenPolicy, pack_rows, select_packed
+    from cosytrt.runtime.stages.ar_runner import PrefillRow, TorchARRunner
+
+    cfg = golden_lm.config
+    streams = {}
+    for sampled in (True, False):
+        lm = copy.deepcopy(golden_lm).to("cuda")
+        runner = TorchARRunner(lm, 8, 512, "cuda", graph_sampling=sampled, graph_batches=(1, 4, 8))
+        g = torch.Generator().manual_seed(0)
+        policies, slots, pos = [], [], []
+        for i in range(5):
+            slot = runner.allocate()
+            n = 6 + i
+            embeds = torch.randn(n, cfg.qwen.hidden_size, generator=g).to("cuda")
+            with torch.inference_mode():
+                runner.prefill([PrefillRow(slot, embeds)])
+            pol = TokenPolicy(4, SamplingParams(seed=i, greedy=i == 3, max_tokens=200, min_tokens=30),
+                              speech_token_size=cfg.speech_token_size)
+            pol.next_input = i
+            policies.append(pol), slots.append(slot), pos.append(n)
+        for step in range(40):
+            rows = [0] if step < 10 else [0, 1, 2] if step < 20 else [0, 1, 2, 3, 4]
+            rows = [i for i in rows if not policies[i].finished]
+            packed = pack_rows([policies[i] for i in rows], cfg.speech_vocab)
+            with torch.inference_mode():
+                logits, ids = runner.decode_sampled([policies[i].next_input for i in rows], [slots[i] for i in rows],
+                                                    [pos[i] for i in rows], packed)
+                want = select_packed(logits.clone(), packed)
+            if sampled:
+                assert ids == want, step
+            else:
+                assert ids is None
+            for i, tok in zip(rows, want):
+                policies[i].accept(tok)
+                pos[i] += 1
+        streams[sampled] = [p.history for p in policies]
+        if sampled:
+            assert runner.decode_graphs.sampled == 40
+        runner.close()
+    assert streams[True] == streams[False]
