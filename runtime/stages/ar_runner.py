@@ -84,7 +84,8 @@ class TorchARRunner:
         self.decode_graphs = self.prefill_graphs = None
         self.invariance_check: dict | None = None
         # `graph_sampling`: the decode step's sampling runs here (`decode_sampled`), in its CUDA graphs on the GPU
-        self.graph_sampler = StaticSampler(lm.config.speech_vocab, lm.config.speech_token_size) if graph_sampling else None
+        self.graph_sampler = (StaticSampler(lm.config.speech_vocab, lm.config.speech_token_size) if graph_sampling
+                              else None)
         if use_graphs:
             from .ar_graphs import DecodeGraphs, PrefillGraphs
 
