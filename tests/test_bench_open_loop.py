@@ -312,6 +312,8 @@ def test_open_loop_arguments_are_checked_before_any_model_work(tmp_path, capsys)
     base = ["bench", "--device", "cpu", "--model", "tiny", "--suite", "open_loop", "--out", str(tmp_path)]
     for extra, what in ((["--rates", "4,x"], "--rates"), (["--rates", "0,4"], "positive rates"),
                         (["--lengths", "8"], "MEDIAN:SIGMA"), (["--stream-fraction", "2"], "stream fraction"),
+                        (["--stream-fraction", "1,x"], "--stream-fraction"),
+                        (["--stream-fraction", "1,-1"], "stream fraction"),
                         (["--drain-s", "-1"], "--drain-s")):
         assert main(base + extra) == 2
         assert what in capsys.readouterr().err
@@ -431,3 +433,19 @@ def test_gil_probe_records_wakeups():
         time.sleep(0.05)
     d = probe.summary()
     assert d["n"] >= 5 and set(d) == {"p50", "p95", "p99", "max", "n"} and d["max"] >= d["p50"]
+
+
+def test_stream_fraction_sweep_runs_each_share_in_one_process(tmp_path, one_torch_thread):
+    """`--stream-fraction 1,0`: the same arrivals all streamed, then all offline, one set-up; labels name the share."""
+    from cosytrt.tools.trtbuild import main
+
+    assert main(["bench", "--device", "cpu", "--model", "tiny", "--dtype", "float32", "--suite", "open_loop",
+                 "--variants", "eager", "--rates", "2", "--duration-s", "1.5", "--drain-s", "60", "--lengths",
+                 "1:0.3", "--min-s", "0.6", "--max-s", "1.2", "--stream-fraction", "1,0", "--seed", "3",
+                 "--out", str(tmp_path)]) == 0
+    ol = json.loads((tmp_path / "results.json").read_text())["open_loop"]
+    assert ol["stream_fractions"] == [1.0, 0.0] and len(ol["settings"]) == 1
+    streamed, offline = ol["cells"]
+    assert (streamed["setting"], offline["setting"]) == ("default / 100% streams", "default / 0% streams")
+    assert streamed["requests"] == offline["requests"] == streamed["streams"] > 0 and offline["streams"] == 0
+    assert streamed["completed"] == offline["completed"] == streamed["requests"]

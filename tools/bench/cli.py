@@ -44,7 +44,10 @@ def add_arguments(p) -> None:
     g.add_argument("--drain-s", type=float, default=15.0,
                    help="after the arrivals, wait this long for requests in flight, then cancel them (unfinished)")
     g.add_argument("--seed", type=int, default=0, help="arrival / length / mode seed")
-    g.add_argument("--stream-fraction", type=float, default=1.0, help="share of streaming requests")
+    g.add_argument("--stream-fraction", default="1",
+                   help="share of streaming requests; a comma list (e.g. 1,0: all streams, then all offline) runs "
+                        "each setting's rate sweep once per share, one process (the streaming vs offline saturation "
+                        "of the same mix in one set-up)")
     g.add_argument("--lengths", default="8:0.6",
                    help="audio-length mix: MEDIAN_S:SIGMA[:WEIGHT] log-normal components joined by '+'")
     g.add_argument("--min-s", type=float, default=2.0, help="shortest request, audio seconds (25 tokens = 1 s)")
@@ -74,9 +77,15 @@ def _open_loop_spec(args):
         raise InputError(f"--rates {args.rates!r}: give positive rates")
     if args.drain_s < 0:
         raise InputError("--drain-s must be >= 0")
-    spec = OpenLoopSpec(rates[0], args.duration_s, args.seed, args.stream_fraction, parse_lengths(args.lengths),
-                        args.min_s, args.max_s)
-    return spec, rates, [f.strip() for f in args.ab.split(",") if f.strip()]
+    try:
+        fractions = [float(f) for f in str(args.stream_fraction).split(",") if f.strip()]
+    except ValueError:
+        raise InputError(f"--stream-fraction {args.stream_fraction!r}: a share in [0, 1] or a comma list") from None
+    if not fractions:
+        raise InputError("--stream-fraction: give a share in [0, 1]")
+    specs = [OpenLoopSpec(rates[0], args.duration_s, args.seed, f, parse_lengths(args.lengths), args.min_s, args.max_s)
+             for f in fractions]   # each checks its share
+    return specs, rates, [f.strip() for f in args.ab.split(",") if f.strip()]
 
 
 def run(args) -> int:
@@ -136,8 +145,8 @@ def run(args) -> int:
     if open_loop is not None:  # before the serving matrix: the section a run with both is for
         from .open_loop import bench_open_loop
 
-        spec, rates, ab = open_loop
-        b.section("open_loop", lambda: bench_open_loop(cfg, llm, flow, hift, args.device, b, variants[0], spec,
+        specs, rates, ab = open_loop
+        b.section("open_loop", lambda: bench_open_loop(cfg, llm, flow, hift, args.device, b, variants[0], specs,
                                                        rates, args.drain_s, ab))
     if "agent" in suites:
         from .agent import AgentSpec, bench_agent, parse_settings

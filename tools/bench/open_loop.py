@@ -277,11 +277,16 @@ def _gpu_memory(device) -> dict:
             "gpu_used_gb": round((total - free) / 1e9, 2)}
 
 
-def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec: OpenLoopSpec, rates: list[float],
+def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec, rates: list[float],
                     drain_s: float, ab: list[str]) -> dict:
-    """The rate sweep (per A/B setting) on the `variant` pipeline; results under bench.results["open_loop"], saved
-    after every cell."""
+    """The rate sweep (per A/B setting, and per spec when `spec` is a list of them: the streaming shares of
+    `--stream-fraction 1,0`) on the `variant` pipeline; results under bench.results["open_loop"], saved after every
+    cell. With several specs each sweep's label names its share."""
+    specs = list(spec) if isinstance(spec, (list, tuple)) else [spec]
+    spec = specs[0]
     out: dict = {"variant": variant, "spec": spec.to_dict(), "rates": rates, "cells": [], "settings": []}
+    if len(specs) > 1:
+        out["stream_fractions"] = [s.stream_fraction for s in specs]
     bench.results["open_loop"] = out
     base = scheduler_config(variant, max_in_flight=OPEN_LOOP_MAX_IN_FLIGHT)
     settings, skipped = ab_settings(base, ab)
@@ -319,7 +324,9 @@ def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec: Ope
                 log(f"saved compile cache {bench.args.compile_cache}: "
                     f"{save_compile_cache(bench.args.compile_cache) / 1e6:.1f} MB")
             try:
-                _rate_sweep(bench, out, tts, label, spec, rates, drain_s, speaker)
+                for one in specs:
+                    name = label if len(specs) == 1 else f"{label} / {100 * one.stream_fraction:.0f}% streams"
+                    _rate_sweep(bench, out, tts, name, one, rates, drain_s, speaker)
             finally:
                 out["settings"][-1]["stats"] = jsonable(scheduler_stats(tts))
     finally:
