@@ -435,6 +435,20 @@ def test_gil_probe_records_wakeups():
     assert d["n"] >= 5 and set(d) == {"p50", "p95", "p99", "max", "n"} and d["max"] >= d["p50"]
 
 
+def test_open_loop_bench_imports_without_the_server_packages():
+    """The open-loop bench runs where the serve extra is not installed (run 40 stopped on `import pydantic`: its lock
+    probe came from the server package)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import cosytrt.tools.bench.open_loop, cosytrt.tools.bench.gil_probe; "
+            "bad = sorted(m for m in ('pydantic', 'fastapi', 'uvicorn', 'cosytrt.runtime.serving') "
+            "if m in sys.modules); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_stream_fraction_sweep_runs_each_share_in_one_process(tmp_path, one_torch_thread):
     """`--stream-fraction 1,0`: the same arrivals all streamed, then all offline, one set-up; labels name the share."""
     from cosytrt.tools.trtbuild import main

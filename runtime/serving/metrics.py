@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import math
-import threading
-import time
-from typing import Callable
+
+from ..scheduling.lock_probe import LockProbe
 
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0, 50.0)
@@ -67,44 +66,6 @@ def runtime_view(stats: dict | None) -> dict:
 
 def _number(v) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
-
-
-class LockProbe:
-    """How long a thread of this process waits for the interpreter lock: a daemon thread sleeps `interval_s` again and
-    again and passes how late it woke to `observe` (seconds; the OS wakes it on time, the rest is the wait behind the
-    runtime's AR, DiT, HiFT and frontend threads and the event loop — the contention that limits one process,
-    BENCHMARKS.md runs 36-39). It takes the lock itself 1 / interval_s times a second, briefly."""
-
-    def __init__(self, observe: Callable[[float], None], interval_s: float = 0.02):
-        self.observe, self.interval_s = observe, interval_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _run(self) -> None:
-        interval, clock, stop = self.interval_s, time.perf_counter, self._stop
-        while not stop.is_set():
-            t = clock()
-            time.sleep(interval)
-            self.observe(max(0.0, clock() - t - interval))
-
-    def start(self) -> "LockProbe":
-        if self._thread is None:
-            self._stop.clear()  # an app started again after a shutdown probes again
-            self._thread = threading.Thread(target=self._run, name="cosytrt-lock-probe", daemon=True)
-            self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def __enter__(self) -> "LockProbe":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 class ServerMetrics:

@@ -4,7 +4,7 @@ threads), its samples kept for the cell's quantiles. A direct gauge of the conte
 impose on each other (BENCHMARKS.md runs 36-39: no stage busy all the time at saturation)."""
 from __future__ import annotations
 
-from ...runtime.serving.metrics import LockProbe
+from ...runtime.scheduling.lock_probe import LockProbe
 from .playback import distribution
 
 
