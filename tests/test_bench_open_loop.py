@@ -463,3 +463,26 @@ def test_stream_fraction_sweep_runs_each_share_in_one_process(tmp_path, one_torc
     assert (streamed["setting"], offline["setting"]) == ("default / 100% streams", "default / 0% streams")
     assert streamed["requests"] == offline["requests"] == streamed["streams"] > 0 and offline["streams"] == 0
     assert streamed["completed"] == offline["completed"] == streamed["requests"]
+
+
+def test_gpu_util_probe_reads_nvidia_smi_samples(tmp_path):
+    """The per-cell GPU utilisation: nvidia-smi's CSV lines (a stand-in script here) become samples; lines that are
+    not numbers are skipped; without CUDA / nvidia-smi nothing is sampled. The report shows mean / p50."""
+    import stat
+    import time
+
+    from cosytrt.tools.bench.gpu_util import GpuUtilProbe
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho \"$1 $2 $3 $4\" > \"$(dirname \"$0\")/args\"\n"
+                    "printf '[N/A], [N/A]\\n90, 40\\n100, 50\\n80, 30\\n'\nexec sleep 30\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    with GpuUtilProbe(True, period_ms=50, device="1", exe=str(fake)) as probe:
+        deadline = time.time() + 10
+        while len(probe.gpu) < 3 and time.time() < deadline:
+            time.sleep(0.02)
+    assert probe.summary() == {"n": 3, "p50": 90.0, "p95": probe.summary()["p95"], "mean": 90.0, "mem_mean": 40.0}
+    args = (tmp_path / "args").read_text().split()
+    assert args[0] == "--id=1" and "--format=csv,noheader,nounits" in args and args[3] == "--loop-ms=50"
+    assert GpuUtilProbe(False).__enter__().summary()["n"] == 0
+    assert report._util({"n": 3, "mean": 90.0, "p50": 90.0}) == "90 / 90" and report._util({"n": 0}) == "-"

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from .gil_probe import GilProbe
+from .gpu_util import GpuUtilProbe
 from .open_loop import scheduler_stats, stats_delta
 from .playback import distribution
 
@@ -238,11 +239,13 @@ def run_agent_cell(tts, spec: AgentSpec, overrides: dict | None = None, label: s
             return time.perf_counter() - t0
 
         before = scheduler_stats(tts)
-        with GilProbe() as gil:
+        cuda = getattr(getattr(tts.pipeline, "device", None), "type", "") == "cuda"
+        with GilProbe() as gil, GpuUtilProbe(cuda) as gpu:
             wall = asyncio.run(main())
         busy = stats_delta(before, scheduler_stats(tts), wall)["busy"]
     return {"setting": label, "overrides": dict(overrides or {}), "rate": spec.rate,
-            **summarize_agent(records, wall), "busy": busy, "gil_wait_ms": gil.summary()}
+            **summarize_agent(records, wall), "busy": busy, "gil_wait_ms": gil.summary(),
+            "gpu_util_pct": gpu.summary()}
 
 
 def bench_agent(cfg, llm, flow, hift, device, bench, variant: str, spec: AgentSpec, rates: list[float],

@@ -27,6 +27,7 @@ import torch
 
 from .common import jsonable, log, make_pipeline, random_models, scheduler_config, start_tts
 from .gil_probe import GilProbe
+from .gpu_util import GpuUtilProbe
 from .playback import FAILED, NOT_SUBMITTED, OK, UNFINISHED, RequestRecord, saturated, summarize
 from .workload import Arrival, OpenLoopSpec, generate
 
@@ -237,7 +238,7 @@ def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, la
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = scheduler_stats(tts)
-    with timed_sampler(sample_stacks) as sampler, GilProbe() as gil:
+    with timed_sampler(sample_stacks) as sampler, GilProbe() as gil, GpuUtilProbe(cuda) as gpu:
         records, end = drive(tts, arrivals, spec.duration_s, drain_s, speaker)
     if cuda:
         torch.cuda.synchronize()  # every stage span of the cell has completed
@@ -248,6 +249,7 @@ def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, la
             "compiles": compiled_graph_count() - compiles,
             "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
             "gil_wait_ms": gil.summary(),  # a probe thread's lateness waking from 5 ms sleeps (gil_probe.py)
+            "gpu_util_pct": gpu.summary(),  # nvidia-smi's utilization.gpu through the cell (gpu_util.py)
             # [arrival s, audio s, stream, first chunk s, last chunk s, chunks, status]
             "request_rows": [[round(r.arrival, 4), r.audio_s, r.stream,
                               round(r.chunk_t[0], 4) if r.chunk_t else None,
@@ -365,6 +367,7 @@ def _rate_sweep(bench, out, tts, label, spec, rates, drain_s, speaker) -> None:
             f"{cell['failed']} failed; busy " + ", ".join(f"{k} {v:.2f}" for k, v in cell["busy"].items())
             + f"; GIL wait p50 {_fmt(cell['gil_wait_ms']['p50'], '.2f')} p95 "
               f"{_fmt(cell['gil_wait_ms']['p95'], '.2f')} ms"
+            + (f"; GPU util mean {cell['gpu_util_pct']['mean']} %" if cell["gpu_util_pct"]["n"] else "")
             + (f"; WARNING: {cell['compiles']} graph(s) compiled during the cell" if cell["compiles"] else ""))
         if why:
             log(f"open loop {label}: saturated at {rate:g} req/s ({why}): higher rates skipped")

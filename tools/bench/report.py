@@ -294,7 +294,8 @@ def open_loop_tables(res: dict) -> str:
         res_rows.append(label + [busy.get(s) for s in ("ar", "dit", "hift")]
                         + [((c.get("buckets") or {}).get(sm) or {}).get("hit_rate") for sm in sms]
                         + [c.get("fallbacks"), frames.get("frames_computed"), frames.get("frames_reused"),
-                           c.get("compiles"), c.get("peak_gpu_gb"), _p50_p95(c.get("gil_wait_ms"))])
+                           c.get("compiles"), c.get("peak_gpu_gb"), _p50_p95(c.get("gil_wait_ms")),
+                           _util(c.get("gpu_util_pct"))])
     parts = [head + "\n\n" + _md(
         ["setting", "req/s", "offered audio s/s", "achieved", "delivered (with drain)", "streams/offline", "TTFA p50 s",
          "TTFA p95 s", "TTFA p99 s", "inter-chunk p95 s", "streams with underrun", "underrun fraction", "stall s",
@@ -304,7 +305,7 @@ def open_loop_tables(res: dict) -> str:
                      "\n\n" + _md(["setting", "req/s", "AR busy", "DiT busy", "HiFT busy"]
                                    + [f"hits {sm}" for sm in sms]
                                    + ["eager fallbacks", "DiT frames computed", "DiT frames reused", "compiles",
-                                      "peak GB", "GIL wait p50 / p95 ms"], res_rows))
+                                      "peak GB", "GIL wait p50 / p95 ms", "GPU util mean / p50 %"], res_rows))
     from .playback import TTFA_PARTS
 
     ttfa_rows = [[c.get("setting"), c.get("rate")]
@@ -347,6 +348,13 @@ def _p50_p95(d) -> str:
         return "-"
     share = d.get("share")
     return f"{d['p50']:.3f} / {d['p95']:.3f}" + ("" if share is None else f" ({100 * share:.0f}%)")
+
+
+def _util(d) -> str:
+    """GPU utilisation of a cell: mean / p50 %, '-' when not sampled."""
+    if not d or not d.get("n"):
+        return "-"
+    return f"{d['mean']:.0f} / {d['p50']:.0f}"
 
 
 def _calls(d) -> str:
