@@ -329,7 +329,8 @@ class PackedRows:
         return _upload(self.flat, self.rows, device)
 
     def subset(self, keep: list[int]) -> "PackedRows":
-        """The packed values of rows `keep` (their uniforms as drawn: a retry of fewer rows draws nothing anew)."""
+        """The packed values of rows `keep` (their uniforms as drawn: a retry of fewer rows draws nothing anew; the
+        sorted head keeps the whole batch's `max_top_k`, as the batch would have had)."""
         c = _WINDOW + self.width
         flat = [v for i in keep for v in self.flat[i * c:(i + 1) * c]]
         modes = {int(flat[j * c + _STOP_MODE]) for j in range(len(keep))}
