@@ -232,6 +232,10 @@ def test_tiny_open_loop_sweep(tiny_open_loop):
     arrivals = generate(OpenLoopSpec(2, 2, 3, 0.5, (LogNormal(1, 0.3),), 0.6, 1.6))
     assert len(arrivals) == 3 and 0 < sum(a.stream for a in arrivals) < 3  # streaming and offline
     assert [s["label"] for s in ol["settings"]] == ["async_d2h off", "async_d2h on"]
+    first, second = ol["settings"]  # where a scheduler start's seconds went (the second reused the AR runner)
+    assert set(first["scheduler_setup_parts_s"]) == set(second["scheduler_setup_parts_s"]) == {"ar_runner"}
+    assert all(v >= 0 for s in (first, second) for v in s["scheduler_setup_parts_s"].values())
+    assert first["stats"]["setup_s"] == first["scheduler_setup_parts_s"]
     assert len(ol["ab_skipped"]) == 1 and "no_such_flag" in ol["ab_skipped"][0]
     assert [c["setting"] for c in ol["cells"]] == ["async_d2h off", "async_d2h on"]
     for c in ol["cells"]:

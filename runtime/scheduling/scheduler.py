@@ -145,8 +145,13 @@ class Scheduler:
         self.sample_rate = pipeline.sample_rate
         self.backends = backends if backends is not None else pipeline.backends
         self._owns_runner = runner is None
+        # where a start's seconds go (stats()["setup_s"]): the AR runner (its compile, decode / prefill graphs), the
+        # prefix pool's pages, the cached-hop graphs (a GPU set-up took 80-256 s: BENCHMARKS.md runs 36, 41)
+        self.setup_s: dict[str, float] = {}
+        t = time.perf_counter()
         self.runner = runner if runner is not None else make_ar_runner(models, cfg, self.device,
                                                                        self.backends.engine_set)
+        self.setup_s["ar_runner"] = time.perf_counter() - t
         self.ar_max_len = self.runner.max_len
         self._compiles_at_start = compile_count() if cfg.compile else None
 
@@ -162,15 +167,21 @@ class Scheduler:
             # the weights fingerprint every cached hop checks its prefix against (hashed once, then memoized): now,
             # not in the first request's first hop (42 ms of its time to first audio at full size on the H200)
             flow = models.flow
+            t = time.perf_counter()
             model_fingerprint(flow)
+            self.setup_s["flow_fingerprint"] = time.perf_counter() - t
             hops = self.backends.dit_cached
             budget = cfg.flow_cache_budget_bytes
             if budget is None:  # leaves room for the cached-hop graphs, captured below
                 budget = default_budget(self.device, graphs_pending=hops is not None)
+            t = time.perf_counter()
             self.flow_cache = FlowCachePool(budget, prompt_cache=cfg.flow_prompt_cache)
             store = self.flow_cache.storage(flow)  # the pages, before the graphs that bake in their addresses
+            self.setup_s["flow_cache_pages"] = time.perf_counter() - t
             if hops is not None and store is not None:  # capture the graphs now, not in the first requests' hops
+                t = time.perf_counter()
                 hops.capture_all(store, step_consts(flow, flow.rand_noise.device, flow.rand_noise.dtype))
+                self.setup_s["cached_hop_graphs"] = time.perf_counter() - t
         self._switch_interval = None  # the interpreter's GIL switch interval before this scheduler (fast_gil_switch)
         if cfg.fast_gil_switch and self.device.type == "cuda":
             import sys
@@ -226,6 +237,7 @@ class Scheduler:
     def typed_stats(self) -> SchedulerStats:
         st = collect_stats(self.requests, self.frontend, self.clock, self.ar, self.token2wav, self.backends,
                            self._compiles_at_start)
+        st.setup_s = {k: round(v, 3) for k, v in self.setup_s.items()}
         if self.flow_cache is not None:
             st.flow_cache = self.flow_cache.stats()
             if self.backends.dit_cached is not None:

@@ -84,6 +84,7 @@ class SchedulerStats:
     compiles_since_start: int = 0                   # torch.compile graphs compiled while serving (expected 0)
     busy_s: dict = field(default_factory=dict)      # busy seconds per stage (stage_clock)
     flow_cache: dict = field(default_factory=dict)  # the flow prefix cache pool's numbers (stages/flow_cache.py)
+    setup_s: dict = field(default_factory=dict)     # seconds of the scheduler's start, by part (Scheduler.__init__)
 
     def to_dict(self) -> dict:
         out = {"in_flight": self.in_flight, "closing": self.closing, "completed": self.completed,
@@ -102,4 +103,5 @@ class SchedulerStats:
             out["shapes"] = self.shapes
         out["compiles_since_start"] = self.compiles_since_start
         out["busy_s"] = self.busy_s
+        out["setup_s"] = self.setup_s
         return out

@@ -316,8 +316,11 @@ def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec, rat
             tts = start_tts(pipe, dataclasses.replace(base, **overrides), tts)
             setup = time.perf_counter() - t
             mem = _gpu_memory(pipe.device)
-            out["settings"].append({"label": label, "overrides": overrides, "scheduler_setup_s": setup, **mem})
-            log(f"open loop {variant} / {label}: scheduler ready in {setup:.1f}s; GPU memory {mem}")
+            parts = (scheduler_stats(tts) or {}).get("setup_s") or {}  # the rest of `setup`: the warm-up requests
+            out["settings"].append({"label": label, "overrides": overrides, "scheduler_setup_s": setup,
+                                    "scheduler_setup_parts_s": parts, **mem})
+            log(f"open loop {variant} / {label}: scheduler ready in {setup:.1f}s ("
+                + ", ".join(f"{k} {v:.1f}s" for k, v in parts.items()) + f"); GPU memory {mem}")
             if len(out["settings"]) == 1 and getattr(bench.args, "compile_cache", None):
                 # the compiles are done: keep them even if the device call's time limit cuts the cells short (a
                 # cold compiled set-up can take most of a call; the next call then starts from this cache)
