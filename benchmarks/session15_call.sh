@@ -3,6 +3,8 @@
 # traffic, with and without the sampling inside the AR decode graphs; then the CUDA tests of the sampler; if the
 # compiled set-up failed early, the graphs_ar variant with the same A/B in the time left.
 #   usage (repo root on the device): TOTAL_S=570 bash benchmarks/session15_call.sh
+#   carry: dist .whl compile_cache compile_cache_run33 benchmarks/COMMIT .whl_test (device_run.sh pre-loads run 33's
+#   cache of the compiled variant beside the graphs_ar one)
 set -u
 start=$(date +%s)
 total=${TOTAL_S:-570}

@@ -37,8 +37,9 @@ def test_budget_skips_parts_and_bad_arguments_fail(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
-def test_the_one_command_wrapper_is_valid_bash():
-    assert subprocess.run(["bash", "-n", os.path.join(ROOT, "benchmarks", "batch_invariance_run.sh")]).returncode == 0
+def test_the_one_command_wrappers_are_valid_bash():
+    for name in ("batch_invariance_run.sh", "device_run.sh", "session15_call.sh", "open_loop_old_new.sh"):
+        assert subprocess.run(["bash", "-n", os.path.join(ROOT, "benchmarks", name)]).returncode == 0, name
 
 
 def test_dit_shapes_smoke_and_conv_variants_equal(tmp_path):
