@@ -25,12 +25,13 @@ if ls compile_cache/cc.bin.gz.part-* >/dev/null 2>&1; then
   else echo "compile cache parts incomplete: not used"; rm -f /tmp/cc.bin; fi
 fi
 # other carried caches (compile_cache_*/cc.bin.gz.part-*: e.g. run 33's of the compiled variant beside the
-# graphs_ar one) go into this machine's on-disk Inductor / Triton caches first, in a process of their own; only
+# graphs_ar one) go into this machine's on-disk Inductor / Triton caches first, in a process of their own (run from
+# /tmp: the repo root's cosytrt/ folder would shadow the installed wheel); only
 # compile_cache/ is handed back (what the bench's process used, hits included)
 for d in compile_cache_*/; do
   ls "$d"cc.bin.gz.part-* >/dev/null 2>&1 || continue
   if cat "$d"cc.bin.gz.part-* | gunzip > /tmp/cc_extra.bin; then
-    echo "pre-loaded $d: $(python3 -c 'import sys; from cosytrt.runtime.stages.compiled import load_compile_cache as l; print(l(sys.argv[1]))' /tmp/cc_extra.bin 2>&1 | tail -1)"
+    echo "pre-loaded $d: $(cd /tmp && python3 -c 'import sys; from cosytrt.runtime.stages.compiled import load_compile_cache as l; print(l(sys.argv[1]))' /tmp/cc_extra.bin 2>&1 | tail -1)"
   else echo "compile cache parts of $d incomplete: not used"; fi
   rm -f /tmp/cc_extra.bin
 done
