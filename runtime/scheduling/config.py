@@ -37,7 +37,7 @@ class SchedulerConfig:
     dit_step_level: bool = True
     # with dit_step_level: a stream's first DiT job starts at once instead of waiting up to dit_max_wait_ms for
     # company (later jobs join its next step, so the wait buys no batching; run 39: the whole 5 ms of a lone first
-    # hop's queue wait at 1 req/s). Ordering only; not yet measured on the GPU
+    # hop's queue wait at 1 req/s; run 41 with it: 1 ms at the median). Ordering only
     dit_first_now: bool = True
     hift_length_aware: bool = True    # off: offline HiFT batches in arrival order, no padding-waste limit
     async_d2h: bool = True            # off (CUDA): each chunk's device-to-host copy blocks the HiFT worker
@@ -47,7 +47,8 @@ class SchedulerConfig:
     # on CUDA: while the scheduler runs, the interpreter hands the GIL between threads every 0.5 ms instead of 5 ms
     # (sys.setswitchinterval; restored on close). The DiT thread needs the GIL for a little Python at every Euler
     # step beside the AR thread's per-token Python, so each hand-over can cost it up to a whole interval. Off by
-    # default: not yet measured (the lead from BENCHMARKS.md run 31: step-level DiT busy 0.82 vs 0.95 at saturation)
+    # default: not yet A/B'd (the lead from BENCHMARKS.md run 31: step-level DiT busy 0.82 vs 0.95 at saturation; run 41:
+    # a thread waiting for the lock waits 0.1 ms at the median, 1.8 ms at p95 at saturation, at 5 ms switches)
     fast_gil_switch: bool = False
     # on CUDA: the HiFT worker runs on its own highest-priority stream (waiting only for the DiT step that made each
     # mel, by event) instead of the DiT's stream, so a first chunk's vocoder window does not queue behind the DiT steps
