@@ -47,8 +47,8 @@ class SchedulerConfig:
     # on CUDA: while the scheduler runs, the interpreter hands the GIL between threads every 0.5 ms instead of 5 ms
     # (sys.setswitchinterval; restored on close). The DiT thread needs the GIL for a little Python at every Euler
     # step beside the AR thread's per-token Python, so each hand-over can cost it up to a whole interval. Off by
-    # default: not yet A/B'd (the lead from BENCHMARKS.md run 31: step-level DiT busy 0.82 vs 0.95 at saturation; run 41:
-    # a thread waiting for the lock waits 0.1 ms at the median, 1.8 ms at p95 at saturation, at 5 ms switches)
+    # default: not yet A/B'd (the lead from BENCHMARKS.md run 31: step-level DiT busy 0.82 vs 0.95 at saturation;
+    # run 41: a thread waiting for the lock waits 0.1 ms at the median, 1.8 ms at p95 at saturation, 5 ms switches)
     fast_gil_switch: bool = False
     # on CUDA: the HiFT worker runs on its own highest-priority stream (waiting only for the DiT step that made each
     # mel, by event) instead of the DiT's stream, so a first chunk's vocoder window does not queue behind the DiT steps
