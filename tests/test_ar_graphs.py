@@ -108,7 +108,8 @@ def test_decode_graphs_sample_in_the_graph(lm):
 def test_graph_sampling_on_cuda_equals_sampling_the_logits(golden_lm):
     """On a GPU: `TorchARRunner(graph_sampling=True)` samples inside its decode graphs, and every step's ids are
     exactly `select_packed` of the logits the same replay wrote (batches of 1, 3 and 5 rows: buckets 1, 4 and 8,
-    padding rows included); the token streams equal a runner without the sampler in its graphs."""
+    padding rows included), whether the runner was made with it or took it on later (`enable_graph_sampling`: a second
+    graph set over the same KV slots); the token streams equal a runner without the sampler in its graphs."""
     import copy
 
     from cosytrt.runtime.models.sampling import SamplingParams, TokenPolicy, pack_rows, select_packed
@@ -116,9 +117,13 @@ def test_graph_sampling_on_cuda_equals_sampling_the_logits(golden_lm):
 
     cfg = golden_lm.config
     streams = {}
-    for sampled in (True, False):
+    for mode in ("made with it", "taken on later", "off"):
+        sampled = mode != "off"
         lm = copy.deepcopy(golden_lm).to("cuda")
-        runner = TorchARRunner(lm, 8, 512, "cuda", graph_sampling=sampled, graph_batches=(1, 4, 8))
+        runner = TorchARRunner(lm, 8, 512, "cuda", graph_sampling=mode == "made with it", graph_batches=(1, 4, 8))
+        if mode == "taken on later":
+            runner.enable_graph_sampling()
+            assert runner.sampled_graphs is not runner.decode_graphs
         g = torch.Generator().manual_seed(0)
         policies, slots, pos = [], [], []
         for i in range(5):
@@ -146,8 +151,8 @@ def test_graph_sampling_on_cuda_equals_sampling_the_logits(golden_lm):
             for i, tok in zip(rows, want):
                 policies[i].accept(tok)
                 pos[i] += 1
-        streams[sampled] = [p.history for p in policies]
+        streams[mode] = [p.history for p in policies]
         if sampled:
-            assert runner.decode_graphs.sampled == 40
+            assert runner.sampled_graphs.sampled == 40
         runner.close()
-    assert streams[True] == streams[False]
+    assert streams["made with it"] == streams["taken on later"] == streams["off"]

@@ -66,7 +66,8 @@ class Sink:
 
 def _worker(n: int, runner_cls=SlotRunner):
     runner, sink, failed = runner_cls(n), Sink(), []
-    w = ARWorker(runner, SchedulerConfig(), sink, lambda r, e: failed.append((r, str(e))), StageClock(False), "cpu")
+    w = ARWorker(runner, SchedulerConfig(ar_graph_sampling=True), sink, lambda r, e: failed.append((r, str(e))),
+                 StageClock(False), "cpu")   # the setting on: a runner with a sampler samples (SamplingRunner)
     for i in range(n):
         pol = TokenPolicy(1, SamplingParams(seed=i, top_k=50, min_tokens=1000, max_tokens=1000),
                           mask_all_stops_before_min=True)

@@ -370,6 +370,15 @@ def test_tts_reconfigure_keeps_the_ar_runner_and_the_audio(speaker):
         req = make_request("Same words twice.", speaker=speaker, seed=5, force_tokens=60, stream=True)
         again = np.concatenate(list(tts.submit(req).chunks()))
         np.testing.assert_allclose(again, first, atol=2e-3)  # the scheduling bound (step-level vs whole calls)
+        # in-graph sampling is taken on by the same runner (its sampler and, on a GPU, a decode graph set with it)
+        free = dict(speaker=speaker, seed=7, max_tokens=80)
+        h = tts.submit(make_request("Free running words.", **free))
+        h.result(timeout=120)
+        assert runner.graph_sampler is None
+        tts.reconfigure(replace(tts.scheduler_config, ar_graph_sampling=True))
+        h2 = tts.submit(make_request("Free running words.", **free))
+        h2.result(timeout=120)
+        assert tts.ar_runner is runner and runner.graph_sampler is not None and h2.tokens == h.tokens
         with pytest.raises(InputError, match="ar_max_batch would need another AR runner"):
             tts.reconfigure(replace(tts.scheduler_config, ar_max_batch=3))
     finally:

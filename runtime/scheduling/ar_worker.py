@@ -53,7 +53,7 @@ class ARWorker:
         self.counters = ARCounters()
         self.stopped = False
         # the runner samples the decode step itself (`ar_graph_sampling`: in its decode graphs on CUDA)
-        self.graph_sampler = getattr(runner, "graph_sampler", None)
+        self.graph_sampler = getattr(runner, "graph_sampler", None) if config.ar_graph_sampling else None
         # On CUDA the worker runs on its own stream: its per-step host sync (the sampled tokens) then waits for its
         # own kernels only, not for DiT / HiFT batches queued by the other workers, and its graphs overlap theirs.
         # Its only device inputs from other threads are lm_input (fenced by `inputs_ready`); what it hands on

@@ -44,7 +44,7 @@ __all__ = ["Scheduler", "SchedulerConfig", "RequestHandle", "POLICIES", "AR_RUNN
 
 
 # the SchedulerConfig fields make_ar_runner reads: schedulers over one AR runner must agree on them
-AR_RUNNER_FIELDS = ("ar_graph_batches", "ar_graph_sampling", "ar_max_batch", "ar_max_len", "ar_max_prefill_tokens",
+AR_RUNNER_FIELDS = ("ar_graph_batches", "ar_max_batch", "ar_max_len", "ar_max_prefill_tokens",
                     "ar_prefill_graph_batches", "ar_prefill_graph_lengths", "batch_invariant", "compile", "cuda_graphs")
 
 
@@ -151,6 +151,8 @@ class Scheduler:
         t = time.perf_counter()
         self.runner = runner if runner is not None else make_ar_runner(models, cfg, self.device,
                                                                        self.backends.engine_set)
+        if cfg.ar_graph_sampling and hasattr(self.runner, "enable_graph_sampling"):  # a runner made without it
+            self.runner.enable_graph_sampling()  # (TTS.reconfigure): its decode graphs with the sampler, once
         self.setup_s["ar_runner"] = time.perf_counter() - t
         self.ar_max_len = self.runner.max_len
         self._compiles_at_start = compile_count() if cfg.compile else None

@@ -83,9 +83,11 @@ class TorchARRunner:
             self._decode, self._prefill = compiled_lm(lm)
         self.decode_graphs = self.prefill_graphs = None
         self.invariance_check: dict | None = None
-        # `graph_sampling`: the decode step's sampling runs here (`decode_sampled`), in its CUDA graphs on the GPU
-        self.graph_sampler = (StaticSampler(lm.config.speech_vocab, lm.config.speech_token_size) if graph_sampling
-                              else None)
+        # `graph_sampling` (or `enable_graph_sampling` later): the decode step's sampling can run here
+        # (`decode_sampled`), in decode graphs that hold it on the GPU (`sampled_graphs`)
+        self.graph_sampler: StaticSampler | None = None
+        self.sampled_graphs = None
+        self._decode_graph_shape = None  # (batches, KV rungs) of the decode graphs
         if use_graphs:
             from .ar_graphs import DecodeGraphs, PrefillGraphs
 
@@ -97,16 +99,37 @@ class TorchARRunner:
                 rungs.append(kv)
                 kv *= 2
             rungs.append(max_len)
-            self.decode_graphs = DecodeGraphs(self._decode, batches, rungs, self.slots.scratch_slot, self.device,
-                                              self.graph_sampler)
+            self._decode_graph_shape = (batches, rungs)
+            if graph_sampling:  # one set, the sampler inside (a step that is not sampled here feeds it idle rows)
+                self.enable_graph_sampling()
+                self.decode_graphs = self.sampled_graphs
+            else:
+                self.decode_graphs = DecodeGraphs(self._decode, batches, rungs, self.slots.scratch_slot, self.device)
             rows = [b for b in prefill_graph_batches if b <= max_batch]
             if compile:
                 rows = sorted({max(b, MIN_COMPILED_ROWS) for b in rows})
             self.prefill_graphs = PrefillGraphs(
                 self._prefill, rows, [t for t in prefill_graph_lengths if t <= max_len], max_prefill_tokens,
                 lm.config.qwen.hidden_size, lm.dtype, self.slots.scratch_slot, self.device)
+        elif graph_sampling:
+            self.enable_graph_sampling()
         if compile:
             self._warm_compiled()
+
+    def enable_graph_sampling(self) -> None:
+        """Make `decode_sampled` sample in the runner: the fixed-shape sampler and, with decode graphs, a second set
+        of them with the sampler inside, captured now over the same KV slots and compiled step (no compile again: a
+        scheduler with `ar_graph_sampling` can take over this runner, `TTS.reconfigure`). Idempotent."""
+        if self.graph_sampler is not None:
+            return
+        sampler = StaticSampler(self.lm.config.speech_vocab, self.lm.config.speech_token_size)
+        if self._decode_graph_shape is not None:
+            from .ar_graphs import DecodeGraphs
+
+            batches, rungs = self._decode_graph_shape
+            self.sampled_graphs = DecodeGraphs(self._decode, batches, rungs, self.slots.scratch_slot, self.device,
+                                               sampler)
+        self.graph_sampler = sampler
 
     # ---------------------------------------------------------------- ARRunner
     def allocate(self) -> int | None:
@@ -150,9 +173,9 @@ class TorchARRunner:
             return self.decode(tokens, slots, positions), None
         self.slots.install()
         need = max(positions) + 1
-        if self.decode_graphs is not None:
-            if self.decode_graphs.fits(len(tokens), need):
-                return self.decode_graphs.run_sampled(tokens, slots, positions, need, packed)
+        if self.sampled_graphs is not None:
+            if self.sampled_graphs.fits(len(tokens), need):
+                return self.sampled_graphs.run_sampled(tokens, slots, positions, need, packed)
             return self.decode(tokens, slots, positions), None
         logits = self.decode(tokens, slots, positions)
         return logits, sampler(logits, sampler.rows(packed, len(tokens)).to(logits.device)).tolist()
@@ -189,7 +212,7 @@ class TorchARRunner:
 
     def close(self) -> None:
         """Drop the graphs (their memory pools) and the KV cache references."""
-        self.decode_graphs = self.prefill_graphs = None
+        self.decode_graphs = self.prefill_graphs = self.sampled_graphs = None
 
     # ---------------------------------------------------------------- extras
     @property

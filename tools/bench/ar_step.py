@@ -115,7 +115,8 @@ def worker_for(runner, batch: int, start_pos: int = 64, device: str = "cpu"):
     from ...runtime.scheduling.config import SchedulerConfig
     from ...runtime.scheduling.stage_clock import StageClock
 
-    w = ARWorker(runner, SchedulerConfig(), _NullSink(), _reraise, StageClock(False), device)
+    # ar_graph_sampling on: a runner made with `graph_sampling` samples in the runner, the others as before
+    w = ARWorker(runner, SchedulerConfig(ar_graph_sampling=True), _NullSink(), _reraise, StageClock(False), device)
     for i in range(batch):
         pol = TokenPolicy(1, SamplingParams(seed=i, min_tokens=1 << 20, max_tokens=1 << 20),
                           mask_all_stops_before_min=True)   # no row ends
