@@ -278,6 +278,31 @@ def test_settings_validation():
         ServerSettings(compile=True, compile_scope="layers")
     with pytest.raises(InputError, match="compile_scope needs compile"):
         ServerSettings(compile_scope="ar")
+    # serve --scheduler NAME=VALUE: SchedulerConfig fields by name and type
+    got = ServerSettings(scheduler=["ar_graph_sampling=1", "dit_max_wait_ms=2", "flow_prefix_cache=false",
+                                    "ar_max_len=1024"]).scheduler
+    assert got == {"ar_graph_sampling": True, "dit_max_wait_ms": 2.0, "flow_prefix_cache": False, "ar_max_len": 1024}
+    for bad, msg in ((["nope=1"], "'nope' is not a boolean or numeric"), (["max_in_flight=3"], "--max-in-flight"),
+                     (["ar_graph_sampling=yes"], "not a valid bool"), (["ar_max_batch=x"], "not a valid int"),
+                     (["ar_graph_batches=1"], "not a boolean or numeric"), (["ar_max_batch=0"], "ar_max_batch")):
+        with pytest.raises(InputError, match=msg):
+            ServerSettings(scheduler=bad)
+
+
+def test_serve_scheduler_flag_reaches_the_settings_and_refuses_bad_names(monkeypatch, capsys):
+    """`trtbuild serve --scheduler NAME=VALUE` (repeatable) ends in ServerSettings.scheduler, which `serve` passes to
+    the SchedulerConfig; a bad name stops the start with exit 2 and the reason."""
+    from cosytrt.runtime import serving
+    from cosytrt.tools import serve as serve_cmd
+    from cosytrt.tools.trtbuild import main
+
+    seen = []
+    monkeypatch.setattr(serving, "serve", lambda settings: seen.append(settings) or 0)
+    monkeypatch.setattr(serve_cmd, "_print_model_hashes", lambda model: None)
+    assert main(["serve", "--scheduler", "ar_graph_sampling=1", "--scheduler", "hift_own_stream=1"]) == 0
+    assert seen[0].scheduler == {"ar_graph_sampling": True, "hift_own_stream": True}
+    assert main(["serve", "--scheduler", "nope=1"]) == 2
+    assert "'nope' is not a boolean or numeric SchedulerConfig field" in capsys.readouterr().err
 
 
 
@@ -318,3 +343,31 @@ def test_inter_chunk_gaps_are_observed_per_gap():
     m = parse_metrics(sm.render(in_flight=0, queued=0, ready=True, runtime_stats=None))
     assert m["cosytrt_inter_chunk_seconds_count"] == 2
     assert m['cosytrt_inter_chunk_seconds_bucket{le="0.25"}'] == 1
+
+
+def test_serve_builds_the_scheduler_config_with_the_overrides(monkeypatch):
+    """`serve()` (no TTS given) loads one whose SchedulerConfig has the admission flags and `settings.scheduler`."""
+    import uvicorn
+
+    from cosytrt.runtime import tts as tts_mod
+    from cosytrt.runtime.serving import app as app_mod
+
+    loaded = []
+
+    def fake_load(**kw):
+        loaded.append(kw)
+        return FakeTTS()
+
+    class NoServer:
+        def __init__(self, config):
+            pass
+
+        def run(self):
+            return None
+
+    monkeypatch.setattr(tts_mod.TTS, "load", staticmethod(fake_load))
+    monkeypatch.setattr(uvicorn, "Server", NoServer)
+    settings = ServerSettings(max_in_flight=5, scheduler=["ar_graph_sampling=1", "dit_max_wait_ms=2"])
+    assert app_mod.serve(settings) == 0
+    cfg = loaded[0]["scheduler"]
+    assert (cfg.max_in_flight, cfg.ar_graph_sampling, cfg.dit_max_wait_ms) == (5, True, 2.0)

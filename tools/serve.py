@@ -63,6 +63,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-ws-buffer-hints", action="store_true",
                    help="do not tell the runtime how much audio a websocket listener still has when a session's next "
                         "sentence starts (it then counts as urgent as a new session's first)")
+    p.add_argument("--scheduler", action="append", default=[], metavar="NAME=VALUE",
+                   help="set a SchedulerConfig field (repeatable), e.g. ar_graph_sampling=1 or dit_max_wait_ms=2: "
+                        "booleans as 0 / 1, numbers; checked at start-up")
     p.add_argument("--no-normalize", action="store_true",
                    help="do not spell out numbers / dates / symbols (wetext) before synthesis")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -116,7 +119,8 @@ def run(args) -> int:
                               max_voices=args.max_voices, max_transcript_chars=args.max_transcript_chars,
                               body_timeout_s=args.body_timeout_s, normalize_text=not args.no_normalize,
                               max_ws_sessions=args.max_ws_sessions, ws_idle_timeout_s=args.ws_idle_timeout_s,
-                              ws_lookahead=args.ws_lookahead, ws_buffer_hints=not args.no_ws_buffer_hints, **kw)
+                              ws_lookahead=args.ws_lookahead, ws_buffer_hints=not args.no_ws_buffer_hints,
+                              scheduler=args.scheduler, **kw)
     if args.cluster is None:
         _print_model_hashes(args.model)
     if args.cluster == "ray":

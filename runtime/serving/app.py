@@ -177,7 +177,7 @@ def serve(settings: ServerSettings, tts=None) -> int:
 
         t0 = time.perf_counter()
         sched = SchedulerConfig(max_in_flight=settings.max_in_flight, max_waiting=settings.max_queue,
-                                submit_timeout_s=settings.queue_timeout_s)
+                                submit_timeout_s=settings.queue_timeout_s, **settings.scheduler)
         tts = TTS.load(model=settings.model, engines=settings.engines, device=settings.device,
                        scheduler=sched, compile=(settings.compile_scope or True) if settings.compile else False,
                        compile_cache=settings.compile_cache)

@@ -62,6 +62,10 @@ class ServerSettings:
     # it cut sentence TTFA p95 0.95 -> 0.58 s, run 37: one run, one rate)
     ws_lookahead: int = 0
     ws_buffer_hints: bool = True   # a session's next sentence tells the runtime how much audio its listener still has
+    # SchedulerConfig fields to set (`serve --scheduler NAME=VALUE`): booleans (0 / 1), numbers; e.g.
+    # ar_graph_sampling=1, hift_own_stream=1, dit_max_wait_ms=2. Checked by name and type at start-up; the admission
+    # limits have flags of their own (--max-in-flight, --max-queue, --queue-timeout-s)
+    scheduler: dict = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("max_input_chars", "max_in_flight", "port", "max_voices", "max_transcript_chars",
@@ -87,6 +91,7 @@ class ServerSettings:
                                  f"got {self.compile_scope!r}")
             if not self.compile:
                 raise InputError("server setting compile_scope needs compile (--compile)")
+        self.scheduler = scheduler_overrides(self.scheduler)
         if self.allowed_hosts is not None:
             if isinstance(self.allowed_hosts, str):
                 self.allowed_hosts = [h.strip() for h in self.allowed_hosts.split(",") if h.strip()]
@@ -123,6 +128,41 @@ class ServerSettings:
         if self.host in LOOPBACK_HOSTS:
             return ["127.0.0.1", "localhost", "::1", "[::1]"]
         return None
+
+
+_OWN_FLAGS = {"max_in_flight": "--max-in-flight", "max_waiting": "--max-queue", "submit_timeout_s": "--queue-timeout-s"}
+
+
+def scheduler_overrides(items) -> dict:
+    """SchedulerConfig overrides from `NAME=VALUE` strings (or a dict): each name a boolean, int or float field of
+    SchedulerConfig (not one of the admission limits with flags of their own), each value of its type (booleans as
+    0 / 1 / true / false); the whole config is then checked by SchedulerConfig itself. InputError naming the item."""
+    import dataclasses
+
+    from ..scheduling.config import SchedulerConfig
+
+    pairs = list(items.items()) if isinstance(items, dict) else [str(i).partition("=")[::2] for i in items or ()]
+    kinds = {f.name: str(f.type).replace(" ", "") for f in dataclasses.fields(SchedulerConfig)}
+    out: dict = {}
+    for name, value in pairs:
+        name = str(name).strip()
+        if name in _OWN_FLAGS:
+            raise InputError(f"server setting scheduler: {name} has its own flag, {_OWN_FLAGS[name]}")
+        kind = next((k for k in ("bool", "int", "float") if k in kinds.get(name, "").split("|")), None)
+        if kind is None:
+            raise InputError(f"server setting scheduler: {name!r} is not a boolean or numeric SchedulerConfig field")
+        text = str(value).strip().lower()
+        try:
+            if kind == "bool":
+                if text not in ("0", "1", "true", "false"):
+                    raise ValueError
+                out[name] = text in ("1", "true")
+            else:
+                out[name] = int(text) if kind == "int" else float(text)
+        except ValueError:
+            raise InputError(f"server setting scheduler: {name}={value!r} is not a valid {kind}") from None
+    SchedulerConfig(**out)  # its own checks (ranges, combinations)
+    return out
 
 
 def missing_serve_packages() -> list[str]:
