@@ -264,6 +264,7 @@ def test_tiny_open_loop_report(tiny_open_loop, tmp_path):
     assert report.main([str(out / "results.json"), "--out", str(tmp_path)]) == 0
     md = (tmp_path / "bench_tables.md").read_text()
     assert "**Open loop (eager variant)**" in md and "| async_d2h off | 2 |" in md.replace(".0 |", " |")
+    assert "**Open loop: set-up per setting**" in md and "| setting | scheduler s | ar_runner s |" in md
     assert (tmp_path / "bench_open_loop.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -490,3 +491,23 @@ def test_gpu_util_probe_reads_nvidia_smi_samples(tmp_path):
     assert args[0] == "--id=1" and "--format=csv,noheader,nounits" in args and args[3] == "--loop-ms=50"
     assert GpuUtilProbe(False).__enter__().summary()["n"] == 0
     assert report._util({"n": 3, "mean": 90.0, "p50": 90.0}) == "90 / 90" and report._util({"n": 0}) == "-"
+
+
+def test_graph_sampling_ab_shares_one_ar_runner(tmp_path, one_torch_thread):
+    """`--ab ar_graph_sampling=0,ar_graph_sampling=1`: the second setting swaps the scheduler over the same AR runner
+    (which takes the sampler on), no runner is built again (run 41 built one in 64.7 s)."""
+    from cosytrt.runtime.scheduling import scheduler
+    from cosytrt.tools.trtbuild import main
+
+    runners = []
+    real = scheduler.make_ar_runner
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scheduler, "make_ar_runner", lambda *a, **k: runners.append(real(*a, **k)) or runners[-1])
+        assert main(["bench", "--device", "cpu", "--model", "tiny", "--dtype", "float32", "--suite", "open_loop",
+                     "--variants", "eager", "--rates", "2", "--duration-s", "1", "--drain-s", "60", "--lengths",
+                     "1:0.3", "--min-s", "0.6", "--max-s", "1.2", "--seed", "3",
+                     "--ab", "ar_graph_sampling=0,ar_graph_sampling=1", "--out", str(tmp_path)]) == 0
+    ol = json.loads((tmp_path / "results.json").read_text())["open_loop"]
+    assert [s["label"] for s in ol["settings"]] == ["ar_graph_sampling=0", "ar_graph_sampling=1"]
+    assert len(runners) == 1 and runners[0].graph_sampler is not None
+    assert all(c["completed"] == c["requests"] > 0 for c in ol["cells"])

@@ -330,10 +330,24 @@ def open_loop_tables(res: dict) -> str:
                      "`tools/coverage_profile.derive_cached_grid`)\n\n"
                      + _md(["setting", "req/s", "calls", "hit rate", "eager", "capture failed", "buckets replayed",
                             "distinct shapes", "most frequent shapes"], hop_rows))
+    setups = [s for s in ol.get("settings") or [] if s.get("scheduler_setup_s") is not None]
+    if setups:
+        names = sorted({k for s in setups for k in (s.get("scheduler_setup_parts_s") or {})})
+        parts.append(f"**Open loop: set-up per setting** (pipeline: DiT / HiFT graphs "
+                     f"{_num(ol.get('pipeline_setup_s'))} s; then per setting the scheduler, its parts, the rest being "
+                     "the warm-up requests; GPU memory after it)\n\n"
+                     + _md(["setting", "scheduler s"] + [f"{k} s" for k in names] + ["reserved GB", "allocated GB"],
+                           [[s.get("label"), s["scheduler_setup_s"]]
+                            + [(s.get("scheduler_setup_parts_s") or {}).get(k) for k in names]
+                            + [s.get("gpu_reserved_gb"), s.get("gpu_allocated_gb")] for s in setups]))
     skipped = ol.get("ab_skipped") or []
     if skipped:
         parts.append("A/B: " + "; ".join(skipped))
     return "\n\n".join(parts)
+
+
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
 
 
 def _hop_row(h: dict) -> list:
