@@ -171,16 +171,18 @@ class ARWorker:
         rows = list(self.running)
         t0 = time.perf_counter()
 
+        def inputs(rs):  # a decode call's tokens, slots, positions
+            return [r.policy.next_input for r in rs], [r.slot for r in rs], [r.pos for r in rs]
+
         def decode(rs):
-            return self.runner.decode([r.policy.next_input for r in rs], [r.slot for r in rs], [r.pos for r in rs])
+            return self.runner.decode(*inputs(rs))
 
         packed, ids = self._pack(rows), None
         if packed is None:
             rows_ok, logits = self._logits(decode, rows)
         else:
             try:
-                logits, ids = self.runner.decode_sampled([r.policy.next_input for r in rows], [r.slot for r in rows],
-                                                         [r.pos for r in rows], packed)
+                logits, ids = self.runner.decode_sampled(*inputs(rows), packed)
                 rows_ok = rows
             except Exception:  # as `_logits` does (the rows one by one), each row keeping the uniforms it drew
                 index = {id(r): i for i, r in enumerate(rows)}

@@ -97,7 +97,7 @@ class ServerMetrics:
                                      "it)", buckets=TIME_BUCKETS, registry=self.registry)
         self.lock_wait = Histogram("cosytrt_interpreter_lock_wait_seconds", "How late a probe thread wakes from "
                                    "20 ms sleeps: the wait for the Python interpreter lock behind the runtime's "
-                                   "threads (their contention limits one server process)", buckets=LOCK_BUCKETS,
+                                   "threads", buckets=LOCK_BUCKETS,
                                    registry=self.registry)
         self.lock_probe = LockProbe(self.lock_wait.observe)
 

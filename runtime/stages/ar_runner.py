@@ -168,17 +168,15 @@ class TorchARRunner:
         """`decode`, and the step's ids when its sampling can run here (`graph_sampler` fits the packed rows): in the
         decode graph on CUDA, else eagerly in the same fixed-shape ops (the path the CPU tests check). Returns
         (logits, ids), ids None when the caller samples from the logits (`select_packed` with the same packed rows)."""
-        sampler = self.graph_sampler
-        if sampler is None or not sampler.fits(packed):
-            return self.decode(tokens, slots, positions), None
-        self.slots.install()
-        need = max(positions) + 1
-        if self.sampled_graphs is not None:
-            if self.sampled_graphs.fits(len(tokens), need):
-                return self.sampled_graphs.run_sampled(tokens, slots, positions, need, packed)
-            return self.decode(tokens, slots, positions), None
-        logits = self.decode(tokens, slots, positions)
-        return logits, sampler(logits, sampler.rows(packed, len(tokens)).to(logits.device)).tolist()
+        sampler, graphs, need = self.graph_sampler, self.sampled_graphs, max(positions) + 1
+        if sampler is not None and sampler.fits(packed):
+            if graphs is None:
+                logits = self.decode(tokens, slots, positions)
+                return logits, sampler(logits, sampler.rows(packed, len(tokens)).to(logits.device)).tolist()
+            if graphs.fits(len(tokens), need):
+                self.slots.install()
+                return graphs.run_sampled(tokens, slots, positions, need, packed)
+        return self.decode(tokens, slots, positions), None
 
     def check_batch_invariance(self, rows: int = 64) -> dict:
         """On this device, with this runner's graphs / compiled functions: does a row's decode logits stay the same

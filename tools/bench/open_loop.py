@@ -279,14 +279,12 @@ def _gpu_memory(device) -> dict:
             "gpu_used_gb": round((total - free) / 1e9, 2)}
 
 
-def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, spec, rates: list[float],
-                    drain_s: float, ab: list[str]) -> dict:
-    """The rate sweep (per A/B setting, and per spec when `spec` is a list of them: the streaming shares of
-    `--stream-fraction 1,0`) on the `variant` pipeline; results under bench.results["open_loop"], saved after every
-    cell. With several specs each sweep's label names its share."""
-    specs = list(spec) if isinstance(spec, (list, tuple)) else [spec]
-    spec = specs[0]
-    out: dict = {"variant": variant, "spec": spec.to_dict(), "rates": rates, "cells": [], "settings": []}
+def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, specs: list[OpenLoopSpec],
+                    rates: list[float], drain_s: float, ab: list[str]) -> dict:
+    """The rate sweep per A/B setting and per spec (the streaming shares of `--stream-fraction 1,0`; usually one) on
+    the `variant` pipeline; results under bench.results["open_loop"], saved after every cell. With several specs each
+    sweep's label names its share."""
+    out: dict = {"variant": variant, "spec": specs[0].to_dict(), "rates": rates, "cells": [], "settings": []}
     if len(specs) > 1:
         out["stream_fractions"] = [s.stream_fraction for s in specs]
     bench.results["open_loop"] = out
