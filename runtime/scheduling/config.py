@@ -60,7 +60,7 @@ class SchedulerConfig:
     # their Python on the AR thread. Exact (the same ids: tests/test_sampling_exact.py, test_ar_graphs.py, on an H100
     # too, BENCHMARKS.md run 40); batches it does not fit (another top_k, a wider RAS window) sample as before. An AR
     # runner made without it takes it on when a scheduler with it starts (TTS.reconfigure: a second decode graph set,
-    # no new runner). Off by default: its speed is not measured yet (on the CPU, without graphs, it costs 10-20 % more
+    # no new runner). Off by default: its speed is not measured yet (on the CPU, without graphs, it costs 9-21 % more
     # per step)
     ar_graph_sampling: bool = False
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
