@@ -153,6 +153,6 @@ def test_graph_sampling_on_cuda_equals_sampling_the_logits(golden_lm):
                 pos[i] += 1
         streams[mode] = [p.history for p in policies]
         if sampled:
-            assert runner.sampled_graphs.sampled == 40
+            assert runner.sampled_graphs.sampled == 40 and runner.stats()["sampled_graph_replays"] == 40
         runner.close()
     assert streams["made with it"] == streams["taken on later"] == streams["off"]

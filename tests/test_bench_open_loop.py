@@ -199,6 +199,32 @@ def test_stats_delta_reads_what_is_there():
     assert hops["cached_hops"] == {"hits": 20, "misses": 0, "capture_failed": 0,
                                    "shapes": {"1,100,200": 10, "2,200,400": 10},
                                    "replays": {"1,100,200": 10, "2,200,400": 10}}
+    ar = stats_delta({"ar": {"decode_steps": 10, "decode_rows": 15, "sampled_graph_replays": 0}},
+                     {"ar": {"decode_steps": 30, "decode_rows": 75, "sampled_graph_replays": 15}}, 1.0)["ar_steps"]
+    assert ar["decode_steps"] == 20 and ar["rows_per_step"] == 3.0 and ar["sampled_share"] == 0.75
+    assert bare["ar_steps"]["decode_steps"] is None and "rows_per_step" not in bare["ar_steps"]
+
+
+def test_allocator_events_and_their_report_cells(monkeypatch):
+    """The cell's CUDA allocator counters are a difference of `torch.cuda.memory_stats()` (None without CUDA), and
+    the report shows them and the AR steps' graph-sampled share, '-' where a cell has none (older results)."""
+    from cosytrt.tools.bench import open_loop
+    from cosytrt.tools.bench.report import _alloc, _ar_steps
+
+    monkeypatch.setattr(open_loop.torch.cuda, "is_available", lambda: False)
+    assert open_loop.allocator_events() is None
+    stats = {"num_alloc_retries": 2, "num_device_free": 7, "num_device_alloc": 9}
+    monkeypatch.setattr(open_loop.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(open_loop.torch.cuda, "memory_stats", lambda: dict(stats))
+    before = open_loop.allocator_events()
+    stats.update(num_alloc_retries=5, num_device_free=8)
+    d = open_loop.allocator_events(before)
+    assert d == {"num_alloc_retries": 3, "num_ooms": 0, "num_device_alloc": 0, "num_device_free": 1,
+                 "num_sync_all_streams": 0}
+    assert _alloc(d) == "3 / 1" and _alloc(None) == "-"
+    assert _ar_steps({"decode_steps": 4, "rows_per_step": 1.5, "sampled_share": 0.25}) == "1.50, 25 %"
+    assert _ar_steps({"decode_steps": 4, "rows_per_step": 1.5, "sampled_share": None}) == "1.50, -"
+    assert _ar_steps(None) == "-"
 
 
 # ------------------------------------------------------------------ end to end (tiny model, CPU) and report

@@ -221,6 +221,9 @@ class TorchARRunner:
         return {"slots": self.slots.slots, "free_slots": self.slots.free, "max_len": self.max_len,
                 "decode_graph_replays": self.decode_graphs.replays if self.decode_graphs else 0,
                 "prefill_graph_replays": self.prefill_graphs.replays if self.prefill_graphs else 0,
+                # decode steps sampled inside a decode graph (`ar_graph_sampling`; the second graph set when the
+                # runner took it on later, else the one set)
+                "sampled_graph_replays": self.sampled_graphs.sampled if self.sampled_graphs else 0,
                 "slot_allocations": self.slots.allocations,
                 **({"batch_invariance_check": self.invariance_check} if self.invariance_check else {})}
 

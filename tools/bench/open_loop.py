@@ -126,7 +126,15 @@ def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
         rows = v.get("rows", 0) - (kb.get(k) or {}).get("rows", 0)
         if calls:
             kinds[k] = {"calls": calls, "rows": rows, "rows_per_call": rows / calls}
-    return {"busy": busy, "buckets": buckets if sa else None,
+    ar = {}  # the AR worker's decode steps: rows per step, and the share sampled inside the decode graphs
+    for k in ("decode_steps", "decode_rows", "prefill_calls", "decode_graph_replays", "sampled_graph_replays"):
+        a, b = _num(after, "ar", k), _num(before, "ar", k)
+        ar[k] = None if a is None else a - (b or 0)
+    if ar.get("decode_steps"):
+        ar["rows_per_step"] = (ar["decode_rows"] or 0) / ar["decode_steps"]
+        ar["sampled_share"] = None if ar["sampled_graph_replays"] is None else \
+            ar["sampled_graph_replays"] / ar["decode_steps"]
+    return {"busy": busy, "buckets": buckets if sa else None, "ar_steps": ar,
             "fallbacks": sum(b["fallbacks"] for b in buckets.values()) if sa else None,
             "fallback_reasons": reasons, "dit_frames": frames, "dit_calls": kinds,
             "cached_hops": cached_hops_delta(before, after)}
@@ -237,6 +245,7 @@ def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, la
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    alloc = allocator_events()
     before = scheduler_stats(tts)
     with timed_sampler(sample_stacks) as sampler, GilProbe() as gil, GpuUtilProbe(cuda) as gpu:
         records, end = drive(tts, arrivals, spec.duration_s, drain_s, speaker)
@@ -248,6 +257,7 @@ def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, la
             **stats_delta(before, after, end),
             "compiles": compiled_graph_count() - compiles,
             "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+            "cuda_alloc": allocator_events(alloc),  # the caching allocator's retries / cudaMalloc / cudaFree in the cell
             "gil_wait_ms": gil.summary(),  # a probe thread's lateness waking from 5 ms sleeps (gil_probe.py)
             "gpu_util_pct": gpu.summary(),  # nvidia-smi's utilization.gpu through the cell (gpu_util.py)
             # [arrival s, audio s, stream, first chunk s, last chunk s, chunks, status]
@@ -262,6 +272,21 @@ def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, la
     if errs:
         cell["first_error"] = errs[0]
     return cell
+
+
+ALLOC_EVENTS = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_events(since: dict | None = None) -> dict | None:
+    """The CUDA caching allocator's event counters (`torch.cuda.memory_stats`: retries after a failed cudaMalloc,
+    which free every cached block first; cudaMalloc / cudaFree calls, each cudaFree synchronising the device; OOMs),
+    minus `since` when given; None without CUDA. A stage slowed by another's allocations shows here: the graph-
+    sampling A/B of runs 42-43 slowed the DiT and vocoder with the GPU's memory nearly full."""
+    if not torch.cuda.is_available():
+        return None
+    stats = torch.cuda.memory_stats()
+    now = {k: int(stats.get(k, 0)) for k in ALLOC_EVENTS}
+    return now if since is None else {k: now[k] - since.get(k, 0) for k in ALLOC_EVENTS}
 
 
 def _fmt(v, f=".3f"):
@@ -369,6 +394,10 @@ def _rate_sweep(bench, out, tts, label, spec, rates, drain_s, speaker) -> None:
             + f"; GIL wait p50 {_fmt(cell['gil_wait_ms']['p50'], '.2f')} p95 "
               f"{_fmt(cell['gil_wait_ms']['p95'], '.2f')} ms"
             + (f"; GPU util mean {cell['gpu_util_pct']['mean']} %" if cell["gpu_util_pct"]["n"] else "")
+            + (f"; allocator retries {cell['cuda_alloc']['num_alloc_retries']}, cudaFree "
+               f"{cell['cuda_alloc']['num_device_free']}" if cell.get("cuda_alloc") else "")
+            + (f"; AR {cell['ar_steps']['rows_per_step']:.2f} rows/step, {100 * cell['ar_steps']['sampled_share']:.0f} "
+               "% sampled in graph" if (cell.get("ar_steps") or {}).get("sampled_share") is not None else "")
             + (f"; WARNING: {cell['compiles']} graph(s) compiled during the cell" if cell["compiles"] else ""))
         if why:
             log(f"open loop {label}: saturated at {rate:g} req/s ({why}): higher rates skipped")

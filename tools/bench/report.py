@@ -295,7 +295,7 @@ def open_loop_tables(res: dict) -> str:
                         + [((c.get("buckets") or {}).get(sm) or {}).get("hit_rate") for sm in sms]
                         + [c.get("fallbacks"), frames.get("frames_computed"), frames.get("frames_reused"),
                            c.get("compiles"), c.get("peak_gpu_gb"), _p50_p95(c.get("gil_wait_ms")),
-                           _util(c.get("gpu_util_pct"))])
+                           _util(c.get("gpu_util_pct")), _ar_steps(c.get("ar_steps")), _alloc(c.get("cuda_alloc"))])
     parts = [head + "\n\n" + _md(
         ["setting", "req/s", "offered audio s/s", "achieved", "delivered (with drain)", "streams/offline", "TTFA p50 s",
          "TTFA p95 s", "TTFA p99 s", "inter-chunk p95 s", "streams with underrun", "underrun fraction", "stall s",
@@ -305,7 +305,8 @@ def open_loop_tables(res: dict) -> str:
                      "\n\n" + _md(["setting", "req/s", "AR busy", "DiT busy", "HiFT busy"]
                                    + [f"hits {sm}" for sm in sms]
                                    + ["eager fallbacks", "DiT frames computed", "DiT frames reused", "compiles",
-                                      "peak GB", "GIL wait p50 / p95 ms", "GPU util mean / p50 %"], res_rows))
+                                      "peak GB", "GIL wait p50 / p95 ms", "GPU util mean / p50 %",
+                                      "AR rows/step, sampled in graph", "alloc retries / cudaFree"], res_rows))
     from .playback import TTFA_PARTS
 
     ttfa_rows = [[c.get("setting"), c.get("rate")]
@@ -369,6 +370,19 @@ def _util(d) -> str:
     if not d or not d.get("n"):
         return "-"
     return f"{d['mean']:.0f} / {d['p50']:.0f}"
+
+
+def _ar_steps(d) -> str:
+    """AR decode steps of a cell: rows per step, and the share sampled inside the decode graphs ('-' before)."""
+    if not d or not d.get("decode_steps"):
+        return "-"
+    share = d.get("sampled_share")
+    return f"{d['rows_per_step']:.2f}, " + ("-" if share is None else f"{100 * share:.0f} %")
+
+
+def _alloc(d) -> str:
+    """The CUDA caching allocator's retries / cudaFree calls in a cell ('-' on CPU or before they were recorded)."""
+    return "-" if not d else f"{d['num_alloc_retries']} / {d['num_device_free']}"
 
 
 def _calls(d) -> str:
