@@ -180,6 +180,13 @@ def test_stats_delta_reads_what_is_there():
     assert d["buckets"]["dit/stream"] == {"calls": 20, "hits": 16, "fallbacks": 4, "hit_rate": 0.8}
     assert d["buckets"]["hift/offline"]["hit_rate"] == 1.0 and d["fallbacks"] == 4
     assert d["fallback_reasons"] == {"dit/stream: no_cover": 4}
+    assert d["fallback_shapes"] == {}
+    shaped = stats_delta(
+        {"shapes": {"fallback_shapes": [{"stage_mode": "dit/offline", "b": 3, "n": 900, "count": 2}]}},
+        {"shapes": {"fallback_shapes": [{"stage_mode": "dit/offline", "b": 3, "n": 900, "count": 5},
+                                        {"stage_mode": "hift/stream", "b": 1, "n": 130, "count": 1},
+                                        {"stage_mode": "dit/stream", "b": 1, "n": 50, "count": 0}]}}, 1.0)
+    assert shaped["fallback_shapes"] == {"dit/offline 3,900": 3, "hift/stream 1,130": 1}
     assert d["dit_frames"] == {"frames_computed": 200, "frames_reused": 100, "cache_fallbacks": None}
     assert d["dit_calls"] == {}
     bare = stats_delta({}, {"busy_s": {"ar": 1.0}}, 2.0)  # no engine set, no DiT frame counters
@@ -225,6 +232,8 @@ def test_allocator_events_and_their_report_cells(monkeypatch):
     assert _ar_steps({"decode_steps": 4, "rows_per_step": 1.5, "sampled_share": 0.25}) == "1.50, 25 %"
     assert _ar_steps({"decode_steps": 4, "rows_per_step": 1.5, "sampled_share": None}) == "1.50, -"
     assert _ar_steps(None) == "-"
+    from cosytrt.tools.bench.report import _top
+    assert _top({"a": 1, "b": 3, "c": 3}, 2) == "b (3), c (3)"
 
 
 # ------------------------------------------------------------------ end to end (tiny model, CPU) and report

@@ -115,6 +115,13 @@ def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
             d = n - (prev.get("fallback_reasons") or {}).get(r, 0)
             if d:
                 reasons[f"{sm}: {r}"] = d
+    fb_before = {(f["stage_mode"], f["b"], f["n"]): f["count"]
+                 for f in (before.get("shapes") or {}).get("fallback_shapes") or []}
+    fallback_shapes = {}  # "stage/mode b,n" -> eager calls in the cell: the shapes a profile should add
+    for f in (after.get("shapes") or {}).get("fallback_shapes") or []:
+        d = f["count"] - fb_before.get((f["stage_mode"], f["b"], f["n"]), 0)
+        if d:
+            fallback_shapes[f"{f['stage_mode']} {f['b']},{f['n']}"] = d
     frames = {}
     for k in ("frames_computed", "frames_reused", "cache_fallbacks"):
         a, b = _num(after, "dit", k), _num(before, "dit", k)
@@ -136,7 +143,7 @@ def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
             ar["sampled_graph_replays"] / ar["decode_steps"]
     return {"busy": busy, "buckets": buckets if sa else None, "ar_steps": ar,
             "fallbacks": sum(b["fallbacks"] for b in buckets.values()) if sa else None,
-            "fallback_reasons": reasons, "dit_frames": frames, "dit_calls": kinds,
+            "fallback_reasons": reasons, "fallback_shapes": fallback_shapes, "dit_frames": frames, "dit_calls": kinds,
             "cached_hops": cached_hops_delta(before, after)}
 
 

@@ -331,6 +331,13 @@ def open_loop_tables(res: dict) -> str:
                      "`tools/coverage_profile.derive_cached_grid`)\n\n"
                      + _md(["setting", "req/s", "calls", "hit rate", "eager", "capture failed", "buckets replayed",
                             "distinct shapes", "most frequent shapes"], hop_rows))
+    fb_rows = [[c.get("setting"), c.get("rate"), sum(c["fallback_shapes"].values()), len(c["fallback_shapes"]),
+                _top(c["fallback_shapes"], 6)]
+               for c in cells if "error" not in c and c.get("fallback_shapes")]
+    if fb_rows:
+        parts.append("**Open loop: eager fallbacks by call shape** (stage/mode rows,length: calls that no bucket "
+                     "covered within the padding-waste limit — the shapes a profile for this traffic should add)\n\n"
+                     + _md(["setting", "req/s", "eager calls", "distinct shapes", "most frequent"], fb_rows))
     setups = [s for s in ol.get("settings") or [] if s.get("scheduler_setup_s") is not None]
     if setups:
         names = sorted({k for s in setups for k in (s.get("scheduler_setup_parts_s") or {})})
@@ -351,11 +358,16 @@ def _num(v) -> str:
     return "-" if v is None else f"{v:.1f}"
 
 
+def _top(counts: dict, k: int) -> str:
+    """The k most frequent keys of `counts` as 'key (n)', most frequent first."""
+    return ", ".join(f"{key} ({n})" for key, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:k])
+
+
 def _hop_row(h: dict) -> list:
     calls = h.get("hits", 0) + h.get("misses", 0)
-    shapes = sorted((h.get("shapes") or {}).items(), key=lambda kv: -kv[1])
+    shapes = h.get("shapes") or {}
     return [calls, h.get("hits", 0) / calls if calls else None, h.get("misses"), h.get("capture_failed"),
-            len(h.get("replays") or {}), len(shapes), ", ".join(f"{k} ({v})" for k, v in shapes[:4])]
+            len(h.get("replays") or {}), len(shapes), _top(shapes, 4)]
 
 
 def _p50_p95(d) -> str:
