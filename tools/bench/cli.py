@@ -54,6 +54,12 @@ def add_arguments(p) -> None:
     g.add_argument("--max-s", type=float, default=40.0, help="longest request, audio seconds")
     g.add_argument("--sample-stacks", action="store_true",
                    help="sample the scheduler threads' Python stacks during each cell (where the time goes)")
+    g.add_argument("--kernel-profile-s", type=float, default=0.0, metavar="S",
+                   help="CUDA only: a torch.profiler window of S seconds from the middle of each cell's arrivals, "
+                        "summarised per launching worker, stream and kernel (tools/bench/kernel_profile.py); the "
+                        "profiler's host cost makes that cell's latencies pessimistic")
+    g.add_argument("--kernel-trace", action="store_true",
+                   help="with --kernel-profile-s: also keep each window's Chrome trace, gzipped, in the output folder")
     g.add_argument("--ab", default="", help="comma list of SchedulerConfig boolean fields: each rate runs with the "
                                             "field off and on (unknown names are skipped with a message)")
     g = p.add_argument_group("agent suite (voice-agent websocket sessions, Poisson arrivals)")

@@ -20,6 +20,7 @@ during the cell, peak GPU memory. Scheduler stats are read defensively: a key th
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 
@@ -242,8 +243,13 @@ def drive(tts, arrivals: list[Arrival], duration_s: float, drain_s: float, speak
 
 
 def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, label: str = "",
-                       sample_stacks: bool = False) -> dict:
+                       sample_stacks: bool = False, kernel_profile_s: float = 0.0,
+                       trace_path: str | None = None) -> dict:
+    """One cell: `spec`'s arrivals driven through `tts`, then its playback summary and the scheduler's stats over
+    it; `kernel_profile_s` > 0 (CUDA): a profiler window of that length from the middle of the arrivals
+    (`kernel_profile.py`; the Chrome trace kept at `trace_path`, gzipped, when given)."""
     from ...runtime.stages.compiled import compiled_graph_count
+    from .kernel_profile import KernelProfile
     from .stacks import timed_sampler
 
     arrivals = generate(spec)
@@ -254,7 +260,8 @@ def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, la
         torch.cuda.reset_peak_memory_stats()
     alloc = allocator_events()
     before = scheduler_stats(tts)
-    with timed_sampler(sample_stacks) as sampler, GilProbe() as gil, GpuUtilProbe(cuda) as gpu:
+    kprof = KernelProfile(cuda and kernel_profile_s > 0, spec.duration_s / 2, kernel_profile_s, trace_path)
+    with timed_sampler(sample_stacks) as sampler, GilProbe() as gil, GpuUtilProbe(cuda) as gpu, kprof:
         records, end = drive(tts, arrivals, spec.duration_s, drain_s, speaker)
     if cuda:
         torch.cuda.synchronize()  # every stage span of the cell has completed
@@ -274,11 +281,29 @@ def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, la
                              for r in records]}
     if sampler is not None:
         cell["stacks"] = sampler.summary()
+    if kprof.summary() is not None:
+        cell["kernel_profile"] = kprof.summary()
     _settle(tts)
     errs = [r.error for r in records if r.status == FAILED and r.error]
     if errs:
         cell["first_error"] = errs[0]
     return cell
+
+
+def _kernel_line(kp: dict) -> str:
+    """One log line of a cell's kernel profile: the device's busy share, overlap, each launching thread's share."""
+    if "error" in kp:
+        return "failed: " + kp["error"]
+    if not kp.get("kernels"):
+        return "no kernels recorded"
+    return (f"{kp['window_s']:.2f} s, {kp['kernels']} kernels; device busy {100 * kp['device_busy']:.0f} %, "
+            f"concurrency {kp['concurrency']}; " + ", ".join(f"{who} {100 * r['busy']:.0f} %"
+                                                            for who, r in kp["threads"].items()))
+
+
+def _slug(label: str) -> str:
+    """A setting's label as a file-name part (letters, digits, '-', '_', '.')."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in label) or "default"
 
 
 ALLOC_EVENTS = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free", "num_sync_all_streams")
@@ -379,8 +404,11 @@ def _rate_sweep(bench, out, tts, label, spec, rates, drain_s, speaker) -> None:
             log(f"open loop {label}: skip rate {rate:g} (time budget)")
             break
         try:
+            kp_s = float(getattr(bench.args, "kernel_profile_s", 0.0) or 0.0)
+            trace = (os.path.join(bench.args.out, f"trace_{_slug(label)}_{rate:g}.json.gz")
+                     if kp_s > 0 and getattr(bench.args, "kernel_trace", False) else None)
             cell = run_open_loop_cell(tts, spec.at_rate(rate), drain_s, speaker, label,
-                                      getattr(bench.args, "sample_stacks", False))
+                                      getattr(bench.args, "sample_stacks", False), kp_s, trace)
         except Exception as e:  # noqa: BLE001 - the sweep goes on with the next setting
             import traceback
 
@@ -406,6 +434,9 @@ def _rate_sweep(bench, out, tts, label, spec, rates, drain_s, speaker) -> None:
             + (f"; AR {cell['ar_steps']['rows_per_step']:.2f} rows/step, {100 * cell['ar_steps']['sampled_share']:.0f} "
                "% sampled in graph" if (cell.get("ar_steps") or {}).get("sampled_share") is not None else "")
             + (f"; WARNING: {cell['compiles']} graph(s) compiled during the cell" if cell["compiles"] else ""))
+        kp = cell.get("kernel_profile")
+        if kp:
+            log(f"open loop {label} {rate:g} req/s: kernel profile " + _kernel_line(kp))
         if why:
             log(f"open loop {label}: saturated at {rate:g} req/s ({why}): higher rates skipped")
             break

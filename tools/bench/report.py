@@ -338,6 +338,14 @@ def open_loop_tables(res: dict) -> str:
         parts.append("**Open loop: eager fallbacks by call shape** (stage/mode rows,length: calls that no bucket "
                      "covered within the padding-waste limit — the shapes a profile for this traffic should add)\n\n"
                      + _md(["setting", "req/s", "eager calls", "distinct shapes", "most frequent"], fb_rows))
+    kp_rows = [[c.get("setting"), c.get("rate")] + _kernel_row(c["kernel_profile"])
+               for c in cells if "error" not in c and (c.get("kernel_profile") or {}).get("kernels")]
+    if kp_rows:
+        parts.append("**Open loop: GPU kernels in a profiled window** (torch.profiler / CUPTI, from the middle of the "
+                     "arrivals: the share of the window with any kernel running, summed kernel time over that, each "
+                     "launching thread's kernel-busy share and its heaviest kernels, the heaviest kernels overall)"
+                     "\n\n" + _md(["setting", "req/s", "window s", "kernels", "device busy", "concurrency",
+                                    "per thread: busy", "top kernels (ms)"], kp_rows))
     setups = [s for s in ol.get("settings") or [] if s.get("scheduler_setup_s") is not None]
     if setups:
         names = sorted({k for s in setups for k in (s.get("scheduler_setup_parts_s") or {})})
@@ -356,6 +364,13 @@ def open_loop_tables(res: dict) -> str:
 
 def _num(v) -> str:
     return "-" if v is None else f"{v:.1f}"
+
+
+def _kernel_row(kp: dict) -> list:
+    threads = "; ".join(f"{who} {100 * r['busy']:.0f} % ({r['top'][0][:40] if r['top'] else '-'})"
+                        for who, r in kp["threads"].items())
+    top = ", ".join(f"{k['name'][:40]} ({k['ms']:.0f})" for k in kp["top_kernels"][:4])
+    return [kp["window_s"], kp["kernels"], f"{100 * kp['device_busy']:.0f} %", kp["concurrency"], threads, top]
 
 
 def _top(counts: dict, k: int) -> str:
