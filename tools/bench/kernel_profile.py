@@ -14,8 +14,9 @@ after another. This window measures, from CUPTI's own kernel records:
   * the top kernels overall (name, count, total ms, mean µs).
 
 The profiler starts `start_s` after the cell starts (default: the middle of the arrival window) for `window_s`
-seconds, from a helper thread, so the workers run as they would; its callbacks cost host time while it runs, so a
-profiled cell's latency figures are flagged (`kernel_profile.window_s`). Nothing happens without CUDA. The parsing
+seconds, from a helper thread, so the workers run as they would; CUPTI's kernel records cost some GPU time while it
+runs, so a profiled cell's latency figures are marked by its `kernel_profile` entry. The trace is exported and read
+after the cell (reading it holds the interpreter lock for seconds). Nothing happens without CUDA. The parsing
 works on the Chrome trace that `torch.profiler` exports (the documented format: `traceEvents`, kernels with
 `cat` "kernel", launches with `cat` "cuda_runtime" / "cuda_driver", both with `args.correlation`)."""
 from __future__ import annotations
@@ -117,15 +118,19 @@ class KernelProfile:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._summary: dict | None = None
+        self._prof = None      # the stopped profiler, digested in __exit__
+        self._names: dict[int, str] = {}
+        self._wall = 0.0
         self.error: str | None = None
 
     def _run(self) -> None:
+        """The window, in the helper thread (the profiler is stopped by the thread that started it)."""
         if self._stop.wait(self.start_s):
             return
         try:
             from torch.profiler import ProfilerActivity, profile
 
-            names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+            self._names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             prof.__enter__()
             t0 = time.perf_counter()
@@ -133,21 +138,29 @@ class KernelProfile:
                 self._stop.wait(self.window_s)
             finally:
                 prof.__exit__(None, None, None)
-            wall = time.perf_counter() - t0
-            tmp = tempfile.mkdtemp(prefix="cosytrt-kprof-")
-            try:
-                path = os.path.join(tmp, "trace.json")
-                prof.export_chrome_trace(path)
-                with open(path) as f:
-                    trace = json.load(f)
-                if self.trace_path:
-                    with open(path, "rb") as src, gzip.open(self.trace_path, "wb") as dst:
-                        shutil.copyfileobj(src, dst)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            self._summary = summarize_trace(trace, names, wall)
+            self._wall = time.perf_counter() - t0
+            self._prof = prof
         except Exception as e:  # noqa: BLE001 - a profiler failure must not fail the cell
             self.error = f"{type(e).__name__}: {e}"
+
+    def _digest(self) -> None:
+        """Export and summarise the window's trace: after the cell (`__exit__`), since writing and reading a trace
+        of ~10^5 kernels holds the interpreter lock for seconds that the workers would lose mid-cell."""
+        prof, self._prof = self._prof, None
+        tmp = tempfile.mkdtemp(prefix="cosytrt-kprof-")
+        try:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+            if self.trace_path:
+                with open(path, "rb") as src, gzip.open(self.trace_path, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            self._summary = summarize_trace(trace, self._names, self._wall)
+        except Exception as e:  # noqa: BLE001
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def __enter__(self) -> "KernelProfile":
         if self.enabled:
@@ -160,6 +173,8 @@ class KernelProfile:
             self._stop.set()
             self._thread.join(timeout=120)
             self._thread = None
+        if self._prof is not None:
+            self._digest()
 
     def summary(self) -> dict | None:
         if self.error:
