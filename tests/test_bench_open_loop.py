@@ -166,7 +166,13 @@ def test_ab_settings_accept_boolean_fields_and_skip_the_rest():
     # explicit settings
     one, skipped = ab_settings(base, ["async_d2h=0+continuous_batching=1", "async_d2h=2"])
     assert one == [("async_d2h=0+continuous_batching=1", {"async_d2h": False, "continuous_batching": True})]
-    assert len(skipped) == 1
+    assert len(skipped) == 1 and "async_d2h='2' is not a valid bool" in skipped[0]
+    # numeric fields in explicit settings (config_overrides, as `serve --scheduler`): typed, range-checked
+    num, skipped = ab_settings(base, ["dit_max_requests=16+hift_max_wait_ms=0", "dit_max_requests=0",
+                                      "dit_max_requests=many", "ar_graph_batches=1"])
+    assert num == [("dit_max_requests=16+hift_max_wait_ms=0", {"dit_max_requests": 16, "hift_max_wait_ms": 0.0})]
+    assert len(skipped) == 3 and "dit_max_requests" in skipped[0] and "not a valid int" in skipped[1]
+    assert "not a boolean or numeric SchedulerConfig field" in skipped[2]
 
 
 def test_stats_delta_reads_what_is_there():

@@ -106,3 +106,35 @@ class SchedulerConfig:
             raise InputError(f"SchedulerConfig.flow_cache_budget_bytes must be None or an int >= 0, got {b!r}")
         if self.max_padding_waste < 1:
             raise InputError(f"SchedulerConfig.max_padding_waste must be >= 1, got {self.max_padding_waste!r}")
+
+
+def config_overrides(items, what: str = "scheduler setting", reserved: dict | None = None) -> dict:
+    """SchedulerConfig overrides from `NAME=VALUE` strings (or a dict): each name a boolean, int or float field, each
+    value of its type (booleans as 0 / 1 / true / false); the whole config is then checked by SchedulerConfig itself.
+    `reserved`: names refused with the reason given (e.g. the server's admission limits, which have flags of their
+    own). InputError naming `what` and the item. What `trtbuild serve --scheduler` and `trtbuild bench --ab` take."""
+    import dataclasses
+
+    reserved = reserved or {}
+    pairs = list(items.items()) if isinstance(items, dict) else [str(i).partition("=")[::2] for i in items or ()]
+    kinds = {f.name: str(f.type).replace(" ", "") for f in dataclasses.fields(SchedulerConfig)}
+    out: dict = {}
+    for name, value in pairs:
+        name = str(name).strip()
+        if name in reserved:
+            raise InputError(f"{what}: {name} {reserved[name]}")
+        kind = next((k for k in ("bool", "int", "float") if k in kinds.get(name, "").split("|")), None)
+        if kind is None:
+            raise InputError(f"{what}: {name!r} is not a boolean or numeric SchedulerConfig field")
+        text = str(value).strip().lower()
+        try:
+            if kind == "bool":
+                if text not in ("0", "1", "true", "false"):
+                    raise ValueError
+                out[name] = text in ("1", "true")
+            else:
+                out[name] = int(text) if kind == "int" else float(text)
+        except ValueError:
+            raise InputError(f"{what}: {name}={value!r} is not a valid {kind}") from None
+    SchedulerConfig(**out)  # its own checks (ranges, combinations)
+    return out

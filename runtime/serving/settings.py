@@ -134,35 +134,12 @@ _OWN_FLAGS = {"max_in_flight": "--max-in-flight", "max_waiting": "--max-queue", 
 
 
 def scheduler_overrides(items) -> dict:
-    """SchedulerConfig overrides from `NAME=VALUE` strings (or a dict): each name a boolean, int or float field of
-    SchedulerConfig (not one of the admission limits with flags of their own), each value of its type (booleans as
-    0 / 1 / true / false); the whole config is then checked by SchedulerConfig itself. InputError naming the item."""
-    import dataclasses
+    """`trtbuild serve --scheduler NAME=VALUE` (or a dict): `scheduling.config.config_overrides`, the admission
+    limits excepted (they have flags of their own)."""
+    from ..scheduling.config import config_overrides
 
-    from ..scheduling.config import SchedulerConfig
-
-    pairs = list(items.items()) if isinstance(items, dict) else [str(i).partition("=")[::2] for i in items or ()]
-    kinds = {f.name: str(f.type).replace(" ", "") for f in dataclasses.fields(SchedulerConfig)}
-    out: dict = {}
-    for name, value in pairs:
-        name = str(name).strip()
-        if name in _OWN_FLAGS:
-            raise InputError(f"server setting scheduler: {name} has its own flag, {_OWN_FLAGS[name]}")
-        kind = next((k for k in ("bool", "int", "float") if k in kinds.get(name, "").split("|")), None)
-        if kind is None:
-            raise InputError(f"server setting scheduler: {name!r} is not a boolean or numeric SchedulerConfig field")
-        text = str(value).strip().lower()
-        try:
-            if kind == "bool":
-                if text not in ("0", "1", "true", "false"):
-                    raise ValueError
-                out[name] = text in ("1", "true")
-            else:
-                out[name] = int(text) if kind == "int" else float(text)
-        except ValueError:
-            raise InputError(f"server setting scheduler: {name}={value!r} is not a valid {kind}") from None
-    SchedulerConfig(**out)  # its own checks (ranges, combinations)
-    return out
+    return config_overrides(items, "server setting scheduler",
+                            {name: f"has its own flag, {flag}" for name, flag in _OWN_FLAGS.items()})
 
 
 def missing_serve_packages() -> list[str]:

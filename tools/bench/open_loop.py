@@ -45,20 +45,24 @@ def _switch(base, name: str) -> bool:
 
 def ab_settings(base, flags: list[str]) -> tuple[list[tuple[str, dict]], list[str]]:
     """[(label, SchedulerConfig overrides)] for the A/B over `flags` (each off, then on; settings with the same
-    overrides merged), and the messages of the flags skipped. A flag `a+b` switches several fields together (off:
-    all False, on: all True); a flag `a=0+b=1` is one setting with exactly those values. No usable flag: one setting,
-    "default"."""
+    overrides merged), and the messages of the flags skipped. A flag `a+b` switches boolean fields together (off:
+    all False, on: all True); a flag `a=0+n=4` is one setting with exactly those values: boolean or numeric fields
+    (`scheduling.config.config_overrides`, e.g. `dit_max_requests=16`, `hift_max_wait_ms=0`). No usable flag: one
+    setting, "default"."""
+    from ...runtime.scheduling.config import config_overrides
+
     fields = {f.name: f for f in dataclasses.fields(base)}
     settings: list[tuple[str, dict]] = []
     skipped = []
     for flag in flags:
         if "=" in flag:  # one setting with explicit values
-            pairs = [p.split("=", 1) for p in flag.split("+")]
-            bad = [n for n, _ in pairs if n not in fields or not _switch(base, n)]
-            if bad or any(v not in ("0", "1") for _, v in pairs):
-                skipped.append(f"--ab {flag}: needs boolean SchedulerConfig fields set to 0 or 1, skipped")
+            try:
+                overrides = config_overrides(flag.split("+"), f"--ab {flag}")
+                dataclasses.replace(base, **overrides)  # valid together with the bench's own settings
+            except Exception as e:  # noqa: BLE001 - InputError naming the item, or the combined config's check
+                skipped.append(f"{e}; skipped")
                 continue
-            settings.append((flag, {n: v == "1" for n, v in pairs}))
+            settings.append((flag, overrides))
             continue
         names = flag.split("+")
         bad = [n for n in names if n not in fields or not _switch(base, n)]
