@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The next session's first device call (BENCHMARKS.md, runs 42-46, "Next GPU session" 1): the compiled variant under
-# open-loop traffic at 1 / 4 / 8 req/s with and without the sampling inside the AR decode graphs, each cell with the
-# allocator counters and a 1 s kernel profile (where the GPU's time goes, per worker); then the full-size LM's decode
-# step alone against its bandwidth floor (`ar_gpu_step --kernels`) in the time left.
+# open-loop traffic at 1 / 4 / 8 req/s: today's defaults, the first-audio hold (ar_first_audio_hold_ms=30) and the
+# sampling inside the AR decode graphs, in that order (the bench skips what its budget does not reach), each cell
+# with the allocator counters and a 1 s kernel profile (where the GPU's time goes, per worker); then the full-size
+# LM's decode step alone against its bandwidth floor (`ar_gpu_step --kernels`) in the time left.
 #   usage (repo root on the device): TOTAL_S=570 bash benchmarks/session17_call.sh
 #   carry: dist .whl compile_cache benchmarks/COMMIT
 set -u
@@ -11,7 +12,7 @@ total=${TOTAL_S:-570}
 open_loop=${OPEN_LOOP_S:-450}
 BENCH_TIMEOUT_S=$open_loop bash benchmarks/device_run.sh --suite open_loop --variants compiled --rates 1,4,8 \
   --duration-s 12 --drain-s 6 --budget-s $(( open_loop - 40 )) --kernel-profile-s 1 \
-  --ab "ar_graph_sampling=0,ar_graph_sampling=1"
+  --ab "ar_graph_sampling=0,ar_first_audio_hold_ms=30,ar_graph_sampling=1"
 rc=$?
 left=$(( total - ($(date +%s) - start) ))
 if [ "$left" -gt 45 ]; then

@@ -128,3 +128,34 @@ def test_ar_step_bench_table_runs():
 
     (row,) = table(batches=(2,), steps=2, repeats=1)
     assert row["batch"] == 2 and row["fixed_us"] > 0 and row["tiny_us"] > 0 and row["fixed_ops"] > 10
+
+
+def test_first_audio_hold_conditions():
+    """`ARWorker._hold_for_first_audio`: holds (True, after a short wait) only while a running stream whose first DiT
+    job was made waits for its first audio, within the hold's time after that job, no stream still needs tokens for
+    its first hop and no request waits for admission; never with the setting off."""
+    import time
+
+    def worker(hold_ms, rows):
+        w = ARWorker(SlotRunner(4), SchedulerConfig(ar_first_audio_hold_ms=hold_ms), Sink(), lambda r, e: None,
+                     StageClock(False), "cpu")
+        w.running = rows
+        return w
+
+    now = time.perf_counter()
+
+    def row(stream=True, dit_jobs=1, ttfa=None, first_job_t=now, dead=False):
+        return SimpleNamespace(stream=object() if stream else None, dit_jobs=dit_jobs, first_job_t=first_job_t,
+                               metrics=SimpleNamespace(ttfa=ttfa), dead=dead)
+
+    waiting = row()
+    assert not worker(0, [waiting])._hold_for_first_audio()                  # off
+    w = worker(500, [waiting, row(stream=False, dit_jobs=0)])                 # an offline row does not matter
+    assert w._hold_for_first_audio() and w.counters.first_audio_holds == 1 and w.counters.first_audio_hold_s > 0
+    assert not worker(500, [waiting, row(dit_jobs=0)])._hold_for_first_audio()  # a stream short of its first hop
+    assert not worker(500, [row(ttfa=0.1)])._hold_for_first_audio()         # first audio already out
+    assert not worker(500, [row(first_job_t=now - 1.0)])._hold_for_first_audio()  # the hold's time is over
+    assert not worker(500, [row(dead=True)])._hold_for_first_audio()         # a cancelled request
+    w = worker(500, [waiting])
+    w.waiting.append(object())                                                # admission goes first
+    assert not w._hold_for_first_audio()

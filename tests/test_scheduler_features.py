@@ -406,3 +406,34 @@ def test_ar_graph_sampling_keeps_the_tokens(tts, speaker):
     assert sched.runner.graph_sampler is None
     assert tok_on == tok_off and len({len(t) for t in tok_on}) > 1   # free-running: lengths differ
     assert_same_audio(on, off)
+
+
+def test_first_audio_hold_keeps_the_audio_and_holds(tts, speaker):
+    """`ar_first_audio_hold_ms`: the AR worker holds decode steps while a stream waits for its first audio (after its
+    first DiT job was made): the same tokens and audio as without the hold, and the holds are counted. Staggered
+    streams of different lengths (a later one's first hop comes while earlier ones decode on)."""
+    def reqs():
+        return [make_request("Hold on for the first audio.", speaker=speaker, seed=i, stream=True,
+                             force_tokens=60 + 30 * i) for i in range(3)]
+
+    def run(cfg):
+        sched = Scheduler(tts.pipeline, cfg)
+        try:
+            handles = []
+            for r in reqs():
+                handles.append(sched.submit(r))
+                time.sleep(0.05)
+            wavs = [h.result(timeout=120) for h in handles]
+            return wavs, [h.tokens for h in handles], sched.stats()
+        finally:
+            sched.close()
+
+    base = SchedulerConfig()
+    off_wavs, off_tokens, off_stats = run(base)
+    on_wavs, on_tokens, on_stats = run(replace(base, ar_first_audio_hold_ms=200.0))
+    assert on_tokens == off_tokens
+    assert_same_audio(on_wavs, off_wavs)
+    assert off_stats["ar"]["first_audio_holds"] == 0
+    assert on_stats["ar"]["first_audio_holds"] > 0 and on_stats["ar"]["first_audio_hold_s"] > 0
+    with pytest.raises(Exception, match="ar_first_audio_hold_ms"):
+        SchedulerConfig(ar_first_audio_hold_ms=-1)

@@ -19,6 +19,8 @@ from ..models.sampling import PackedRows, pack_rows, sample_batch, select_packed
 from ..stages.ar_runner import ARRunner, PrefillRow
 from .config import SchedulerConfig
 from .policies import admit
+
+HOLD_POLL_S = 0.001  # a first-audio hold re-checks its requests this often (ar_first_audio_hold_ms)
 from .stage_clock import StageClock
 from .state import RequestState
 from .stats import ARCounters
@@ -92,12 +94,40 @@ class ARWorker:
                     if self.stopped:
                         raise Stopped
                     admitted = self._admit()
-                with self.clock.span("ar"):
-                    if admitted:
+                if admitted:
+                    with self.clock.span("ar"):
                         self._prefill(admitted)
-                    if self.running:
-                        self._decode()
+                    self.sink.flush()
+                if not self.running or self._hold_for_first_audio():
+                    continue  # (after a hold: admission first again)
+                with self.clock.span("ar"):
+                    self._decode()
                 self.sink.flush()
+
+    def _hold_for_first_audio(self) -> bool:
+        """`ar_first_audio_hold_ms`: wait a little (True) instead of decoding while a stream this worker decodes
+        waits for its first audio after its first DiT job was made — unless a running stream still needs tokens
+        for its first hop, a request waits for admission, or the hold's time after that first job is over."""
+        hold = self.config.ar_first_audio_hold_ms
+        if hold <= 0 or self.waiting:
+            return False
+        deadline = None
+        for r in self.running:
+            if r.stream is None or r.dead:
+                continue
+            if r.dit_jobs == 0:
+                return False  # its first audio needs more tokens: decode
+            if r.metrics.ttfa is None and r.first_job_t is not None:
+                end = r.first_job_t + hold / 1e3
+                deadline = end if deadline is None else min(deadline, end)
+        t0 = time.perf_counter()
+        if deadline is None or t0 >= deadline:
+            return False
+        with self.cond:
+            if not self.waiting and not self.stopped:
+                self.cond.wait(min(deadline - t0, HOLD_POLL_S))
+        self.counters.hold(time.perf_counter() - t0)
+        return True
 
     def _admit(self) -> list[RequestState]:
         """Free the slots of dead running rows; give waiting requests a slot (see `policies.admit`)."""

@@ -60,9 +60,18 @@ class SchedulerConfig:
     # their Python on the AR thread. Exact (the same ids: tests/test_sampling_exact.py, test_ar_graphs.py, on an H100
     # too, BENCHMARKS.md run 40); batches it does not fit (another top_k, a wider RAS window) sample as before. An AR
     # runner made without it takes it on when a scheduler with it starts (TTS.reconfigure: a second decode graph set,
-    # no new runner). Off by default: its speed is not measured yet (on the CPU, without graphs, it costs 9-21 % more
-    # per step)
+    # no new runner). Off by default: slower under open-loop load on an H100 (runs 42-43: compiled 1 req/s TTFA p50
+    # 0.132 vs 0.096 s, 8 req/s 38 vs 62 audio s/s; the DiT and vocoder slowed, not yet explained) though the AR
+    # thread's host time per step halves; on the CPU, without graphs, it costs 9-21 % more per step
     ar_graph_sampling: bool = False
+    # > 0: while every streaming request the AR decodes has had its first DiT job queued and one of them is still
+    # waiting for its first audio, the AR worker holds its next decode step (at most this many ms after that first
+    # job was queued), so the first hop's DiT steps and vocoder window get the GPU to themselves; a stream still
+    # short of its first hop's tokens, or a request waiting for admission, ends the hold. Ordering only (the tokens
+    # and audio are the same); stats()["ar"]["first_audio_holds"] / ["first_audio_hold_s"]. Off (0) by default:
+    # not yet run on the GPU (the question it asks: at 1 req/s the first DiT job took 33 ms, run 43, against ~18 ms
+    # of DiT steps alone, run 5 — is the difference the AR's kernels beside it?)
+    ar_first_audio_hold_ms: float = 0.0
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
     ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)
@@ -95,7 +104,7 @@ class SchedulerConfig:
             raise InputError(f"SchedulerConfig.max_waiting must be None or an int >= 0, got {w!r}")
         if self.ar_max_len is not None and (not isinstance(self.ar_max_len, int) or self.ar_max_len < 1):
             raise InputError(f"SchedulerConfig.ar_max_len must be a positive int or None, got {self.ar_max_len!r}")
-        for name in ("submit_timeout_s", "dit_max_wait_ms", "hift_max_wait_ms"):
+        for name in ("submit_timeout_s", "dit_max_wait_ms", "hift_max_wait_ms", "ar_first_audio_hold_ms"):
             if getattr(self, name) < 0:
                 raise InputError(f"SchedulerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if not any(self.flow_prefix_cache is v for v in (None, True, False)):

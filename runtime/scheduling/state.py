@@ -40,6 +40,7 @@ class RequestState:
         self.slot: int | None = None              # KV slot while the AR runs it
         self.pos = 0                              # next KV position
         self.dit_jobs = 0                         # DiT jobs made so far
+        self.first_job_t: float | None = None     # when its first DiT job was made (perf_counter)
 
     @property
     def dead(self) -> bool:
@@ -81,6 +82,8 @@ def hop_job(r: RequestState) -> DitJob:
 
 def _first(r: RequestState) -> bool:
     first = r.dit_jobs == 0
+    if first:
+        r.first_job_t = time.perf_counter()
     r.dit_jobs += 1
     return first
 

@@ -15,10 +15,16 @@ class ARCounters:
     decode_rows: int = 0
     max_decode_batch: int = 0
     batched_decode_steps: int = 0
+    first_audio_holds: int = 0        # decode steps held for a stream's first audio (ar_first_audio_hold_ms)
+    first_audio_hold_s: float = 0.0
 
     def prefill(self, rows: int) -> None:
         self.prefill_calls += 1
         self.prefill_rows += rows
+
+    def hold(self, seconds: float) -> None:
+        self.first_audio_holds += 1
+        self.first_audio_hold_s += seconds
 
     def decode(self, rows: int) -> None:
         self.decode_steps += 1
