@@ -303,6 +303,8 @@ def test_flow_prefix_cache_in_scheduler(tts, speakers):
         sched.close()
     assert_streams_match(outs, refs)
     assert len(outs[0]) >= 3 and st["frames_reused"] > 0 and st["cache_fallbacks"] == 0
+    # each stream's prefix was given back once its final was next with no hop in flight (before the final ran)
+    assert st["prefixes_freed_early"] == 2
     fc = st["flow_cache"]
     assert fc["prompt_hits"] == 1 and fc["prompt_entries"] == 1 and 0 < fc["bytes_used"] < fc["peak_bytes"]
     whole = 0
@@ -440,3 +442,42 @@ def test_cache_pressure_cancels_and_voices_soak(tts, speakers):
                          [r for i, r in enumerate(refs) if i not in cancel])
     assert st["cache_fallbacks"] > 0 and st["frames_reused"] > 0 and "cached/step" in st["kinds"], st
     assert st["flow_cache"]["hop_graphs"]["misses"] == 0
+
+
+def test_prefix_of_a_queued_final_is_freed_before_it_runs():
+    """`_free_prefixes_of_finals` (the DiT thread, before it picks the next call): a stream whose oldest queued job
+    is its final and that has no hop in flight gives its flow prefix back at once; a stream with a hop still queued
+    before its final, or one mid-solve, keeps it; offline requests and closed caches are left alone."""
+    from types import SimpleNamespace
+
+    from cosytrt.runtime.scheduling.stats import DitCounters
+    from cosytrt.runtime.scheduling.token2wav_worker import Token2WavWorker
+
+    class Cache:
+        def __init__(self):
+            self.closed = False
+            self.closes = 0
+
+        def close(self):
+            self.closed = True
+            self.closes += 1
+
+    def req(stream=True):
+        return SimpleNamespace(stream=SimpleNamespace(flow_cache=Cache()) if stream else None)
+
+    def job(r, final):
+        return SimpleNamespace(r=r, finalize=final)
+
+    waiting_final, hop_first, mid_solve, offline = req(), req(), req(), req(stream=False)
+    w = Token2WavWorker.__new__(Token2WavWorker)
+    w.dit_counters = DitCounters()
+    busy = job(mid_solve, False)
+    w.active = {id(busy): (busy, object())}
+    w.dit = [job(waiting_final, True), job(hop_first, False), job(hop_first, True), job(mid_solve, True),
+             job(offline, True)]
+    w._free_prefixes_of_finals()
+    assert waiting_final.stream.flow_cache.closes == 1
+    assert not hop_first.stream.flow_cache.closed and not mid_solve.stream.flow_cache.closed
+    assert w.dit_counters.prefixes_freed_early == 1
+    w._free_prefixes_of_finals()  # already closed: not again
+    assert waiting_final.stream.flow_cache.closes == 1 and w.dit_counters.prefixes_freed_early == 1

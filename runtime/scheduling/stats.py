@@ -53,6 +53,9 @@ class DitCounters(BatchCounters):
     scheduling, where a call is one Euler step) its calls and rows."""
     frames_uncached: int = 0
     kinds: dict = field(default_factory=dict)
+    # streams whose flow prefix was freed as soon as their final was the next job queued with no hop of theirs in
+    # flight (the final is a full-attention pass that does not read it), instead of when the final started
+    prefixes_freed_early: int = 0
 
     def call(self, kind: str, rows: int, n: int = 1, steps: bool = False) -> None:
         k = kind + ("/step" if steps else "")

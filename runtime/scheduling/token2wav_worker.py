@@ -35,7 +35,7 @@ from .config import SchedulerConfig
 from ..stages.flow_steps import FlowStepper
 from .policies import hift_offline_groups, pick_dit_group, pick_dit_step, pick_hift_jobs
 from .stage_clock import StageClock
-from .state import DitJob, HiftJob, RequestState, final_job, hop_job, run_rows
+from .state import DitJob, HiftJob, RequestState, final_job, first_per_request, hop_job, run_rows
 from .stats import BatchCounters, DitCounters
 
 
@@ -176,6 +176,7 @@ class Token2WavWorker:
                 self.dit = [j for j in self.dit if not j.r.dead]
                 for key in [k for k, (j, _) in self.active.items() if j.r.dead]:
                     self._drop_active(key)
+                self._free_prefixes_of_finals()
                 now = time.perf_counter()
                 if self.config.dit_step_level:
                     group, wait = pick_dit_step(self.dit, [j for j, _ in self.active.values()], self.config, now,
@@ -191,6 +192,18 @@ class Token2WavWorker:
                     self.dit_busy = True
                     return how, group
                 self.dit_cond.wait(wait)
+
+    def _free_prefixes_of_finals(self) -> None:
+        """(DiT thread, under dit_cond.) A stream whose next queued job is its final and that has no hop in flight
+        will not read its flow prefix again (the final is a full-attention pass over everything): give its pages
+        back now, not when the final starts — finals can wait behind other streams' hops at load, and a full pool
+        sends new hops to whole-history recomputation (run 44: 67 such hops at 12 req/s). The same audio."""
+        busy = {id(j.r) for j, _ in self.active.values()}
+        for j in first_per_request(self.dit):
+            cache = None if j.r.stream is None else j.r.stream.flow_cache
+            if j.finalize and cache is not None and not cache.closed and id(j.r) not in busy:
+                cache.close()
+                self.dit_counters.prefixes_freed_early += 1
 
     def _flow_input(self, j: DitJob, cache=None) -> FlowInput:
         """The job's FlowInput with what the host knows (ids checked here, host ids, prompt digest): its DiT calls
