@@ -218,16 +218,22 @@ def test_runtime_counters_from_tts_metrics(tmp_path):
     assert m["cosytrt_runtime_requests_in_flight"] == 2 and m["cosytrt_queue_depth"] == 3
     assert m['cosytrt_runtime_queue_depth{queue="ar_waiting"}'] == 2
     assert m['cosytrt_dit_frames_total{kind="computed"}'] == 0 and m["cosytrt_flow_cache_fallbacks_total"] == 0
+    assert not any(k.startswith("cosytrt_flow_cache_bytes") for k in m)  # no pool in these stats
     fake.stats = {"bucket_hits": 7, "scheduler": {"eager_fallbacks": {"llm": 2}, "busy_s": {"ar": 1.5, "dit": 2.0},
                                                   "dit": {"frames_computed": 900, "frames_reused": 400,
-                                                          "cache_fallbacks": 3}}}
+                                                          "cache_fallbacks": 3,
+                                                          "flow_cache": {"bytes_used": 5e8, "budget_bytes": 4e9,
+                                                                         "peak_bytes": 3.9e9, "pages": 44}}}}
     with client:
         m = parse_metrics(client.get("/metrics").text)
     assert m["cosytrt_bucket_hits_total"] == 7 and m["cosytrt_bucket_pads_total"] == 0
     assert m['cosytrt_eager_fallbacks_total{stage="llm"}'] == 2
     assert m['cosytrt_dit_frames_total{kind="computed"}'] == 900 and m['cosytrt_dit_frames_total{kind="reused"}'] == 400
     assert m["cosytrt_flow_cache_fallbacks_total"] == 3
+    assert m['cosytrt_flow_cache_bytes{kind="used"}'] == 5e8 and m['cosytrt_flow_cache_bytes{kind="peak"}'] == 3.9e9
+    assert m['cosytrt_flow_cache_bytes{kind="budget"}'] == 4e9
     assert m['cosytrt_stage_busy_seconds_total{stage="dit"}'] == 2.0
+    assert not any(k.startswith("cosytrt_gpu_memory_bytes") for k in m)  # no CUDA in this process
 
 
 def test_internal_error_is_openai_shaped_500(tmp_path):
@@ -371,3 +377,23 @@ def test_serve_builds_the_scheduler_config_with_the_overrides(monkeypatch):
     assert app_mod.serve(settings) == 0
     cfg = loaded[0]["scheduler"]
     assert (cfg.max_in_flight, cfg.ar_graph_sampling, cfg.dit_max_wait_ms) == (5, True, 2.0)
+
+
+def test_cuda_memory_gauges_when_cuda_is_initialised(monkeypatch):
+    """/metrics reads the CUDA allocator at scrape time only in a process that initialised CUDA: reserved /
+    allocated bytes, allocation retries and OOMs."""
+    import torch
+
+    from cosytrt.runtime.serving.metrics import ServerMetrics, cuda_memory
+
+    assert cuda_memory() is None or torch.cuda.is_initialized()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": 4, "num_ooms": 1})
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 7e10)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 4.4e10)
+    assert cuda_memory() == {"reserved": 7e10, "allocated": 4.4e10, "retries": 4.0, "ooms": 1.0}
+    text = ServerMetrics().render(in_flight=0, queued=0, ready=True, runtime_stats={})
+    m = parse_metrics(text)
+    assert m['cosytrt_gpu_memory_bytes{kind="reserved"}'] == 7e10 and m["cosytrt_cuda_ooms_total"] == 1
+    assert m["cosytrt_cuda_alloc_retries_total"] == 4

@@ -59,9 +59,28 @@ def runtime_view(stats: dict | None) -> dict:
         counters[key] = v
     dit = next((d for d in dicts if "frames_computed" in d), {})
     busy = next((d["busy_s"] for d in dicts if isinstance(d.get("busy_s"), dict)), {})
+    pool = dit.get("flow_cache") if isinstance(dit.get("flow_cache"), dict) else {}
     return {"in_flight": _number(sched.get("in_flight")), "queues": sched.get("queues", {}), "counters": counters,
             "dit_frames": {k: _number(dit.get(f"frames_{k}")) for k in ("computed", "reused")},
-            "cache_fallbacks": _number(dit.get("cache_fallbacks")), "busy_s": busy}
+            "cache_fallbacks": _number(dit.get("cache_fallbacks")), "busy_s": busy,
+            "flow_cache_bytes": {k: _number(pool[key]) for k, key in
+                                 (("used", "bytes_used"), ("budget", "budget_bytes"), ("peak", "peak_bytes"))
+                                 if key in pool}}
+
+
+def cuda_memory() -> dict | None:
+    """The CUDA caching allocator's view, read at scrape time: reserved / allocated bytes, allocation retries (each
+    frees every cached block and retries cudaMalloc) and out-of-memory errors since start. None when this process has
+    not initialised CUDA (a CPU server never does here)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    st = torch.cuda.memory_stats()
+    return {"reserved": float(torch.cuda.memory_reserved()), "allocated": float(torch.cuda.memory_allocated()),
+            "retries": float(st.get("num_alloc_retries", 0)), "ooms": float(st.get("num_ooms", 0))}
 
 
 def _number(v) -> float | None:
@@ -164,8 +183,24 @@ class ServerMetrics:
         for k, x in view["dit_frames"].items():
             lines.append(f"cosytrt_dit_frames_total{_labels(kind=k)} {x or 0.0!r}")
         head("cosytrt_flow_cache_fallbacks_total", "counter",
-             "Streaming hops that ran over the whole history because the prefix cache pool was full")
+             "Streaming hops the full prefix cache pool could not take new frames from (they reuse what is cached and "
+             "commit nothing new, so later hops recompute more)")
         lines.append(f"cosytrt_flow_cache_fallbacks_total {view['cache_fallbacks'] or 0.0!r}")
+        if view["flow_cache_bytes"]:
+            head("cosytrt_flow_cache_bytes", "gauge", "Flow prefix cache pool: bytes in use, its budget, the peak "
+                 "in use since start (about 1.8 MB per streamed mel frame at full size)")
+            for k, x in sorted(view["flow_cache_bytes"].items()):
+                if x is not None:
+                    lines.append(f"cosytrt_flow_cache_bytes{_labels(kind=k)} {x!r}")
+        mem = cuda_memory()
+        if mem is not None:
+            head("cosytrt_gpu_memory_bytes", "gauge", "GPU memory of this process's CUDA caching allocator")
+            lines.extend(f"cosytrt_gpu_memory_bytes{_labels(kind=k)} {mem[k]!r}" for k in ("reserved", "allocated"))
+            head("cosytrt_cuda_alloc_retries_total", "counter", "CUDA allocations retried after freeing every cached "
+                 "block (memory pressure: each retry synchronises the device)")
+            lines.append(f"cosytrt_cuda_alloc_retries_total {mem['retries']!r}")
+            head("cosytrt_cuda_ooms_total", "counter", "CUDA out-of-memory errors (the requests in that call failed)")
+            lines.append(f"cosytrt_cuda_ooms_total {mem['ooms']!r}")
         head("cosytrt_stage_busy_seconds_total", "counter", "Seconds each runtime stage spent running batches")
         for k, x in sorted(view["busy_s"].items()):
             if _number(x) is not None:
