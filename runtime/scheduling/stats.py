@@ -15,7 +15,8 @@ class ARCounters:
     decode_rows: int = 0
     max_decode_batch: int = 0
     batched_decode_steps: int = 0
-    first_audio_holds: int = 0        # decode steps held for a stream's first audio (ar_first_audio_hold_ms)
+    first_audio_holds: int = 0        # waits (<= 1 ms each) instead of a decode step, for a stream's first audio
+    #                                   (ar_first_audio_hold_ms); first_audio_hold_s: their seconds
     first_audio_hold_s: float = 0.0
 
     def prefill(self, rows: int) -> None:
