@@ -237,6 +237,8 @@ def test_allocator_events_and_their_report_cells(monkeypatch):
     assert _alloc(d) == "3 / 1" and _alloc(None) == "-"
     assert _ar_steps({"decode_steps": 4, "rows_per_step": 1.5, "sampled_share": 0.25}) == "1.50, 25 %"
     assert _ar_steps({"decode_steps": 4, "rows_per_step": 1.5, "sampled_share": None}) == "1.50, -"
+    assert _ar_steps({"decode_steps": 4, "rows_per_step": 1.5, "sampled_share": 0.0,
+                      "first_audio_hold_s": 0.25}) == "1.50, 0 %, held 0.25 s"
     assert _ar_steps(None) == "-"
     from cosytrt.tools.bench.report import _top
     assert _top({"a": 1, "b": 3, "c": 3}, 2) == "b (3), c (3)"

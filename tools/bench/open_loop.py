@@ -139,7 +139,8 @@ def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
         if calls:
             kinds[k] = {"calls": calls, "rows": rows, "rows_per_call": rows / calls}
     ar = {}  # the AR worker's decode steps: rows per step, and the share sampled inside the decode graphs
-    for k in ("decode_steps", "decode_rows", "prefill_calls", "decode_graph_replays", "sampled_graph_replays"):
+    for k in ("decode_steps", "decode_rows", "prefill_calls", "decode_graph_replays", "sampled_graph_replays",
+              "first_audio_hold_s"):
         a, b = _num(after, "ar", k), _num(before, "ar", k)
         ar[k] = None if a is None else a - (b or 0)
     if ar.get("decode_steps"):

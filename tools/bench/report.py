@@ -306,7 +306,7 @@ def open_loop_tables(res: dict) -> str:
                                    + [f"hits {sm}" for sm in sms]
                                    + ["eager fallbacks", "DiT frames computed", "DiT frames reused", "compiles",
                                       "peak GB", "GIL wait p50 / p95 ms", "GPU util mean / p50 %",
-                                      "AR rows/step, sampled in graph", "alloc retries / cudaFree"], res_rows))
+                                      "AR rows/step, sampled in graph (first-audio hold)", "alloc retries / cudaFree"], res_rows))
     from .playback import TTFA_PARTS
 
     ttfa_rows = [[c.get("setting"), c.get("rate")]
@@ -403,8 +403,9 @@ def _ar_steps(d) -> str:
     """AR decode steps of a cell: rows per step, and the share sampled inside the decode graphs ('-' before)."""
     if not d or not d.get("decode_steps"):
         return "-"
-    share = d.get("sampled_share")
-    return f"{d['rows_per_step']:.2f}, " + ("-" if share is None else f"{100 * share:.0f} %")
+    share, hold = d.get("sampled_share"), d.get("first_audio_hold_s")
+    return (f"{d['rows_per_step']:.2f}, " + ("-" if share is None else f"{100 * share:.0f} %")
+            + (f", held {hold:.2f} s" if hold else ""))
 
 
 def _alloc(d) -> str:
