@@ -19,11 +19,11 @@ from ..models.sampling import PackedRows, pack_rows, sample_batch, select_packed
 from ..stages.ar_runner import ARRunner, PrefillRow
 from .config import SchedulerConfig
 from .policies import admit
-
-HOLD_POLL_S = 0.001  # a first-audio hold re-checks its requests this often (ar_first_audio_hold_ms)
 from .stage_clock import StageClock
 from .state import RequestState
 from .stats import ARCounters
+
+HOLD_POLL_S = 0.001  # a first-audio hold re-checks its requests this often (ar_first_audio_hold_ms)
 
 
 class Stopped(Exception):

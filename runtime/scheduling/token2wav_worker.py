@@ -197,7 +197,8 @@ class Token2WavWorker:
         """(DiT thread, under dit_cond.) A stream whose next queued job is its final and that has no hop in flight
         will not read its flow prefix again (the final is a full-attention pass over everything): give its pages
         back now, not when the final starts — finals can wait behind other streams' hops at load, and a full pool
-        sends new hops to whole-history recomputation (run 44: 67 such hops at 12 req/s). The same audio."""
+        lets new hops commit nothing (their later hops recompute those frames; run 44: 67 such hops at 12 req/s).
+        The same audio."""
         busy = {id(j.r) for j, _ in self.active.values()}
         for j in first_per_request(self.dit):
             cache = None if j.r.stream is None else j.r.stream.flow_cache
