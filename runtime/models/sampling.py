@@ -29,6 +29,7 @@ as the reference: same ids for every seed / parameter mix / batch composition tr
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -39,6 +40,43 @@ from ...engines.errors import InputError
 
 MAX_SILENT_RUN = 5
 _SILENT = frozenset(SILENT_TOKENS)
+
+
+# ---------------------------------------------------------------- reading the sampled ids back
+
+_EVENT_SYNC = {"on": False}
+_HOST = threading.local()  # per thread: pinned buffers by dtype, one CUDA event
+
+
+def set_event_sync(on: bool) -> bool:
+    """Process-wide: read sampled ids back through `ids_to_host`'s event wait (True) or `.tolist()`; returns the
+    previous setting (a scheduler with `SchedulerConfig.ar_event_sync` sets it and restores it on close)."""
+    prev, _EVENT_SYNC["on"] = _EVENT_SYNC["on"], bool(on)
+    return prev
+
+
+def ids_to_host(ids: torch.Tensor) -> list:
+    """`ids.tolist()` — the AR's one host sync per step. With `set_event_sync(True)` on CUDA: a non-blocking copy into
+    a pinned buffer of this thread, an event recorded after it on the current stream and waited for, then the list
+    from host memory, instead of the synchronous copy into pageable memory that `.tolist()` makes (the AR thread
+    spends most of every step in that wait, and the question `ar_event_sync` asks is whether the DiT and HiFT threads'
+    launches wait with it: BENCHMARKS.md runs 42-43). The same values either way."""
+    if not _EVENT_SYNC["on"] or ids.device.type != "cuda":
+        return ids.tolist()
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    bufs = getattr(_HOST, "bufs", None)
+    if bufs is None:
+        bufs = _HOST.bufs = {}
+        _HOST.event = torch.cuda.Event()
+    buf = bufs.get(flat.dtype)
+    if buf is None or buf.numel() < n:
+        buf = bufs[flat.dtype] = torch.empty(max(64, 1 << max(0, n - 1).bit_length()), dtype=flat.dtype,
+                                            pin_memory=True)
+    buf[:n].copy_(flat, non_blocking=True)
+    _HOST.event.record()
+    _HOST.event.synchronize()
+    return buf[:n].view(ids.shape).tolist()
 
 
 @dataclass
@@ -370,8 +408,8 @@ def pack_rows(policies: list[TokenPolicy], vocab: int) -> PackedRows:
 def select_packed(logits: torch.Tensor, packed: PackedRows) -> list[int]:
     """The ids of `pack_rows`'s rows from their logits [B, V]: one upload, the tensor ops, ONE host sync."""
     rows = packed.upload(logits.device)
-    return _select(_masked_scores(logits, rows, packed.modes, packed.stop), rows, packed.max_top_k,
-                   packed.any_greedy).tolist()
+    return ids_to_host(_select(_masked_scores(logits, rows, packed.modes, packed.stop), rows, packed.max_top_k,
+                               packed.any_greedy))
 
 
 def sample_ids(logits: torch.Tensor, policies: list[TokenPolicy]) -> list[int]:

@@ -72,6 +72,13 @@ class SchedulerConfig:
     # not yet run on the GPU (the question it asks: at 1 req/s the first DiT job took 33 ms, run 43, against ~18 ms
     # of DiT steps alone, run 5 — is the difference the AR's kernels beside it?)
     ar_first_audio_hold_ms: float = 0.0
+    # on CUDA: the AR worker reads each step's sampled ids back by a non-blocking copy into pinned memory and an event
+    # wait (`models.sampling.ids_to_host`) instead of `.tolist()`'s synchronous copy into pageable memory. The AR
+    # thread spends most of every step in that wait; if the driver holds the other threads' launches for its
+    # duration, the DiT and vocoder slow down beside it — one reading of runs 42-43, where sampling inside the decode
+    # graphs (which makes the wait longer) slowed exactly those stages. Process-wide while the scheduler runs (restored
+    # on close); the same ids. Off by default: not yet run on the GPU
+    ar_event_sync: bool = False
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
     ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)

@@ -190,6 +190,11 @@ class Scheduler:
 
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self._switch_interval, 0.0005))
+        self._event_sync = None  # the process-wide id read-back before this scheduler (ar_event_sync)
+        if cfg.ar_event_sync and self.device.type == "cuda":
+            from ..models.sampling import set_event_sync
+
+            self._event_sync = set_event_sync(True)
         self.clock = StageClock(self.device.type == "cuda")  # busy time per stage (stats()["busy_s"])
         # CUDA: the frontend's uploads and LM-input embeddings run on a stream of their own, so a new request's
         # inputs do not queue behind the DiT / HiFT work on the default stream (its AR prefill and first DiT call
@@ -267,6 +272,11 @@ class Scheduler:
 
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
+        if self._event_sync is not None:
+            from ..models.sampling import set_event_sync
+
+            set_event_sync(self._event_sync)
+            self._event_sync = None
 
     # ================================================================== wiring
     def _on_dead(self, r: RequestState) -> None:

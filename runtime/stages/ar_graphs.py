@@ -15,7 +15,7 @@ import bisect
 import torch
 
 from ...engines.cuda_graphs import GraphCache
-from ..models.sampling import PackedRows, StaticSampler
+from ..models.sampling import PackedRows, StaticSampler, ids_to_host
 
 
 def _sampled(logits: torch.Tensor, rows: torch.Tensor, sampler: StaticSampler) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +84,7 @@ class DecodeGraphs:
         self.replays += 1
         self.sampled += 1
         logits, ids = self.graphs[kv].run(B, host[0], host[1], host[2], rows)
-        return logits[:len(tokens)], ids[:len(tokens)].tolist()
+        return logits[:len(tokens)], ids_to_host(ids[:len(tokens)])
 
     def _host(self, tokens: list[int], slots: list[int], positions: list[int], need_kv: int):
         b = len(tokens)

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..models.sampling import PackedRows, StaticSampler
+from ..models.sampling import PackedRows, StaticSampler, ids_to_host
 from .kv_slots import KVSlots
 
 KV_LEN_STEP = 256  # decode attends to the cache rounded up to this many positions
@@ -172,7 +172,7 @@ class TorchARRunner:
         if sampler is not None and sampler.fits(packed):
             if graphs is None:
                 logits = self.decode(tokens, slots, positions)
-                return logits, sampler(logits, sampler.rows(packed, len(tokens)).to(logits.device)).tolist()
+                return logits, ids_to_host(sampler(logits, sampler.rows(packed, len(tokens)).to(logits.device)))
             if graphs.fits(len(tokens), need):
                 self.slots.install()
                 return graphs.run_sampled(tokens, slots, positions, need, packed)
