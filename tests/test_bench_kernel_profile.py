@@ -77,3 +77,49 @@ def test_window_lifecycle_on_cpu(tmp_path):
     if "error" not in s:
         assert trace.is_file()
     assert _slug("ar_graph_sampling=1+x y") == "ar_graph_sampling_1_x_y" and _slug("") == "default"
+
+
+def test_window_digest_names_the_launching_worker(monkeypatch, tmp_path):
+    """The whole window with a stand-in profiler (the CUDA path cannot run here): the trace it exports is read after
+    the cell, kernels are attributed to the worker thread (by its native id, named as the scheduler names its
+    threads) whose launch they correlate with, and the trace is kept gzipped when asked."""
+    import gzip
+    import json
+    import threading
+
+    import torch.profiler as tp
+
+    ready, stop = threading.Event(), threading.Event()
+    worker = threading.Thread(target=lambda: (ready.set(), stop.wait(10)), name="cosytrt-dit", daemon=True)
+    worker.start()
+    ready.wait(5)
+    trace = {"traceEvents": [_launch(worker.native_id, 7, "cudaGraphLaunch"), _kernel(0, 30, 7, 3, "dit_gemm"),
+                             _kernel(30, 10, 7, 3, "dit_softmax")]}
+
+    class FakeProfile:
+        def __init__(self, activities=None):
+            self.entered = self.exited = False
+
+        def __enter__(self):
+            self.entered = True
+            return self
+
+        def __exit__(self, *exc):
+            self.exited = True
+
+        def export_chrome_trace(self, path):
+            with open(path, "w") as f:
+                json.dump(trace, f)
+
+    monkeypatch.setattr(tp, "profile", FakeProfile)
+    kept = tmp_path / "trace.json.gz"
+    try:
+        with KernelProfile(True, start_s=0.0, window_s=0.05, trace_path=str(kept)) as kp:
+            time.sleep(0.3)
+    finally:
+        stop.set()
+    s = kp.summary()
+    assert s["kernels"] == 2 and list(s["threads"]) == ["cosytrt-dit"]
+    assert s["threads"]["cosytrt-dit"]["top"] == ["dit_gemm", "dit_softmax"]
+    with gzip.open(kept) as f:
+        assert json.load(f) == trace
