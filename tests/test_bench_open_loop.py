@@ -172,7 +172,27 @@ def test_ab_settings_accept_boolean_fields_and_skip_the_rest():
                                       "dit_max_requests=many", "ar_graph_batches=1"])
     assert num == [("dit_max_requests=16+hift_max_wait_ms=0", {"dit_max_requests": 16, "hift_max_wait_ms": 0.0})]
     assert len(skipped) == 3 and "dit_max_requests" in skipped[0] and "not a valid int" in skipped[1]
-    assert "not a boolean or numeric SchedulerConfig field" in skipped[2]
+    assert "not a boolean, numeric or string SchedulerConfig field" in skipped[2]
+    # the admission limits too (start_tts gives them to the TTS's admission control): load shedding as an A/B
+    adm, skipped = ab_settings(base, ["max_in_flight=24+on_full=reject", "on_full=maybe"])
+    assert adm == [("max_in_flight=24+on_full=reject", {"max_in_flight": 24, "on_full": "reject"})]
+    assert len(skipped) == 1 and "on_full" in skipped[0]
+
+
+def test_start_tts_gives_a_reconfigured_tts_the_settings_admission_limits():
+    from types import SimpleNamespace
+
+    from cosytrt.runtime.scheduling.admission import AdmissionControl
+    from cosytrt.runtime.scheduling.config import SchedulerConfig
+    from cosytrt.tools.bench.common import start_tts
+
+    calls = []
+    tts = SimpleNamespace(scheduler_config=SchedulerConfig(), admission=AdmissionControl(64),
+                          reconfigure=lambda cfg: calls.append(cfg), synthesize=lambda *a, **k: None,
+                          stream=lambda *a, **k: iter(()))
+    cfg = SchedulerConfig(max_in_flight=24, on_full="reject", submit_timeout_s=2.0)
+    assert start_tts(None, cfg, tts) is tts and calls == [cfg]
+    assert tts.admission.limits == {"max_in_flight": 24, "max_waiting": None, "timeout_s": 2.0, "on_full": "reject"}
 
 
 def test_stats_delta_reads_what_is_there():

@@ -288,9 +288,9 @@ def test_settings_validation():
     got = ServerSettings(scheduler=["ar_graph_sampling=1", "dit_max_wait_ms=2", "flow_prefix_cache=false",
                                     "ar_max_len=1024"]).scheduler
     assert got == {"ar_graph_sampling": True, "dit_max_wait_ms": 2.0, "flow_prefix_cache": False, "ar_max_len": 1024}
-    for bad, msg in ((["nope=1"], "'nope' is not a boolean or numeric"), (["max_in_flight=3"], "--max-in-flight"),
+    for bad, msg in ((["nope=1"], "'nope' is not a boolean, numeric or string"), (["max_in_flight=3"], "--max-in-flight"),
                      (["ar_graph_sampling=yes"], "not a valid bool"), (["ar_max_batch=x"], "not a valid int"),
-                     (["ar_graph_batches=1"], "not a boolean or numeric"), (["ar_max_batch=0"], "ar_max_batch")):
+                     (["ar_graph_batches=1"], "not a boolean, numeric or string"), (["on_full=reject"], "--max-queue"), (["ar_max_batch=0"], "ar_max_batch")):
         with pytest.raises(InputError, match=msg):
             ServerSettings(scheduler=bad)
 
@@ -308,7 +308,7 @@ def test_serve_scheduler_flag_reaches_the_settings_and_refuses_bad_names(monkeyp
     assert main(["serve", "--scheduler", "ar_graph_sampling=1", "--scheduler", "hift_own_stream=1"]) == 0
     assert seen[0].scheduler == {"ar_graph_sampling": True, "hift_own_stream": True}
     assert main(["serve", "--scheduler", "nope=1"]) == 2
-    assert "'nope' is not a boolean or numeric SchedulerConfig field" in capsys.readouterr().err
+    assert "'nope' is not a boolean, numeric or string SchedulerConfig field" in capsys.readouterr().err
 
 
 

@@ -125,8 +125,9 @@ class SchedulerConfig:
 
 
 def config_overrides(items, what: str = "scheduler setting", reserved: dict | None = None) -> dict:
-    """SchedulerConfig overrides from `NAME=VALUE` strings (or a dict): each name a boolean, int or float field, each
-    value of its type (booleans as 0 / 1 / true / false); the whole config is then checked by SchedulerConfig itself.
+    """SchedulerConfig overrides from `NAME=VALUE` strings (or a dict): each name a boolean, int, float or string field
+    (e.g. on_full=reject), each value of its type (booleans as 0 / 1 / true / false); the whole config is then checked
+    by SchedulerConfig itself.
     `reserved`: names refused with the reason given (e.g. the server's admission limits, which have flags of their
     own). InputError naming `what` and the item. What `trtbuild serve --scheduler` and `trtbuild bench --ab` take."""
     import dataclasses
@@ -139,12 +140,14 @@ def config_overrides(items, what: str = "scheduler setting", reserved: dict | No
         name = str(name).strip()
         if name in reserved:
             raise InputError(f"{what}: {name} {reserved[name]}")
-        kind = next((k for k in ("bool", "int", "float") if k in kinds.get(name, "").split("|")), None)
+        kind = next((k for k in ("bool", "int", "float", "str") if k in kinds.get(name, "").split("|")), None)
         if kind is None:
-            raise InputError(f"{what}: {name!r} is not a boolean or numeric SchedulerConfig field")
+            raise InputError(f"{what}: {name!r} is not a boolean, numeric or string SchedulerConfig field")
         text = str(value).strip().lower()
         try:
-            if kind == "bool":
+            if kind == "str":
+                out[name] = str(value).strip()
+            elif kind == "bool":
                 if text not in ("0", "1", "true", "false"):
                     raise ValueError
                 out[name] = text in ("1", "true")

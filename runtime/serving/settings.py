@@ -130,7 +130,8 @@ class ServerSettings:
         return None
 
 
-_OWN_FLAGS = {"max_in_flight": "--max-in-flight", "max_waiting": "--max-queue", "submit_timeout_s": "--queue-timeout-s"}
+_OWN_FLAGS = {"max_in_flight": "--max-in-flight", "max_waiting": "--max-queue", "submit_timeout_s": "--queue-timeout-s",
+              "on_full": "--max-queue and --queue-timeout-s (the server waits, then answers 429 / 503)"}
 
 
 def scheduler_overrides(items) -> dict:

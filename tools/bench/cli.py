@@ -62,8 +62,10 @@ def add_arguments(p) -> None:
                    help="with --kernel-profile-s: also keep each window's Chrome trace, gzipped, in the output folder")
     g.add_argument("--ab", default="", help="comma list of settings: a SchedulerConfig boolean field (A+B: several "
                                             "together) runs each rate with it off and on; NAME=VALUE[+NAME=VALUE] "
-                                            "is one setting with those boolean or numeric values (e.g. "
-                                            "dit_max_requests=16); unusable items are skipped with a message")
+                                            "is one setting with those boolean, numeric or string values (e.g. "
+                                            "dit_max_requests=16; max_in_flight=24+on_full=reject sheds load: with "
+                                            "on_full=wait a full TTS would hold the arrival timer); unusable items are "
+                                            "skipped with a message")
     g = p.add_argument_group("agent suite (voice-agent websocket sessions, Poisson arrivals)")
     g.add_argument("--agent-rates", default="0.5,1,2", help="session arrival rates (sessions/s)")
     g.add_argument("--agent-duration-s", type=float, default=20.0, help="seconds of session arrivals per cell")

@@ -177,6 +177,9 @@ def start_tts(pipe, sched_cfg, tts=None):
             torch.cuda.empty_cache()  # the old scheduler's prefix pool: free before the new one sizes its own
     if tts is None:
         tts = TTS(pipe, scheduler=sched_cfg)
+    else:  # reconfigure keeps the TTS's admission control: give it this setting's limits (an A/B over them)
+        tts.admission.configure(max_in_flight=sched_cfg.max_in_flight, max_waiting=sched_cfg.max_waiting,
+                                timeout_s=sched_cfg.submit_timeout_s, on_full=sched_cfg.on_full)
     tts.synthesize("a" * 40, seed=0, force_tokens=50)  # starts the scheduler (captures decode graphs), warms up
     list(tts.stream("a" * 40, seed=0, force_tokens=50))
     return tts
