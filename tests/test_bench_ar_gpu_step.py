@@ -23,3 +23,8 @@ def test_bandwidth_by_card_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A10")
     assert ar_gpu_step.bandwidth(torch.device("cuda")) is None
     assert ar_gpu_step.bandwidth(torch.device("cpu")) is None
+
+
+def test_floor_bytes_leave_out_embedding_tables():
+    m = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 4))
+    assert ar_gpu_step.param_bytes(m) == (8 * 4 + 4) * 4

@@ -4,15 +4,16 @@
         [--positions 200,1000] [--compile] [--kernels] [--steps 50] [--json OUT.json]
 
 Under open-loop traffic the first audio waits on ~28 AR steps (49 ms at 1 req/s, BENCHMARKS.md run 43) and the AR
-worker is busy 84-94 % from 4 req/s on, yet one step of a 0.5B LM should read ~1 GB of weights: ~0.3 ms on an H100.
+worker is busy 84-94 % from 4 req/s on, yet one step of the 0.5B LM reads ~0.7 GB of weights: ~0.2 ms on an H100
+(runs 8 / 11 measured 1.18-1.25 ms and 314 kernels per step at batch 1-2: kernel-bound).
 For each batch and KV position this measures, with `TorchARRunner` as the scheduler builds it (decode graphs on
 CUDA; `--compile`: the compiled step, as the graphs_ar / compiled variants):
 
   * `replay_us`: GPU time per decode call, calls queued back to back (CUDA events; no host sync between them), the
     step's floor with nothing else on the GPU;
   * `worker_us`: wall time of a whole AR worker step (inputs, decode, sampling with its host sync, bookkeeping);
-  * `floor_us`: the LM's parameter bytes over the card's nominal HBM bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s;
-    none for other cards) — what a step must read at least;
+  * `floor_us`: the LM's weight bytes a step reads (embedding tables excluded) over the card's nominal HBM bandwidth
+    (H100 SXM 3.35 TB/s, H200 4.8 TB/s; none for other cards) — what a step must read at least;
   * with `--kernels`: kernels per decode call and the heaviest ones (torch.profiler over 10 calls,
     `kernel_profile.summarize_trace`).
 
@@ -38,7 +39,10 @@ def bandwidth(device: torch.device) -> float | None:
 
 
 def param_bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """Bytes of weights a decode step reads: every parameter except embedding tables (a lookup reads one row; the
+    text embedding, ~270 MB at full size, is not read at all while decoding speech tokens)."""
+    skip = {id(p) for m in module.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    return sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in skip)
 
 
 def build_runner(model: str, device: str, max_batch: int, max_len: int, compile: bool, dtype: torch.dtype):
@@ -124,7 +128,7 @@ def measure(model: str = "full", device: str = "cuda", batches=(1, 4, 16, 64), p
     dev = runner.device
     nbytes = param_bytes(llm)
     bw = bandwidth(dev)
-    log(f"AR decode step: {model} LM, {nbytes / 1e9:.2f} GB of parameters, {dev}"
+    log(f"AR decode step: {model} LM, {nbytes / 1e9:.2f} GB of weights read per step, {dev}"
         + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
         + f", runner set up in {setup_s:.1f} s")
     slots = [runner.allocate() for _ in range(max_batch)]
