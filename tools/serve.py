@@ -64,8 +64,8 @@ def add_arguments(p) -> None:
                    help="do not tell the runtime how much audio a websocket listener still has when a session's next "
                         "sentence starts (it then counts as urgent as a new session's first)")
     p.add_argument("--scheduler", action="append", default=[], metavar="NAME=VALUE",
-                   help="set a SchedulerConfig field (repeatable), e.g. ar_graph_sampling=1 or dit_max_wait_ms=2: "
-                        "booleans as 0 / 1, numbers; checked at start-up")
+                   help="set a SchedulerConfig field (repeatable), e.g. ar_event_sync=1 or dit_max_wait_ms=2: "
+                        "booleans as 0 / 1, numbers, strings; checked at start-up")
     p.add_argument("--no-normalize", action="store_true",
                    help="do not spell out numbers / dates / symbols (wetext) before synthesis")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
