@@ -95,23 +95,16 @@ def time_worker(runner, b: int, pos: int, steps: int) -> float:
 def kernels_per_call(runner, b: int, pos: int, slots: list[int], calls: int = 10) -> dict | None:
     if runner.device.type != "cuda":
         return None
-    import os
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
-    from .kernel_profile import summarize_trace
+    from .kernel_profile import exported_trace, summarize_trace
 
     with torch.inference_mode():
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
                 runner.decode([1] * b, slots[:b], [pos] * b)
             torch.cuda.synchronize(runner.device)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "t.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            s = summarize_trace(json.load(f))
+    s = summarize_trace(exported_trace(prof))
     return {"kernels_per_call": s.get("kernels", 0) / calls,
             "top": [{"name": k["name"][:70], "us_per_call": round(k["ms"] * 1e3 / calls, 1),
                      "per_call": k["count"] / calls} for k in s.get("top_kernels", [])[:6]]}

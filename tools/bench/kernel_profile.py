@@ -108,6 +108,20 @@ def summarize_trace(trace: dict, threads: dict[int, str] | None = None, window_s
                             for n, k in sorted(by_name.items(), key=lambda kv: -kv[1]["us"])[:TOP]]}
 
 
+def exported_trace(prof, keep_gz: str | None = None) -> dict:
+    """The Chrome trace of a stopped `torch.profiler.profile` as a dict (through a temporary file: the profiler only
+    exports to a path); `keep_gz`: also keep it there, gzipped."""
+    with tempfile.TemporaryDirectory(prefix="cosytrt-kprof-") as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+        if keep_gz:
+            with open(path, "rb") as src, gzip.open(keep_gz, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    return trace
+
+
 class KernelProfile:
     """`with KernelProfile(enabled, start_s, window_s, trace_path) as kp: ...` then `kp.summary()` (None when it
     did not run). `trace_path`: also keep the trace there, gzipped."""
@@ -147,20 +161,10 @@ class KernelProfile:
         """Export and summarise the window's trace: after the cell (`__exit__`), since writing and reading a trace
         of ~10^5 kernels holds the interpreter lock for seconds that the workers would lose mid-cell."""
         prof, self._prof = self._prof, None
-        tmp = tempfile.mkdtemp(prefix="cosytrt-kprof-")
         try:
-            path = os.path.join(tmp, "trace.json")
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                trace = json.load(f)
-            if self.trace_path:
-                with open(path, "rb") as src, gzip.open(self.trace_path, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-            self._summary = summarize_trace(trace, self._names, self._wall)
+            self._summary = summarize_trace(exported_trace(prof, self.trace_path), self._names, self._wall)
         except Exception as e:  # noqa: BLE001
             self.error = f"{type(e).__name__}: {e}"
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
     def __enter__(self) -> "KernelProfile":
         if self.enabled:

@@ -46,9 +46,9 @@ def _switch(base, name: str) -> bool:
 def ab_settings(base, flags: list[str]) -> tuple[list[tuple[str, dict]], list[str]]:
     """[(label, SchedulerConfig overrides)] for the A/B over `flags` (each off, then on; settings with the same
     overrides merged), and the messages of the flags skipped. A flag `a+b` switches boolean fields together (off:
-    all False, on: all True); a flag `a=0+n=4` is one setting with exactly those values: boolean or numeric fields
-    (`scheduling.config.config_overrides`, e.g. `dit_max_requests=16`, `hift_max_wait_ms=0`). No usable flag: one
-    setting, "default"."""
+    all False, on: all True); a flag `a=0+n=4` is one setting with exactly those values: boolean, numeric or string
+    fields (`scheduling.config.config_overrides`, e.g. `dit_max_requests=16`, `max_in_flight=24+on_full=reject`). No
+    usable flag: one setting, "default"."""
     from ...runtime.scheduling.config import config_overrides
 
     fields = {f.name: f for f in dataclasses.fields(base)}
@@ -103,6 +103,15 @@ def _num(d, *path):
     return d if isinstance(d, (int, float)) and not isinstance(d, bool) else None
 
 
+def _deltas(before: dict, after: dict, section: str, keys) -> dict:
+    """after - before of the counters `keys` under stats[section]; None where `after` has no such number."""
+    out = {}
+    for k in keys:
+        a, b = _num(after, section, k), _num(before, section, k)
+        out[k] = None if a is None else a - (b or 0)
+    return out
+
+
 def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
     """The cell's share of cumulative scheduler stats: busy fraction per stage, bucket hits / fallbacks per
     stage/mode (ShapeStats summary), eager fallbacks with their reasons, DiT frames computed / reused."""
@@ -127,10 +136,7 @@ def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
         d = f["count"] - fb_before.get((f["stage_mode"], f["b"], f["n"]), 0)
         if d:
             fallback_shapes[f"{f['stage_mode']} {f['b']},{f['n']}"] = d
-    frames = {}
-    for k in ("frames_computed", "frames_reused", "cache_fallbacks"):
-        a, b = _num(after, "dit", k), _num(before, "dit", k)
-        frames[k] = None if a is None else a - (b or 0)
+    frames = _deltas(before, after, "dit", ("frames_computed", "frames_reused", "cache_fallbacks"))
     kinds = {}  # DiT calls and rows per kind of call (cached / stream / offline, "/step": one Euler step a call)
     ka, kb = (after.get("dit") or {}).get("kinds") or {}, (before.get("dit") or {}).get("kinds") or {}
     for k, v in sorted(ka.items()):
@@ -138,11 +144,9 @@ def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
         rows = v.get("rows", 0) - (kb.get(k) or {}).get("rows", 0)
         if calls:
             kinds[k] = {"calls": calls, "rows": rows, "rows_per_call": rows / calls}
-    ar = {}  # the AR worker's decode steps: rows per step, and the share sampled inside the decode graphs
-    for k in ("decode_steps", "decode_rows", "prefill_calls", "decode_graph_replays", "sampled_graph_replays",
-              "first_audio_hold_s"):
-        a, b = _num(after, "ar", k), _num(before, "ar", k)
-        ar[k] = None if a is None else a - (b or 0)
+    # the AR worker's decode steps: rows per step, the share sampled inside the decode graphs, first-audio holds
+    ar = _deltas(before, after, "ar", ("decode_steps", "decode_rows", "prefill_calls", "decode_graph_replays",
+                                       "sampled_graph_replays", "first_audio_hold_s"))
     if ar.get("decode_steps"):
         ar["rows_per_step"] = (ar["decode_rows"] or 0) / ar["decode_steps"]
         ar["sampled_share"] = None if ar["sampled_graph_replays"] is None else \
@@ -317,8 +321,9 @@ ALLOC_EVENTS = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device
 def allocator_events(since: dict | None = None) -> dict | None:
     """The CUDA caching allocator's event counters (`torch.cuda.memory_stats`: retries after a failed cudaMalloc,
     which free every cached block first; cudaMalloc / cudaFree calls, each cudaFree synchronising the device; OOMs),
-    minus `since` when given; None without CUDA. A stage slowed by another's allocations shows here: the graph-
-    sampling A/B of runs 42-43 slowed the DiT and vocoder with the GPU's memory nearly full."""
+    minus `since` when given; None without CUDA. A stage slowed by another's allocations would show here (one
+    suspect for the graph-sampling A/B of runs 42-43, which slowed the DiT and vocoder with the GPU's memory nearly
+    full)."""
     if not torch.cuda.is_available():
         return None
     stats = torch.cuda.memory_stats()
