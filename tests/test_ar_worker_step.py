@@ -159,3 +159,56 @@ def test_first_audio_hold_conditions():
     w = worker(500, [waiting])
     w.waiting.append(object())                                                # admission goes first
     assert not w._hold_for_first_audio()
+
+
+def test_ar_pacing_conditions():
+    """`policies.ar_step_due` / `ARWorker._pace` (`ar_pace_lead_s`): a decode step is due for an offline row, a stream
+    before its first DiT job, or a stream whose listener reaches the end of its hops' audio within the lead plus the
+    steps its next hop needs; otherwise the worker waits, no longer than until the first row becomes due; never with
+    the setting off or while a request waits for admission."""
+    import time
+
+    from cosytrt.runtime.scheduling.policies import ar_step_due
+    from cosytrt.runtime.stages.hop_schedule import HopSchedule
+
+    now = time.perf_counter()
+
+    def row(stream=True, dit_jobs=1, offset=0, tokens=0, ttfa=None, t_submit=now, dead=False, finished=False):
+        hops = HopSchedule(0)
+        hops.offset, hops.hop, hops.finished = offset, 100, finished   # next hop fires at offset + 103 tokens
+        m = SimpleNamespace(ttfa=ttfa, t_submit=t_submit, buffered_s=0.0, follows=None)
+        return SimpleNamespace(stream=SimpleNamespace(hops=hops) if stream else None, dit_jobs=dit_jobs,
+                               tokens=[0] * tokens, metrics=m, dead=dead)
+
+    step = 0.003
+    assert ar_step_due([row(stream=False)], now, 1.0, step) == (True, None)           # offline
+    assert ar_step_due([row(dit_jobs=0)], now, 1.0, step) == (True, None)             # no first hop yet
+    # playing since 1 s ago; its hops cover 75 tokens = 3 s: the listener needs more in 2 s
+    ahead = row(offset=75, tokens=170, ttfa=0.0, t_submit=now - 1.0)                  # 8 tokens to go: 24 ms
+    due, wait = ar_step_due([ahead], now, 1.0, step)
+    assert not due and wait == pytest.approx(2.0 - 1.0 - 8 * step)
+    assert ar_step_due([ahead], now, 2.0, step)[0]                                     # a longer lead: due
+    behind = row(offset=75, tokens=80, ttfa=0.0, t_submit=now - 1.0)                  # 98 tokens to go: 0.294 s
+    assert ar_step_due([ahead, behind], now, 1.8, step)[0]                             # 2 - 1.8 < 0.294
+    assert ar_step_due([ahead, behind], now, 1.0, step)[0] is False
+    # before its first audio the listener is taken to start now: 3 s of hop audio ahead
+    assert ar_step_due([row(offset=75, tokens=170)], now, 1.0, step)[0] is False
+    assert ar_step_due([row(dead=True, dit_jobs=0), ahead], now, 1.0, step)[0] is False  # a cancelled row
+    assert ar_step_due([row(finished=True), ahead], now, 1.0, step)[0] is False
+    assert ar_step_due([], now, 1.0, step) == (False, None)
+
+    def worker(lead, rows):
+        w = ARWorker(SlotRunner(4), SchedulerConfig(ar_pace_lead_s=lead), Sink(), lambda r, e: None,
+                     StageClock(False), "cpu")
+        w.running = rows
+        return w
+
+    assert not worker(0, [ahead])._pace()                                              # off
+    w = worker(1.0, [ahead])
+    assert w._pace() and w.counters.pace_waits == 1 and w.counters.pace_wait_s > 0
+    assert not worker(1.0, [ahead, row(stream=False)])._pace()
+    w = worker(1.0, [ahead])
+    w.waiting.append(object())                                                         # admission goes first
+    assert not w._pace()
+    with pytest.raises(Exception, match="ar_pace_lead_s"):
+        SchedulerConfig(ar_pace_lead_s=-0.5)

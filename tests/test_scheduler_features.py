@@ -437,3 +437,35 @@ def test_first_audio_hold_keeps_the_audio_and_holds(tts, speaker):
     assert on_stats["ar"]["first_audio_holds"] > 0 and on_stats["ar"]["first_audio_hold_s"] > 0
     with pytest.raises(Exception, match="ar_first_audio_hold_ms"):
         SchedulerConfig(ar_first_audio_hold_ms=-1)
+
+
+def test_ar_pacing_keeps_the_audio_and_paces(tts, speaker):
+    """`ar_pace_lead_s`: the AR worker waits while every stream is far enough ahead of its listener: the same tokens
+    and audio as without pacing (ordering only), the waits are counted, and the streams still finish. Staggered
+    streams of different lengths, one offline request among them at the end (due whenever it runs)."""
+    def reqs():
+        out = [make_request("Pace the speech tokens.", speaker=speaker, seed=i, stream=True,
+                            force_tokens=60 + 25 * i) for i in range(3)]
+        return out + [make_request("Offline too.", speaker=speaker, seed=9, stream=False, force_tokens=40)]
+
+    def run(cfg):
+        sched = Scheduler(tts.pipeline, cfg)
+        try:
+            handles = []
+            for r in reqs():
+                handles.append(sched.submit(r))
+                time.sleep(0.05)
+            wavs = [h.result(timeout=120) for h in handles]
+            return wavs, [h.tokens for h in handles], sched.stats()
+        finally:
+            sched.close()
+
+    base = SchedulerConfig()
+    off_wavs, off_tokens, off_stats = run(base)
+    on_wavs, on_tokens, on_stats = run(replace(base, ar_pace_lead_s=0.5))
+    assert on_tokens == off_tokens
+    assert_same_audio(on_wavs, off_wavs)
+    assert off_stats["ar"]["pace_waits"] == 0
+    assert on_stats["ar"]["pace_waits"] > 0 and on_stats["ar"]["pace_wait_s"] > 0
+    assert on_stats["ar"]["decode_rows"] / on_stats["ar"]["decode_steps"] >= \
+        off_stats["ar"]["decode_rows"] / off_stats["ar"]["decode_steps"]

@@ -18,12 +18,14 @@ import torch
 from ..models.sampling import PackedRows, pack_rows, sample_batch, select_packed
 from ..stages.ar_runner import ARRunner, PrefillRow
 from .config import SchedulerConfig
-from .policies import admit
+from .policies import admit, ar_step_due
 from .stage_clock import StageClock
 from .state import RequestState
 from .stats import ARCounters
 
 HOLD_POLL_S = 0.001  # a first-audio hold re-checks its requests this often (ar_first_audio_hold_ms)
+PACE_POLL_S = 0.005  # a pacing wait re-checks its requests at least this often (ar_pace_lead_s)
+STEP_EMA = 0.1       # weight of the latest decode step in the step-time estimate pacing uses
 
 
 class Stopped(Exception):
@@ -54,6 +56,7 @@ class ARWorker:
         self.running: list[RequestState] = []         # in a KV slot (AR thread only)
         self.counters = ARCounters()
         self.stopped = False
+        self.step_s = 0.003  # decode step wall time, moving average (ar_pace_lead_s)
         # the runner samples the decode step itself (`ar_graph_sampling`: in its decode graphs on CUDA)
         self.graph_sampler = getattr(runner, "graph_sampler", None) if config.ar_graph_sampling else None
         # On CUDA the worker runs on its own stream: its per-step host sync (the sampled tokens) then waits for its
@@ -98,7 +101,7 @@ class ARWorker:
                     with self.clock.span("ar"):
                         self._prefill(admitted)
                     self.sink.flush()
-                if not self.running or self._hold_for_first_audio():
+                if not self.running or self._hold_for_first_audio() or self._pace():
                     continue  # (after a hold: admission first again)
                 with self.clock.span("ar"):
                     self._decode()
@@ -127,6 +130,22 @@ class ARWorker:
             if not self.waiting and not self.stopped:
                 self.cond.wait(min(deadline - t0, HOLD_POLL_S))
         self.counters.hold(time.perf_counter() - t0)
+        return True
+
+    def _pace(self) -> bool:
+        """`ar_pace_lead_s`: wait (True) instead of decoding while every running stream is far enough ahead of its
+        listener (`policies.ar_step_due`); never while a request waits for admission."""
+        lead = self.config.ar_pace_lead_s
+        if lead <= 0 or self.waiting:
+            return False
+        t0 = time.perf_counter()
+        due, wait = ar_step_due(self.running, t0, lead, self.step_s)
+        if due:
+            return False
+        with self.cond:
+            if not self.waiting and not self.stopped:
+                self.cond.wait(PACE_POLL_S if wait is None else min(wait, PACE_POLL_S))
+        self.counters.pace(time.perf_counter() - t0)
         return True
 
     def _admit(self) -> list[RequestState]:
@@ -222,6 +241,7 @@ class ARWorker:
             r.pos += 1
         self._sample(rows_ok, logits, t0, ids, packed)
         self.counters.decode(len(rows))
+        self.step_s += STEP_EMA * (time.perf_counter() - t0 - self.step_s)
 
     def _pack(self, rows: list[RequestState]) -> PackedRows | None:
         """The step's sampling inputs when the runner samples (`graph_sampler`; its uniforms drawn now), else None:

@@ -72,6 +72,15 @@ class SchedulerConfig:
     # not yet run on the GPU (the question it asks: at 1 req/s the first DiT job took 33 ms, run 43, against ~18 ms
     # of DiT steps alone, run 5 — is the difference the AR's kernels beside it?)
     ar_first_audio_hold_ms: float = 0.0
+    # > 0: AR pacing (`policies.ar_step_due`): the AR worker makes a decode step only while some stream needs tokens
+    # within this many seconds (the end of the audio its hops cover, counted from its playback start, less the steps
+    # its next hop still needs) — or an offline request runs, a stream waits for its first hop's tokens, or a request
+    # waits for a KV slot; then every running row advances. So streams stop running 10x ahead of their listeners in
+    # small batches: fewer AR steps of more rows each, and the GPU time they took goes to the DiT. Ordering only (the
+    # same tokens with batch_invariant; otherwise as any batching change). stats()["ar"]["pace_waits"] /
+    # ["pace_wait_s"]. Streams stay in flight longer (KV slots, the flow prefix pool). Off (0) by default: not yet run
+    # on the GPU (the question: at 8 req/s the AR made ~270 steps a second of ~4 rows, run 43)
+    ar_pace_lead_s: float = 0.0
     # on CUDA: the AR worker reads each step's sampled ids back by a non-blocking copy into pinned memory and an event
     # wait (`models.sampling.ids_to_host`) instead of `.tolist()`'s synchronous copy into pageable memory. The AR
     # thread spends most of every step in that wait; if the driver holds the other threads' launches for its
@@ -111,7 +120,8 @@ class SchedulerConfig:
             raise InputError(f"SchedulerConfig.max_waiting must be None or an int >= 0, got {w!r}")
         if self.ar_max_len is not None and (not isinstance(self.ar_max_len, int) or self.ar_max_len < 1):
             raise InputError(f"SchedulerConfig.ar_max_len must be a positive int or None, got {self.ar_max_len!r}")
-        for name in ("submit_timeout_s", "dit_max_wait_ms", "hift_max_wait_ms", "ar_first_audio_hold_ms"):
+        for name in ("submit_timeout_s", "dit_max_wait_ms", "hift_max_wait_ms", "ar_first_audio_hold_ms",
+                     "ar_pace_lead_s"):
             if getattr(self, name) < 0:
                 raise InputError(f"SchedulerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if not any(self.flow_prefix_cache is v for v in (None, True, False)):

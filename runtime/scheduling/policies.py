@@ -1,6 +1,7 @@
 """The batching decisions, apart from the threads that carry them out.
 
 * admission (`admit`): which waiting requests get a KV slot this AR step;
+* AR pacing (`ar_step_due`): whether the next decode step is due or every stream is far enough ahead;
 * DiT (`dit_order`, `pick_dit_group`): which ready DiT jobs form the next call, or how long to wait for more;
 * HiFT (`pick_hift_jobs`, `hift_offline_groups`): which vocoder jobs run now, and how offline ones are grouped.
 
@@ -83,6 +84,37 @@ def playback_slack(m: RequestMetrics, now: float, depth: int = 0) -> float:
     if start is None:
         return m.audio_seconds + playback_slack(prev, now, depth + 1) + _still_to_come(prev)
     return m.audio_seconds - (now - start)
+
+
+def ar_step_due(rows, now: float, lead_s: float, step_s: float) -> tuple[bool, float | None]:
+    """AR pacing (`ar_pace_lead_s`): is the next decode step due now — (True, None) — or not yet: (False, seconds
+    until a row needs it, None if none ever will on its own).
+
+    A step is due while any running row needs tokens soon: an offline row (its audio waits for all its tokens), a
+    stream before its first DiT job (its first audio waits for tokens), or a stream whose listener reaches the end of
+    the audio its hops already cover (hop schedule `offset`, from playback start: `playback_start`, or now while it
+    has not started) within `lead_s` plus the steps its next hop still needs (`step_s` each). Rows that are not due
+    advance with those that are: a step of 32 rows costs about what a step of 2 does (BENCHMARKS.md run 8: 1.8 vs
+    1.5 ms), so pacing makes fewer steps with more rows each instead of running every stream far ahead of its
+    listener. The tokens do not change (ordering only)."""
+    wait = None
+    for r in rows:
+        if r.dead:
+            continue
+        st = r.stream
+        if st is None or r.dit_jobs == 0:
+            return True, None
+        hops, m = st.hops, r.metrics
+        if hops.finished:
+            continue
+        start = _playback_start(m) if m.ttfa is not None else None
+        start = now if start is None else start
+        to_go = max(0, hops.next_fire() - len(r.tokens))
+        margin = start + hops.offset / SPEECH_TOKENS_PER_S - now - lead_s - to_go * step_s
+        if margin <= 0:
+            return True, None
+        wait = margin if wait is None else min(wait, margin)
+    return False, wait
 
 
 def dit_order(ready: list, now: float, slack_priority: bool) -> list:

@@ -18,6 +18,8 @@ class ARCounters:
     first_audio_holds: int = 0        # waits (<= 1 ms each) instead of a decode step, for a stream's first audio
     #                                   (ar_first_audio_hold_ms); first_audio_hold_s: their seconds
     first_audio_hold_s: float = 0.0
+    pace_waits: int = 0               # waits instead of a decode step while every stream was far enough ahead of its
+    pace_wait_s: float = 0.0          # listener (ar_pace_lead_s); pace_wait_s: their seconds
 
     def prefill(self, rows: int) -> None:
         self.prefill_calls += 1
@@ -26,6 +28,10 @@ class ARCounters:
     def hold(self, seconds: float) -> None:
         self.first_audio_holds += 1
         self.first_audio_hold_s += seconds
+
+    def pace(self, seconds: float) -> None:
+        self.pace_waits += 1
+        self.pace_wait_s += seconds
 
     def decode(self, rows: int) -> None:
         self.decode_steps += 1

@@ -144,9 +144,10 @@ def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
         rows = v.get("rows", 0) - (kb.get(k) or {}).get("rows", 0)
         if calls:
             kinds[k] = {"calls": calls, "rows": rows, "rows_per_call": rows / calls}
-    # the AR worker's decode steps: rows per step, the share sampled inside the decode graphs, first-audio holds
+    # the AR worker's decode steps: rows per step, the share sampled inside the decode graphs, first-audio holds,
+    # pacing waits
     ar = _deltas(before, after, "ar", ("decode_steps", "decode_rows", "prefill_calls", "decode_graph_replays",
-                                       "sampled_graph_replays", "first_audio_hold_s"))
+                                       "sampled_graph_replays", "first_audio_hold_s", "pace_wait_s"))
     if ar.get("decode_steps"):
         ar["rows_per_step"] = (ar["decode_rows"] or 0) / ar["decode_steps"]
         ar["sampled_share"] = None if ar["sampled_graph_replays"] is None else \

@@ -400,12 +400,13 @@ def _util(d) -> str:
 
 
 def _ar_steps(d) -> str:
-    """AR decode steps of a cell: rows per step, and the share sampled inside the decode graphs ('-' before)."""
+    """AR decode steps of a cell: rows per step, the share sampled inside the decode graphs ('-' before), the
+    seconds of first-audio holds and pacing waits."""
     if not d or not d.get("decode_steps"):
         return "-"
-    share, hold = d.get("sampled_share"), d.get("first_audio_hold_s")
+    share, hold, pace = d.get("sampled_share"), d.get("first_audio_hold_s"), d.get("pace_wait_s")
     return (f"{d['rows_per_step']:.2f}, " + ("-" if share is None else f"{100 * share:.0f} %")
-            + (f", held {hold:.2f} s" if hold else ""))
+            + (f", held {hold:.2f} s" if hold else "") + (f", paced {pace:.2f} s" if pace else ""))
 
 
 def _alloc(d) -> str:
