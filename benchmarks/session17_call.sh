@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The next session's first device call (BENCHMARKS.md, runs 42-46, "Next GPU session" 1): the compiled variant under
-# open-loop traffic at 1 / 4 / 8 req/s: today's defaults, the event-synced id read-back (ar_event_sync), the
-# first-audio hold (ar_first_audio_hold_ms=30) and the sampling inside the AR decode graphs with the event read-back,
+# open-loop traffic at 1 / 4 / 8 req/s: today's defaults, AR pacing (ar_pace_lead_s=2), the event-synced id
+# read-back (ar_event_sync), the first-audio hold (ar_first_audio_hold_ms=30) and the sampling inside the AR decode
+# graphs with the event read-back (AB=... replaces the list),
 # in that order (the bench skips what its budget does not reach), each cell with the allocator counters and a 1 s
 # kernel profile (where the GPU's time goes, per worker); then the CUDA tests of the id read-back and the AR graphs,
 # and the full-size LM's decode step alone against its bandwidth floor (`ar_gpu_step --kernels`) in the time left.
@@ -13,7 +14,7 @@ total=${TOTAL_S:-570}
 open_loop=${OPEN_LOOP_S:-450}
 BENCH_TIMEOUT_S=$open_loop bash benchmarks/device_run.sh --suite open_loop --variants compiled --rates 1,4,8 \
   --duration-s 12 --drain-s 6 --budget-s $(( open_loop - 40 )) --kernel-profile-s 1 \
-  --ab "ar_graph_sampling=0,ar_event_sync=1,ar_first_audio_hold_ms=30,ar_graph_sampling=1+ar_event_sync=1"
+  --ab "${AB:-ar_graph_sampling=0,ar_pace_lead_s=2,ar_event_sync=1,ar_first_audio_hold_ms=30,ar_graph_sampling=1+ar_event_sync=1}"
 rc=$?
 if ls .whl_test/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/pyt .whl_test/*.whl
