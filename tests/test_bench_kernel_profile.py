@@ -123,3 +123,16 @@ def test_window_digest_names_the_launching_worker(monkeypatch, tmp_path):
     assert s["threads"]["cosytrt-dit"]["top"] == ["dit_gemm", "dit_softmax"]
     with gzip.open(kept) as f:
         assert json.load(f) == trace
+
+
+def test_thread_names_cover_native_and_pthread_ids():
+    """A trace's tid may be a thread's native id or (run 47) the low 32 bits of its pthread id, signed or not: each
+    maps to the thread's name."""
+    from types import SimpleNamespace
+
+    from cosytrt.tools.bench.kernel_profile import thread_names
+
+    t = SimpleNamespace(native_id=4242, ident=0x7F3A_E130_1640, name="cosytrt-ar")
+    names = thread_names([t, SimpleNamespace(native_id=None, ident=None, name="x")])
+    assert names[4242] == names[0x7F3AE1301640] == names[0xE1301640] == names[0xE1301640 - (1 << 32)] == "cosytrt-ar"
+    assert len(names) == 4

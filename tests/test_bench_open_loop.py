@@ -101,6 +101,23 @@ def test_saturation_rule():
     assert "unfinished" in saturated({**ok, "unfinished": 3})
     assert "TTFA p95" in saturated({**ok, "ttfa": {"p95": 6.0}})
     assert "TTFA p95" in saturated({**ok, "ttfa": {"p95": None}, "offline_latency": {"p95": 7.0}})
+    # paced streams cut while still ahead of their listeners: neither unfinished nor offered-but-undelivered
+    paced = {**ok, "unfinished": 3, "unfinished_ahead": 3, "undelivered_ahead_s": 120.0,
+             "delivered_audio_s_per_s": 300.0 / 14.0}
+    assert saturated(paced) is None
+    assert "unfinished" in saturated({**paced, "unfinished_ahead": 2})
+    assert "delivered" in saturated({**paced, "undelivered_ahead_s": 50.0})
+
+
+def test_cut_streams_ahead_of_their_listener():
+    """`summarize`: a stream cut at the end of the cell counts as `unfinished_ahead` when its listener still had
+    audio to play then (the audio it did not deliver in `undelivered_ahead_s`), not when its playback had run dry."""
+    recs = [RequestRecord(0.0, 20.0, True, [0.2, 1.0, 5.0], [1.0, 2.0, 4.0], status="unfinished"),  # plays to 7.2
+            RequestRecord(1.0, 20.0, True, [1.2, 2.0], [1.0, 1.0], status="unfinished"),            # ran dry at 3.2
+            RequestRecord(2.0, 3.0, True, [2.2], [3.0])]
+    s = summarize(recs, duration_s=5.0, end_t=6.0)
+    assert s["unfinished"] == 2 and s["unfinished_ahead"] == 1
+    assert s["undelivered_ahead_s"] == pytest.approx(20.0 - 7.0)
 
 
 # ------------------------------------------------------------------ workload

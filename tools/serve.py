@@ -64,7 +64,7 @@ def add_arguments(p) -> None:
                    help="do not tell the runtime how much audio a websocket listener still has when a session's next "
                         "sentence starts (it then counts as urgent as a new session's first)")
     p.add_argument("--scheduler", action="append", default=[], metavar="NAME=VALUE",
-                   help="set a SchedulerConfig field (repeatable), e.g. ar_event_sync=1 or dit_max_wait_ms=2: "
+                   help="set a SchedulerConfig field (repeatable), e.g. ar_pace_lead_s=2 or dit_max_wait_ms=2: "
                         "booleans as 0 / 1, numbers, strings; checked at start-up")
     p.add_argument("--no-normalize", action="store_true",
                    help="do not spell out numbers / dates / symbols (wetext) before synthesis")

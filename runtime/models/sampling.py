@@ -59,8 +59,8 @@ def ids_to_host(ids: torch.Tensor) -> list:
     """`ids.tolist()` — the AR's one host sync per step. With `set_event_sync(True)` on CUDA: a non-blocking copy into
     a pinned buffer of this thread, an event recorded after it on the current stream and waited for, then the list
     from host memory, instead of the synchronous copy into pageable memory that `.tolist()` makes (the AR thread
-    spends most of every step in that wait, and the question `ar_event_sync` asks is whether the DiT and HiFT threads'
-    launches wait with it: BENCHMARKS.md runs 42-43). The same values either way."""
+    spends most of every step in that wait, and the DiT and HiFT threads' launches waited with it: BENCHMARKS.md runs
+    42-43 and 48). The same values either way."""
     if not _EVENT_SYNC["on"] or ids.device.type != "cuda":
         return ids.tolist()
     flat = ids.reshape(-1)

@@ -60,9 +60,9 @@ class SchedulerConfig:
     # their Python on the AR thread. Exact (the same ids: tests/test_sampling_exact.py, test_ar_graphs.py, on an H100
     # too, BENCHMARKS.md run 40); batches it does not fit (another top_k, a wider RAS window) sample as before. An AR
     # runner made without it takes it on when a scheduler with it starts (TTS.reconfigure: a second decode graph set,
-    # no new runner). Off by default: slower under open-loop load on an H100 (runs 42-43: compiled 1 req/s TTFA p50
-    # 0.132 vs 0.096 s, 8 req/s 38 vs 62 audio s/s; the DiT and vocoder slowed, not yet explained) though the AR
-    # thread's host time per step halves; on the CPU, without graphs, it costs 9-21 % more per step
+    # no new runner). Off by default: without `ar_event_sync` it slowed the DiT and vocoder under load (runs 42-43:
+    # compiled 8 req/s 38 vs 62 audio s/s); with it (run 48, 8 req/s) 57.6 audio s/s and TTFA p95 0.55 s against
+    # 59.1 / 0.61 for the event read-back alone — no clear gain yet. On the CPU, without graphs, 9-21 % more per step
     ar_graph_sampling: bool = False
     # > 0: while every streaming request the AR decodes has had its first DiT job queued and one of them is still
     # waiting for its first audio, the AR worker holds its next decode step (at most this many ms after that first
@@ -75,19 +75,21 @@ class SchedulerConfig:
     # > 0: AR pacing (`policies.ar_step_due`): the AR worker makes a decode step only while some stream needs tokens
     # within this many seconds (the end of the audio its hops cover, counted from its playback start, less the steps
     # its next hop still needs) — or an offline request runs, a stream waits for its first hop's tokens, or a request
-    # waits for a KV slot; then every running row advances. So streams stop running 10x ahead of their listeners in
-    # small batches: fewer AR steps of more rows each, and the GPU time they took goes to the DiT. Ordering only (the
-    # same tokens with batch_invariant; otherwise as any batching change). stats()["ar"]["pace_waits"] /
-    # ["pace_wait_s"]. Streams stay in flight longer (KV slots, the flow prefix pool). Off (0) by default: not yet run
-    # on the GPU (the question: at 8 req/s the AR made ~270 steps a second of ~4 rows, run 43)
+    # waits for a KV slot; then every running row advances. So streams stop running ~10x ahead of their listeners in
+    # small batches: fewer AR steps of more rows each, less AR time beside the DiT. Ordering only (the same tokens
+    # with batch_invariant; otherwise as any batching change). stats()["ar"]["pace_waits"] / ["pace_wait_s"]. Streams
+    # stay in flight longer (KV slots; their flow prefix until the final). Off (0) by default: one run so far (run 48,
+    # H100, compiled, 8 req/s, lead 2 s): TTFA p95 0.44 vs 0.80 s, AR busy 0.65 vs 0.94, 9.5 vs 8.2 rows per step,
+    # the prefix pool's peak lower (15.4 vs 18.8 GB) — but in an 18 s cell the long streams' finals were still to
+    # come (deferred, not saved, work), so it needs a longer cell and 12 req/s before it is a default
     ar_pace_lead_s: float = 0.0
     # on CUDA: the AR worker reads each step's sampled ids back by a non-blocking copy into pinned memory and an event
-    # wait (`models.sampling.ids_to_host`) instead of `.tolist()`'s synchronous copy into pageable memory. The AR
-    # thread spends most of every step in that wait; if the driver holds the other threads' launches for its
-    # duration, the DiT and vocoder slow down beside it — one reading of runs 42-43, where sampling inside the decode
-    # graphs (which makes the wait longer) slowed exactly those stages. Process-wide while the scheduler runs (restored
-    # on close); the same ids. Off by default: not yet run on the GPU
-    ar_event_sync: bool = False
+    # wait (`models.sampling.ids_to_host`) instead of `.tolist()`'s synchronous copy into pageable memory, which
+    # holds the other threads' launches while the AR thread waits (its wait is most of every step). Process-wide
+    # while the scheduler runs (restored on close); the same ids. On by default: on an H100 (run 48, compiled,
+    # 8 req/s, one process) 59.1 vs 56.2 audio s/s, TTFA p95 0.61 vs 0.80 s; and with it the sampling inside the
+    # decode graphs no longer slows the other stages (57.6 audio s/s, where run 43 without it measured 38 vs 62)
+    ar_event_sync: bool = True
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
     ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)

@@ -63,7 +63,7 @@ class ServerSettings:
     ws_lookahead: int = 0
     ws_buffer_hints: bool = True   # a session's next sentence tells the runtime how much audio its listener still has
     # SchedulerConfig fields to set (`serve --scheduler NAME=VALUE`): booleans (0 / 1), numbers, strings; e.g.
-    # ar_event_sync=1, hift_own_stream=1, dit_max_wait_ms=2. Checked by name and type at start-up; the admission
+    # ar_pace_lead_s=2, hift_own_stream=1, dit_max_wait_ms=2. Checked by name and type at start-up; the admission
     # limits have flags of their own (--max-in-flight, --max-queue, --queue-timeout-s)
     scheduler: dict = field(default_factory=dict)
 

@@ -45,6 +45,21 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def thread_names(threads) -> dict[int, str]:
+    """Every id a trace may give a Python thread -> its name: the native (kernel) id and the pthread id
+    (`Thread.ident`), whole, as its low 32 bits and as their signed value (run 47's traces carried tids such as
+    1630533312, the low half of a pthread id, not native ids)."""
+    out: dict[int, str] = {}
+    for t in threads:
+        for i in (t.native_id, t.ident):
+            if i is None:
+                continue
+            low = i & 0xFFFFFFFF
+            for k in (i, low, low - (1 << 32) if low >= 1 << 31 else low):
+                out.setdefault(k, t.name)
+    return out
+
+
 def summarize_trace(trace: dict, threads: dict[int, str] | None = None, window_s: float | None = None) -> dict:
     """The summary of a Chrome trace from `torch.profiler` (see the module doc). `threads`: native thread id ->
     name (the launching threads' names; ids not in it show as `tid N`). `window_s`: the profiled wall time (default:
@@ -144,7 +159,7 @@ class KernelProfile:
         try:
             from torch.profiler import ProfilerActivity, profile
 
-            self._names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+            self._names = thread_names(threading.enumerate())
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             prof.__enter__()
             t0 = time.perf_counter()

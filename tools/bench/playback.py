@@ -116,10 +116,16 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, end_t: float,
     gaps = [b - a for r in streams for a, b in zip(r.chunk_t, r.chunk_t[1:])]
     per = [underruns(r.chunk_t, r.chunk_s, tolerance_s) for r in streams if r.chunk_t]
     with_underrun = sum(1 for n, _ in per if n)
+    # streams cut at the end of the cell while their listener still had audio to play (paced streams: the AR keeps
+    # them only a lead ahead, `ar_pace_lead_s`): not behind, only not done yet
+    ahead = [r for r in streams if r.status == UNFINISHED and r.chunk_t
+             and r.chunk_t[0] + sum(r.chunk_s) + underruns(r.chunk_t, r.chunk_s, tolerance_s)[1] > end_t]
     delivered = sum(sum(r.chunk_s) for r in records)
     in_window = sum(s for r in records for t, s in zip(r.chunk_t, r.chunk_s) if t <= duration_s)
     return {"requests": len(records), "streams": len(streams), "offline": len(offline),
             "completed": counts[OK], "failed": counts[FAILED], "unfinished": counts[UNFINISHED],
+            "unfinished_ahead": len(ahead),
+            "undelivered_ahead_s": sum(max(0.0, r.audio_s - sum(r.chunk_s)) for r in ahead),
             "not_submitted": counts[NOT_SUBMITTED],
             "ttfa": {**distribution(ttfa), "censored": ttfa_censored},
             "ttfa_parts": ttfa_parts(records),
@@ -139,13 +145,17 @@ def saturated(cell: dict, throughput_ratio: float = 0.9, ttfa_p95_s: float = 5.0
     when the drain ended (the backlog did not clear), the audio delivered in all (arrival window and drain) below
     `throughput_ratio` x the audio offered, or TTFA p95 (streams; offline latency without streams) above
     `ttfa_p95_s`. (The window's own achieved audio s/s is not a test: it trails offered by the lag from arrival to
-    audio even when every request keeps up — about 20 % for 8 s streams in a 10 s window.)"""
-    if cell.get("unfinished"):
-        return f"{cell['unfinished']} of {cell.get('requests')} requests unfinished after the drain"
+    audio even when every request keeps up — about 20 % for 8 s streams in a 10 s window.)
+    Streams cut while their listener still had audio to play (`unfinished_ahead`: paced, not behind) count neither
+    as unfinished nor with their audio not yet due (`undelivered_ahead_s`) in the offered audio."""
+    behind = (cell.get("unfinished") or 0) - (cell.get("unfinished_ahead") or 0)
+    if behind > 0:
+        return f"{behind} of {cell.get('requests')} requests unfinished after the drain"
     off, dur = cell.get("offered_audio_s_per_s"), cell.get("duration_s")
     got, wall = cell.get("delivered_audio_s_per_s"), cell.get("wall_s")
-    if off and dur and got is not None and wall and got * wall < throughput_ratio * off * dur:
-        return f"delivered {got * wall:.1f} < {throughput_ratio:g} x offered {off * dur:.1f} audio s"
+    due = off * dur - (cell.get("undelivered_ahead_s") or 0.0) if off and dur else None
+    if due and got is not None and wall and got * wall < throughput_ratio * due:
+        return f"delivered {got * wall:.1f} < {throughput_ratio:g} x offered {due:.1f} audio s"
     p95 = (cell.get("ttfa") or {}).get("p95")
     if p95 is None:
         p95 = (cell.get("offline_latency") or {}).get("p95")
