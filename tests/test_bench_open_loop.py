@@ -591,3 +591,50 @@ def test_graph_sampling_ab_shares_one_ar_runner(tmp_path, one_torch_thread):
     assert [s["label"] for s in ol["settings"]] == ["ar_graph_sampling=0", "ar_graph_sampling=1"]
     assert len(runners) == 1 and runners[0].graph_sampler is not None
     assert all(c["completed"] == c["requests"] > 0 for c in ol["cells"])
+
+
+def test_keep_alive_serves_queued_jobs_over_one_pipeline(tmp_path, one_torch_thread):
+    """`--keep-alive DIR` (a bench process that stays up between device calls): after the pipeline's set-up it runs
+    the jobs queued in DIR/queue, oldest first, each into DIR/done/ID/ with a DONE marker; a job whose flags do not
+    parse finishes with its error and the next one still runs; the device / model / variant stay the process's; the
+    process stops after its idle limit. Its own --rates / --ab are not run."""
+    import os
+
+    from cosytrt.runtime.scheduling import scheduler
+    from cosytrt.tools.trtbuild import main
+
+    d = tmp_path / "benchd"
+    (d / "queue").mkdir(parents=True)
+    jobs = {"a_bad": ["--rates", "2", "--no-such-flag"],
+            "b_ok": ["--rates", "2", "--duration-s", "1.5", "--drain-s", "60", "--lengths", "1:0.3", "--min-s", "0.6",
+                     "--max-s", "1.2", "--seed", "3", "--ab", "async_d2h", "--model", "full", "--device", "cuda"],
+            "c_notalist": {"rates": 2}}
+    for i, (name, flags) in enumerate(jobs.items()):
+        p = d / "queue" / f"{name}.json"
+        p.write_text(json.dumps(flags))
+        os.utime(p, (1000 + i, 1000 + i))
+    from cosytrt.runtime.stages import compiled
+
+    runners, saves = [], []
+    real_runner = scheduler.make_ar_runner
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scheduler, "make_ar_runner", lambda *a, **k: runners.append(1) or real_runner(*a, **k))
+        mp.setattr(compiled, "save_compile_cache", lambda path: saves.append(path) or 0)
+        assert main(["bench", "--device", "cpu", "--model", "tiny", "--dtype", "float32", "--suite", "open_loop",
+                     "--variants", "eager", "--rates", "99", "--keep-alive", str(d), "--keep-alive-idle-s", "1",
+                     "--compile-cache", str(tmp_path / "cc.bin"), "--out", str(tmp_path / "boot")]) == 0
+    assert saves == [str(tmp_path / "cc.bin")] * 2   # after the first job's first scheduler, and after the section
+    assert not list((d / "queue").iterdir())
+    assert (d / "done" / "a_bad" / "DONE").read_text().startswith("error:") and "no-such-flag" in \
+        (d / "done" / "a_bad" / "DONE").read_text()
+    assert (d / "done" / "c_notalist" / "DONE").read_text().startswith("error:")
+    assert (d / "done" / "b_ok" / "DONE").read_text().strip() == "ok"
+    res = json.loads((d / "done" / "b_ok" / "results.json").read_text())
+    assert res["meta"]["model"] == "tiny"                       # the process's model, not the job's
+    ol = res["open_loop"]
+    assert ol["job"] == "b_ok" and len(ol["settings"]) == 2 and \
+        sorted(s["overrides"]["async_d2h"] for s in ol["settings"]) == [False, True]
+    assert ol["cells"] and all(c["rate"] == 2 for c in ol["cells"]) and ol["cells"][0]["completed"] > 0
+    assert len(runners) == 1                                    # both settings over one AR runner
+    boot = json.loads((tmp_path / "boot" / "results.json").read_text())["open_loop"]
+    assert boot["cells"] == [] and boot["pipeline_setup_s"] > 0  # its own --rates 99 did not run

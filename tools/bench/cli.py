@@ -7,6 +7,7 @@ agent (agent.py: voice-agent websocket sessions).
 """
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
@@ -66,6 +67,13 @@ def add_arguments(p) -> None:
                                             "dit_max_requests=16; max_in_flight=24+on_full=reject sheds load: with "
                                             "on_full=wait a full TTS would hold the arrival timer); unusable items are "
                                             "skipped with a message")
+    g.add_argument("--keep-alive", default=None, metavar="DIR",
+                   help="open_loop: after the pipeline's set-up, run the jobs queued as DIR/queue/ID.json (each a "
+                        "JSON list of open-loop flags: --rates, --ab, ...) over the same pipeline, results in "
+                        "DIR/done/ID/, until idle for --keep-alive-idle-s (this run's own --rates / --ab are not run; "
+                        "benchmarks/bench_job.sh queues jobs across device calls)")
+    g.add_argument("--keep-alive-idle-s", type=float, default=600.0, help="with --keep-alive: stop after this long "
+                   "without a job")
     g = p.add_argument_group("agent suite (voice-agent websocket sessions, Poisson arrivals)")
     g.add_argument("--agent-rates", default="0.5,1,2", help="session arrival rates (sessions/s)")
     g.add_argument("--agent-duration-s", type=float, default=20.0, help="seconds of session arrivals per cell")
@@ -96,6 +104,35 @@ def _open_loop_spec(args):
     specs = [OpenLoopSpec(rates[0], args.duration_s, args.seed, f, parse_lengths(args.lengths), args.min_s, args.max_s)
              for f in fractions]   # each checks its share
     return specs, rates, [f.strip() for f in args.ab.split(",") if f.strip()]
+
+
+class _JobArgumentError(ValueError):
+    """A keep-alive job's flags do not parse (argparse would exit the process that serves the next job)."""
+
+
+class _JobParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _JobArgumentError(message)
+
+
+def job_parser(boot):
+    """`JobQueue`'s parse: a job's open-loop flags -> (args, specs, rates, ab), its output in `out`; the device,
+    model, dtype, graph profile, engines and variant are the serving process's (`boot`), whatever the job says. The
+    first job that parses saves the process's compile cache once its first scheduler is ready (as a run without
+    --keep-alive does)."""
+    cache = {"path": getattr(boot, "compile_cache", None)}
+
+    def parse(flags: list[str], out: str):
+        p = _JobParser(prog="bench job", add_help=False)
+        add_arguments(p)
+        args = p.parse_args(list(flags) + ["--out", out, "--suite", "open_loop"])
+        for name in ("device", "model", "dtype", "graph_profile", "engines", "variants"):
+            setattr(args, name, getattr(boot, name))
+        args.keep_alive = None
+        specs, rates, ab = _open_loop_spec(args)
+        args.compile_cache, cache["path"] = cache["path"], None
+        return args, specs, rates, ab
+    return parse
 
 
 def run(args) -> int:
@@ -156,8 +193,13 @@ def run(args) -> int:
         from .open_loop import bench_open_loop
 
         specs, rates, ab = open_loop
+        jobs = None
+        if getattr(args, "keep_alive", None):
+            from .open_loop import JobQueue
+
+            jobs = JobQueue(args.keep_alive, job_parser(args), args.keep_alive_idle_s)
         b.section("open_loop", lambda: bench_open_loop(cfg, llm, flow, hift, args.device, b, variants[0], specs,
-                                                       rates, args.drain_s, ab))
+                                                       rates, args.drain_s, ab, jobs))
     if "agent" in suites:
         from .agent import AgentSpec, bench_agent, parse_settings
 
@@ -183,8 +225,6 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:  # python -m cosytrt.tools.bench
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m cosytrt.tools.bench")
     add_arguments(p)
     return run(p.parse_args(argv))

@@ -20,6 +20,7 @@ during the cell, peak GPU memory. Scheduler stats are read defensively: a key th
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -348,64 +349,153 @@ def _gpu_memory(device) -> dict:
 
 
 def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, specs: list[OpenLoopSpec],
-                    rates: list[float], drain_s: float, ab: list[str]) -> dict:
+                    rates: list[float], drain_s: float, ab: list[str], jobs: "JobQueue | None" = None) -> dict:
     """The rate sweep per A/B setting and per spec (the streaming shares of `--stream-fraction 1,0`; usually one) on
     the `variant` pipeline; results under bench.results["open_loop"], saved after every cell. With several specs each
-    sweep's label names its share."""
+    sweep's label names its share. With `jobs` (`--keep-alive DIR`): instead, after the pipeline's set-up, the jobs
+    that arrive in that folder (`JobQueue.serve`), each with its own rates and settings over the same pipeline and
+    TTS, until it has been idle for its time."""
     out: dict = {"variant": variant, "spec": specs[0].to_dict(), "rates": rates, "cells": [], "settings": []}
     if len(specs) > 1:
         out["stream_fractions"] = [s.stream_fraction for s in specs]
     bench.results["open_loop"] = out
-    base = scheduler_config(variant, max_in_flight=OPEN_LOOP_MAX_IN_FLIGHT)
-    settings, skipped = ab_settings(base, ab)
-    for msg in skipped:
-        log(msg)
-    out["ab_skipped"] = skipped
     t = time.perf_counter()
     models = random_models(cfg, llm, flow, hift, getattr(bench.args, "model", "full"))
     pipe = make_pipeline(models, variant, bench.args.graph_profile, getattr(bench.args, "engines", None))
     out["pipeline_setup_s"] = time.perf_counter() - t
-    speaker = pipe.default_speaker  # the bench's saved speaker (random frontend)
-    if any(o.get("flow_prefix_cache") for _, o in settings) and pipe.device.type == "cuda":
-        from .hop_check import cached_hop_check
-
-        out["cached_hop_check"] = jsonable(cached_hop_check(pipe))
-        bench.save()
-        log(f"cached hop check: {out['cached_hop_check']}")
+    log(f"open loop {variant}: pipeline ready in {out['pipeline_setup_s']:.1f}s")
     tts = None  # one TTS for all settings where their AR runner fields agree (start_tts swaps its scheduler)
     try:
-        for label, overrides in settings:
-            if bench.over_budget():
-                log(f"open loop: skip setting {label!r} (time budget)")
-                continue
-            t = time.perf_counter()
-            tts = start_tts(pipe, dataclasses.replace(base, **overrides), tts)
-            setup = time.perf_counter() - t
-            mem = _gpu_memory(pipe.device)
-            parts = (scheduler_stats(tts) or {}).get("setup_s") or {}  # the rest of `setup`: the warm-up requests
-            out["settings"].append({"label": label, "overrides": overrides, "scheduler_setup_s": setup,
-                                    "scheduler_setup_parts_s": parts, **mem})
-            log(f"open loop {variant} / {label}: scheduler ready in {setup:.1f}s ("
-                + ", ".join(f"{k} {v:.1f}s" for k, v in parts.items()) + f"); GPU memory {mem}")
-            if len(out["settings"]) == 1 and getattr(bench.args, "compile_cache", None):
-                # the compiles are done: keep them even if the device call's time limit cuts the cells short (a
-                # cold compiled set-up can take most of a call; the next call then starts from this cache)
-                from ...runtime.stages.compiled import save_compile_cache
-
-                log(f"saved compile cache {bench.args.compile_cache}: "
-                    f"{save_compile_cache(bench.args.compile_cache) / 1e6:.1f} MB")
-            try:
-                for one in specs:
-                    name = label if len(specs) == 1 else f"{label} / {100 * one.stream_fraction:.0f}% streams"
-                    _rate_sweep(bench, out, tts, name, one, rates, drain_s, speaker)
-            finally:
-                out["settings"][-1]["stats"] = jsonable(scheduler_stats(tts))
+        if jobs is None:
+            tts = run_settings(bench, out, pipe, variant, specs, rates, drain_s, ab, tts)
+        else:  # the process's own rates / settings are not run: each job brings its own
+            tts = jobs.serve(lambda b, o, sp, r, d, a, t_: run_settings(b, o, pipe, variant, sp, r, d, a, t_), tts)
     finally:
         if tts is not None:
             tts.close(close_backends=False)  # the pipeline (and its graphs) may serve another section
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return out
+
+
+def run_settings(bench, out: dict, pipe, variant: str, specs: list[OpenLoopSpec], rates: list[float],
+                 drain_s: float, ab: list[str], tts=None):
+    """Each A/B setting of `ab` over `pipe`: its scheduler (`start_tts`, over `tts` where it can), then its rate
+    sweeps into `out` ("settings", "cells"). Returns the TTS of the last setting (still open)."""
+    base = scheduler_config(variant, max_in_flight=OPEN_LOOP_MAX_IN_FLIGHT)
+    settings, skipped = ab_settings(base, ab)
+    for msg in skipped:
+        log(msg)
+    out.setdefault("ab_skipped", []).extend(skipped)
+    speaker = pipe.default_speaker  # the bench's saved speaker (random frontend)
+    if any(o.get("flow_prefix_cache") for _, o in settings) and pipe.device.type == "cuda" \
+            and "cached_hop_check" not in out:
+        from .hop_check import cached_hop_check
+
+        out["cached_hop_check"] = jsonable(cached_hop_check(pipe))
+        bench.save()
+        log(f"cached hop check: {out['cached_hop_check']}")
+    for label, overrides in settings:
+        if bench.over_budget():
+            log(f"open loop: skip setting {label!r} (time budget)")
+            continue
+        t = time.perf_counter()
+        tts = start_tts(pipe, dataclasses.replace(base, **overrides), tts)
+        setup = time.perf_counter() - t
+        mem = _gpu_memory(pipe.device)
+        parts = (scheduler_stats(tts) or {}).get("setup_s") or {}  # the rest of `setup`: the warm-up requests
+        out["settings"].append({"label": label, "overrides": overrides, "scheduler_setup_s": setup,
+                                "scheduler_setup_parts_s": parts, **mem})
+        log(f"open loop {variant} / {label}: scheduler ready in {setup:.1f}s ("
+            + ", ".join(f"{k} {v:.1f}s" for k, v in parts.items()) + f"); GPU memory {mem}")
+        if len(out["settings"]) == 1 and getattr(bench.args, "compile_cache", None):
+            # the compiles are done: keep them even if the device call's time limit cuts the cells short (a
+            # cold compiled set-up can take most of a call; the next call then starts from this cache)
+            from ...runtime.stages.compiled import save_compile_cache
+
+            log(f"saved compile cache {bench.args.compile_cache}: "
+                f"{save_compile_cache(bench.args.compile_cache) / 1e6:.1f} MB")
+        try:
+            for one in specs:
+                name = label if len(specs) == 1 else f"{label} / {100 * one.stream_fraction:.0f}% streams"
+                _rate_sweep(bench, out, tts, name, one, rates, drain_s, speaker)
+        finally:
+            out["settings"][-1]["stats"] = jsonable(scheduler_stats(tts))
+    return tts
+
+
+class JobQueue:
+    """Open-loop jobs for a bench process that stays up (`trtbuild bench --keep-alive DIR`): on the lent GPU machine
+    the set-up (compiles, CUDA graphs, the first scheduler) takes 5-6 minutes of a 10-minute device call, and a
+    process started in the background survives between calls while the machine stays warm (BENCHMARKS.md run 49).
+    `benchmarks/bench_job.sh` queues a job as DIR/queue/ID.json (a JSON list of open-loop bench flags: --rates,
+    --ab, --duration-s, ...) and waits for DIR/done/ID/ (results.json, and DONE when it is complete). Jobs run one at
+    a time, oldest first, over the same pipeline and TTS. `parse(argv)` -> (args, specs, rates, ab) for a job's
+    flags (args.out set to its folder). The loop ends after `idle_s` seconds without a job."""
+
+    def __init__(self, folder: str, parse, idle_s: float = 600.0, poll_s: float = 0.5):
+        self.folder, self.parse, self.idle_s, self.poll_s = folder, parse, idle_s, poll_s
+        for sub in ("queue", "done"):
+            os.makedirs(os.path.join(folder, sub), exist_ok=True)
+
+    def next_job(self) -> tuple[str, list] | None:
+        """The oldest queued job as (id, flags), taken off the queue; None when none is queued. A job file that is
+        not a JSON list of strings finishes at once with its error."""
+        q = os.path.join(self.folder, "queue")
+        names = sorted((f for f in os.listdir(q) if f.endswith(".json")),
+                       key=lambda f: (os.path.getmtime(os.path.join(q, f)), f))
+        if not names:
+            return None
+        path = os.path.join(q, names[0])
+        job_id = names[0][:-len(".json")]
+        try:
+            with open(path) as f:
+                flags = json.load(f)
+            if not isinstance(flags, list) or not all(isinstance(x, str) for x in flags):
+                raise ValueError("a job is a JSON list of bench flags (strings)")
+        except (OSError, ValueError) as e:
+            flags = e
+        os.remove(path)
+        return job_id, flags
+
+    def serve(self, run, tts):
+        """Run jobs until idle: `run(bench, out, specs, rates, drain_s, ab, tts)` -> tts per job, each job with a
+        `Bench` of its own (its flags' time budget and output folder). Returns the last TTS."""
+        from .common import Bench
+
+        log(f"keep-alive: waiting for jobs in {self.folder}/queue (idle limit {self.idle_s:g}s)")
+        idle_since = time.perf_counter()
+        while time.perf_counter() - idle_since < self.idle_s:
+            job = self.next_job()
+            if job is None:
+                time.sleep(self.poll_s)
+                continue
+            job_id, flags = job
+            done = os.path.join(self.folder, "done", job_id)
+            os.makedirs(done, exist_ok=True)
+            status = "ok"
+            try:
+                if isinstance(flags, Exception):
+                    raise flags
+                args, specs, rates, ab = self.parse(flags, done)
+                b = Bench(args)
+                out: dict = {"spec": specs[0].to_dict(), "rates": rates, "cells": [], "settings": [], "job": job_id,
+                             "flags": flags}
+                b.results["open_loop"] = out
+                log(f"keep-alive: job {job_id}: {' '.join(flags)}")
+                tts = run(b, out, specs, rates, args.drain_s, ab, tts)
+                b.save()
+            except Exception as e:  # noqa: BLE001 - a bad job must not end the process that serves the next
+                import traceback
+
+                traceback.print_exc()
+                status = f"error: {type(e).__name__}: {e}"
+            with open(os.path.join(done, "DONE"), "w") as f:
+                f.write(status + "\n")
+            log(f"keep-alive: job {job_id} done ({status})")
+            idle_since = time.perf_counter()
+        log("keep-alive: idle limit reached, stopping")
+        return tts
 
 
 def _rate_sweep(bench, out, tts, label, spec, rates, drain_s, speaker) -> None:
