@@ -408,6 +408,31 @@ def test_ar_graph_sampling_keeps_the_tokens(tts, speaker):
     assert_same_audio(on, off)
 
 
+def run_staggered(tts, cfg: SchedulerConfig, reqs, gap_s: float = 0.05):
+    """`reqs` submitted `gap_s` apart to a scheduler with `cfg`: (wavs, tokens, stats)."""
+    sched = Scheduler(tts.pipeline, cfg)
+    try:
+        handles = []
+        for r in reqs:
+            handles.append(sched.submit(r))
+            time.sleep(gap_s)
+        wavs = [h.result(timeout=120) for h in handles]
+        return wavs, [h.tokens for h in handles], sched.stats()
+    finally:
+        sched.close()
+
+
+def same_audio_and_counted(tts, reqs, **setting) -> tuple[dict, dict]:
+    """`reqs()` staggered without and with `setting` (an ordering-only switch): the same tokens and audio; returns
+    the two runs' scheduler stats (off, on) for the switch's counters."""
+    base = SchedulerConfig()
+    off_wavs, off_tokens, off_stats = run_staggered(tts, base, reqs())
+    on_wavs, on_tokens, on_stats = run_staggered(tts, replace(base, **setting), reqs())
+    assert on_tokens == off_tokens
+    assert_same_audio(on_wavs, off_wavs)
+    return off_stats, on_stats
+
+
 def test_first_audio_hold_keeps_the_audio_and_holds(tts, speaker):
     """`ar_first_audio_hold_ms`: the AR worker holds decode steps while a stream waits for its first audio (after its
     first DiT job was made): the same tokens and audio as without the hold, and the holds are counted. Staggered
@@ -416,23 +441,7 @@ def test_first_audio_hold_keeps_the_audio_and_holds(tts, speaker):
         return [make_request("Hold on for the first audio.", speaker=speaker, seed=i, stream=True,
                              force_tokens=60 + 30 * i) for i in range(3)]
 
-    def run(cfg):
-        sched = Scheduler(tts.pipeline, cfg)
-        try:
-            handles = []
-            for r in reqs():
-                handles.append(sched.submit(r))
-                time.sleep(0.05)
-            wavs = [h.result(timeout=120) for h in handles]
-            return wavs, [h.tokens for h in handles], sched.stats()
-        finally:
-            sched.close()
-
-    base = SchedulerConfig()
-    off_wavs, off_tokens, off_stats = run(base)
-    on_wavs, on_tokens, on_stats = run(replace(base, ar_first_audio_hold_ms=200.0))
-    assert on_tokens == off_tokens
-    assert_same_audio(on_wavs, off_wavs)
+    off_stats, on_stats = same_audio_and_counted(tts, reqs, ar_first_audio_hold_ms=200.0)
     assert off_stats["ar"]["first_audio_holds"] == 0
     assert on_stats["ar"]["first_audio_holds"] > 0 and on_stats["ar"]["first_audio_hold_s"] > 0
     with pytest.raises(Exception, match="ar_first_audio_hold_ms"):
@@ -448,23 +457,7 @@ def test_ar_pacing_keeps_the_audio_and_paces(tts, speaker):
                             force_tokens=60 + 25 * i) for i in range(3)]
         return out + [make_request("Offline too.", speaker=speaker, seed=9, stream=False, force_tokens=40)]
 
-    def run(cfg):
-        sched = Scheduler(tts.pipeline, cfg)
-        try:
-            handles = []
-            for r in reqs():
-                handles.append(sched.submit(r))
-                time.sleep(0.05)
-            wavs = [h.result(timeout=120) for h in handles]
-            return wavs, [h.tokens for h in handles], sched.stats()
-        finally:
-            sched.close()
-
-    base = SchedulerConfig()
-    off_wavs, off_tokens, off_stats = run(base)
-    on_wavs, on_tokens, on_stats = run(replace(base, ar_pace_lead_s=0.5))
-    assert on_tokens == off_tokens
-    assert_same_audio(on_wavs, off_wavs)
+    off_stats, on_stats = same_audio_and_counted(tts, reqs, ar_pace_lead_s=0.5)
     assert off_stats["ar"]["pace_waits"] == 0
     assert on_stats["ar"]["pace_waits"] > 0 and on_stats["ar"]["pace_wait_s"] > 0
     assert on_stats["ar"]["decode_rows"] / on_stats["ar"]["decode_steps"] >= \
