@@ -219,11 +219,14 @@ def test_runtime_counters_from_tts_metrics(tmp_path):
     assert m['cosytrt_runtime_queue_depth{queue="ar_waiting"}'] == 2
     assert m['cosytrt_dit_frames_total{kind="computed"}'] == 0 and m["cosytrt_flow_cache_fallbacks_total"] == 0
     assert not any(k.startswith("cosytrt_flow_cache_bytes") for k in m)  # no pool in these stats
+    assert not any(k.startswith("cosytrt_ar_") for k in m)  # no AR counters in these stats
     fake.stats = {"bucket_hits": 7, "scheduler": {"eager_fallbacks": {"llm": 2}, "busy_s": {"ar": 1.5, "dit": 2.0},
                                                   "dit": {"frames_computed": 900, "frames_reused": 400,
                                                           "cache_fallbacks": 3,
                                                           "flow_cache": {"bytes_used": 5e8, "budget_bytes": 4e9,
-                                                                         "peak_bytes": 3.9e9, "pages": 44}}}}
+                                                                         "peak_bytes": 3.9e9, "pages": 44}},
+                                                  "ar": {"decode_steps": 100, "decode_rows": 750, "pace_wait_s": 2.5,
+                                                         "first_audio_hold_s": 0.0}}}
     with client:
         m = parse_metrics(client.get("/metrics").text)
     assert m["cosytrt_bucket_hits_total"] == 7 and m["cosytrt_bucket_pads_total"] == 0
@@ -233,6 +236,9 @@ def test_runtime_counters_from_tts_metrics(tmp_path):
     assert m['cosytrt_flow_cache_bytes{kind="used"}'] == 5e8 and m['cosytrt_flow_cache_bytes{kind="peak"}'] == 3.9e9
     assert m['cosytrt_flow_cache_bytes{kind="budget"}'] == 4e9
     assert m['cosytrt_stage_busy_seconds_total{stage="dit"}'] == 2.0
+    assert m['cosytrt_ar_decode_total{kind="steps"}'] == 100 and m['cosytrt_ar_decode_total{kind="rows"}'] == 750
+    assert m['cosytrt_ar_wait_seconds_total{kind="pace"}'] == 2.5
+    assert m['cosytrt_ar_wait_seconds_total{kind="first_audio_hold"}'] == 0
     assert not any(k.startswith("cosytrt_gpu_memory_bytes") for k in m)  # no CUDA in this process
 
 

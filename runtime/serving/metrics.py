@@ -39,8 +39,8 @@ def _nested_dicts(d: dict, depth: int = 3):
 
 
 def runtime_view(stats: dict | None) -> dict:
-    """What /metrics takes from `tts.metrics()`: the scheduler's in-flight count and queues, and bucket hits / pads /
-    eager fallbacks (explicit `bucket_hits` / `bucket_pads` / `eager_fallbacks` keys, a number or {stage: number},
+    """What /metrics takes from `tts.metrics()`: the scheduler's in-flight count and queues, the AR's decode steps /
+    rows and holds, and bucket hits / pads / eager fallbacks (explicit `bucket_hits` / `bucket_pads` / `eager_fallbacks` keys, a number or {stage: number},
     else derived from a ShapeStats summary: pads = bucketed calls with padding waste > 1, over its kept samples)."""
     dicts = list(_nested_dicts(stats or {}))
     sched = next((d for d in dicts if "in_flight" in d and isinstance(d.get("queues"), dict)), {})
@@ -58,11 +58,16 @@ def runtime_view(stats: dict | None) -> dict:
                          if key == "eager_fallbacks" else sum(1 for w in samples if w > 1 + 1e-9))
         counters[key] = v
     dit = next((d for d in dicts if "frames_computed" in d), {})
+    ar = next((d for d in dicts if "decode_steps" in d and "decode_rows" in d), {})
     busy = next((d["busy_s"] for d in dicts if isinstance(d.get("busy_s"), dict)), {})
     pool = dit.get("flow_cache") if isinstance(dit.get("flow_cache"), dict) else {}
     return {"in_flight": _number(sched.get("in_flight")), "queues": sched.get("queues", {}), "counters": counters,
             "dit_frames": {k: _number(dit.get(f"frames_{k}")) for k in ("computed", "reused")},
             "cache_fallbacks": _number(dit.get("cache_fallbacks")), "busy_s": busy,
+            "ar_steps": {k: _number(ar.get(f"decode_{k}")) for k in ("steps", "rows")} if ar else {},
+            "ar_waits_s": {k: _number(ar.get(key)) for k, key in (("pace", "pace_wait_s"),
+                                                                   ("first_audio_hold", "first_audio_hold_s"))
+                           if key in ar},
             "flow_cache_bytes": {k: _number(pool[key]) for k, key in
                                  (("used", "bytes_used"), ("budget", "budget_bytes"), ("peak", "peak_bytes"))
                                  if key in pool}}
@@ -201,6 +206,16 @@ class ServerMetrics:
             lines.append(f"cosytrt_cuda_alloc_retries_total {mem['retries']!r}")
             head("cosytrt_cuda_ooms_total", "counter", "CUDA out-of-memory errors (the requests in that call failed)")
             lines.append(f"cosytrt_cuda_ooms_total {mem['ooms']!r}")
+        if view["ar_steps"]:
+            head("cosytrt_ar_decode_total", "counter", "AR decode steps, and the rows they advanced (rows / steps: "
+                 "the decode batch)")
+            for k, x in view["ar_steps"].items():
+                lines.append(f"cosytrt_ar_decode_total{_labels(kind=k)} {x or 0.0!r}")
+        if view["ar_waits_s"]:
+            head("cosytrt_ar_wait_seconds_total", "counter", "Seconds the AR held its decode steps: AR pacing (every "
+                 "stream far enough ahead of its listener) and first-audio holds")
+            for k, x in view["ar_waits_s"].items():
+                lines.append(f"cosytrt_ar_wait_seconds_total{_labels(kind=k)} {x or 0.0!r}")
         head("cosytrt_stage_busy_seconds_total", "counter", "Seconds each runtime stage spent running batches")
         for k, x in sorted(view["busy_s"].items()):
             if _number(x) is not None:
