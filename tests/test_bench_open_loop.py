@@ -118,6 +118,9 @@ def test_cut_streams_ahead_of_their_listener():
     s = summarize(recs, duration_s=5.0, end_t=6.0)
     assert s["unfinished"] == 2 and s["unfinished_ahead"] == 1
     assert s["undelivered_ahead_s"] == pytest.approx(20.0 - 7.0)
+    from cosytrt.tools.bench.report import _unfinished
+
+    assert _unfinished(s) == "2 (1 ahead)" and _unfinished({"unfinished": 0, "unfinished_ahead": 0}) == 0
 
 
 # ------------------------------------------------------------------ workload

@@ -289,7 +289,7 @@ def open_loop_tables(res: dict) -> str:
                              f"{c['streams']}/{c['offline']}", t.get("p50"), t.get("p95"), t.get("p99"),
                              c.get("inter_chunk_p95"), f"{c['underrun_requests']} of {c['streams']}",
                              c.get("underrun_fraction"), c.get("stall_s"), lat.get("p95"),
-                             c.get("unfinished"), c.get("failed"), c.get("saturated") or ""])
+                             _unfinished(c), c.get("failed"), c.get("saturated") or ""])
         busy, frames = c.get("busy") or {}, c.get("dit_frames") or {}
         res_rows.append(label + [busy.get(s) for s in ("ar", "dit", "hift")]
                         + [((c.get("buckets") or {}).get(sm) or {}).get("hit_rate") for sm in sms]
@@ -390,6 +390,13 @@ def _p50_p95(d) -> str:
         return "-"
     share = d.get("share")
     return f"{d['p50']:.3f} / {d['p95']:.3f}" + ("" if share is None else f" ({100 * share:.0f}%)")
+
+
+def _unfinished(c: dict):
+    """Unfinished requests of a cell, with how many of them were still ahead of their listener when it ended
+    (paced streams: not a backlog)."""
+    n, ahead = c.get("unfinished"), c.get("unfinished_ahead")
+    return f"{n} ({ahead} ahead)" if n and ahead else n
 
 
 def _util(d) -> str:
