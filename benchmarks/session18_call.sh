@@ -4,7 +4,8 @@
 # open-loop traffic; every cell with a 1 s kernel profile (its launching threads now named) and the stack sampler
 # (where each worker thread's host time goes: run 47 found the GPU idle 55 % of an 8 req/s window).
 #   CALL=mixed (first): mixed lengths at 8 and 12 req/s, 24 s of arrivals and 8 s of drain (AR pacing defers long
-#     streams' finals: a longer cell than run 48's), today's defaults against AR pacing (lead 2 s);
+#     streams' finals: a longer cell than run 48's), today's defaults against AR pacing (lead 2 s), the 0.5 ms
+#     interpreter switch interval and in-graph sampling (now with the event read-back); two calls' worth;
 #   CALL=long: 40 s streams at 1 / 2 / 3 req/s, defaults against AR pacing (the issue's 40 s saturation target);
 #   CALL=offline: the same 40 s mix offline (the "within 1.5x of offline" half of that target).
 #   AB=... replaces the settings. Each call waits up to WAIT_S (default 560 s) for its job; call again with the same
@@ -14,7 +15,8 @@
 set -u
 kp=(--kernel-profile-s 1 --sample-stacks --budget-s 100000)
 case "${CALL:-mixed}" in
-  mixed)   args=(--rates 8,12 --duration-s 24 --drain-s 8 --ab "${AB:-ar_graph_sampling=0,ar_pace_lead_s=2}") ;;
+  mixed)   args=(--rates 8,12 --duration-s 24 --drain-s 8
+                 --ab "${AB:-ar_graph_sampling=0,ar_pace_lead_s=2,fast_gil_switch=1,ar_graph_sampling=1}") ;;
   long)    args=(--rates 1,2,3 --duration-s 24 --drain-s 8 --lengths 40:0 --stream-fraction 1
                  --ab "${AB:-ar_graph_sampling=0,ar_pace_lead_s=2}") ;;
   offline) args=(--rates 1,2,3,4 --duration-s 24 --drain-s 8 --lengths 40:0 --stream-fraction 0) ;;
