@@ -381,7 +381,13 @@ def test_report_of_a_small_open_loop_json(tmp_path):
                                    _cell("flow_prefix_cache on", 4, 37.0, 36.5, 0.09, 0.0),
                                    _cell("flow_prefix_cache on", 8, 75.0, 74.0, 0.12, 0.0),
                                    {"setting": "flow_prefix_cache on", "rate": 16, "error": "RuntimeError('x')"}]}}
+    res["open_loop"]["cells"][3]["stacks"] = {"cosytrt-ar": {
+        "samples": 200, "cosytrt": [["ar_worker.py:_decode:250", 0.62], ["sampling.py:ids_to_host:78", 0.2]],
+        "leaf": [["threading.py:wait:355", 0.3]]}}
     md = report.open_loop_tables(res)
+    assert "where the worker threads' time goes" in md
+    assert "| flow_prefix_cache on | 8 | cosytrt-ar | 200 | ar_worker.py:_decode:250 62 %; sampling.py:ids_to_host:78 20 % " \
+           "| threading.py:wait:355 30 % |" in md
     assert "Poisson arrivals for 20 s per rate" in md and "log-normal(median 8 s, sigma 0.6)" in md
     assert "| flow_prefix_cache off | 8 | 75 | 61 |" in md and "| 10/0 | 0.92 | 1.84 | 2.76 |" in md
     assert "| hits dit/stream | hits hift/offline |" in md and "| 0.5 | 0.9 | 0.4 | 0.8 | 0.4 | 13 | 5000 | — |" in md

@@ -346,6 +346,15 @@ def open_loop_tables(res: dict) -> str:
                      "launching thread's kernel-busy share and its heaviest kernels, the heaviest kernels overall)"
                      "\n\n" + _md(["setting", "req/s", "window s", "kernels", "device busy", "concurrency",
                                     "per thread: busy", "top kernels (ms)"], kp_rows))
+    st_rows = [[c.get("setting"), c.get("rate"), thread, d.get("samples"), _shares(d.get("cosytrt")),
+                _shares(d.get("leaf"))]
+               for c in cells if "error" not in c for thread, d in sorted((c.get("stacks") or {}).items())]
+    if st_rows:
+        parts.append("**Open loop: where the worker threads' time goes** (`--sample-stacks`: every 5 ms each "
+                     "cosytrt-* thread's innermost cosytrt frame and innermost frame, as shares of its samples; a "
+                     "thread waiting for the interpreter lock shows at the line it runs next)\n\n"
+                     + _md(["setting", "req/s", "thread", "samples", "top cosytrt frames", "top innermost frames"],
+                           st_rows))
     setups = [s for s in ol.get("settings") or [] if s.get("scheduler_setup_s") is not None]
     if setups:
         names = sorted({k for s in setups for k in (s.get("scheduler_setup_parts_s") or {})})
@@ -390,6 +399,11 @@ def _p50_p95(d) -> str:
         return "-"
     share = d.get("share")
     return f"{d['p50']:.3f} / {d['p95']:.3f}" + ("" if share is None else f" ({100 * share:.0f}%)")
+
+
+def _shares(frames, top: int = 4) -> str:
+    """[[where, share], ...] -> 'where 41 %; ...' for the first `top`."""
+    return "; ".join(f"{w} {100 * x:.0f} %" for w, x in (frames or [])[:top]) or "-"
 
 
 def _unfinished(c: dict):
