@@ -287,6 +287,32 @@ def test_pool_overflow_falls_back_and_is_counted(flow, vectors):
     assert pool.stats()["bytes_used"] == 0
 
 
+def test_last_hop_commits_nothing_and_is_exact(flow, vectors):
+    """`FlowInput.commit=False` (the scheduler's last hop before a final): the hop equals the whole-history hop and
+    the hop that commits, bit for bit, reserves no page for its new frames (the prefix stays what earlier hops
+    committed) and is counted; a first hop with nothing cached yet commits as usual (no prefix to run against)."""
+    prompt = (vectors["flow.prompt_token"][0], vectors["flow.prompt_feat"][0], vectors["flow.embedding"][0])
+    tokens = make_tokens(flow, 260, 1)
+    ends = hop_ends(20, 260)
+    pt, pf, emb = prompt
+
+    def last(st, upto, commit):
+        return flow_rows(flow, [FlowInput(tokens[:upto + LOOKAHEAD], pt, pf, emb, False, st, commit=commit)], True)[0]
+
+    pool_a, pool_b = FlowCachePool(BIG), FlowCachePool(BIG)
+    a, b = pool_a.new_state(), pool_b.new_state()
+    assert torch.equal(last(a, ends[0], False), hop(flow, tokens, prompt, ends[0], b))  # first hop: commits anyway
+    assert a.frames == b.frames > 0 and pool_a.stats()["uncommitted_last_hops"] == 0
+    for upto in ends[1:-1]:
+        hop(flow, tokens, prompt, upto, a), hop(flow, tokens, prompt, upto, b)
+    before = (a.frames, pool_a.stats()["bytes_used"])
+    got, ref = last(a, ends[-1], False), hop(flow, tokens, prompt, ends[-1], b)
+    assert torch.equal(got, ref) and max_err(got, hop(flow, tokens, prompt, ends[-1])) <= CACHE_TOL
+    assert (a.frames, pool_a.stats()["bytes_used"]) == before and b.frames > a.frames
+    assert pool_a.stats()["uncommitted_last_hops"] == 1 and pool_a.stats()["fallback_hops"] == 0
+    a.close(), b.close()
+
+
 def test_changed_input_invalidates(flow, vectors):
     prompt, tokens, ends, pool, st = golden_stream(flow, vectors)
     changed = tokens.clone()

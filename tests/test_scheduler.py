@@ -444,6 +444,52 @@ def test_cache_pressure_cancels_and_voices_soak(tts, speakers):
     assert st["flow_cache"]["hop_graphs"]["misses"] == 0
 
 
+def test_last_hop_commits_nothing_in_the_scheduler(tts, speakers, monkeypatch):
+    """A stream whose LM finishes while its later hops still wait for the DiT (hops held back here): its last hop
+    before the final commits nothing to the prefix pool (counted) and the stream equals Pipeline.run."""
+    from cosytrt.runtime.scheduling.token2wav_worker import Token2WavWorker
+
+    real = Token2WavWorker._start_job
+
+    def slow_start(self, j):
+        if j.first:
+            time.sleep(0.5)  # the AR runs on to the end meanwhile: the later hops and the final queue up
+        return real(self, j)
+
+    monkeypatch.setattr(Token2WavWorker, "_start_job", slow_start)
+    req = make_request("The last hop commits nothing.", speaker=speakers[0], seed=41, stream=True, force_tokens=130)
+    ref = reference(tts, req)
+    sched = Scheduler(tts.pipeline, SchedulerConfig(flow_prefix_cache=True, dit_step_level=True))
+    try:
+        out = list(sched.submit(req).chunks(timeout=120))
+        st = sched.stats()["dit"]
+    finally:
+        sched.close()
+    assert_streams_match([out], [ref])
+    assert st["flow_cache"]["uncommitted_last_hops"] == 1 and st["cache_fallbacks"] == 0 and st["frames_reused"] > 0
+
+
+def test_last_hop_before_a_queued_final_is_marked():
+    """`_mark_last_hops` (the DiT thread, as it takes a call's jobs): a streaming hop that starts while its request's
+    final is queued and no other hop of it is marks `last_hop` (it will commit nothing to the prefix pool); a hop
+    with another hop of its request still queued, one whose final is not queued yet, a hop already mid-solve and
+    finals / offline jobs are left alone."""
+    from types import SimpleNamespace
+
+    from cosytrt.runtime.scheduling.token2wav_worker import Token2WavWorker
+
+    def job(r, final, streaming=True):
+        return SimpleNamespace(r=r, finalize=final, streaming=streaming, last_hop=False)
+
+    a, b, c, d, e = (SimpleNamespace(name=n) for n in "abcde")
+    last, more, early, mid, fin = job(a, False), job(b, False), job(c, False), job(d, False), job(e, True)
+    w = Token2WavWorker.__new__(Token2WavWorker)
+    w.active = {id(mid): (mid, object())}
+    w.dit = [job(a, True), job(b, False), job(b, True), job(d, True)]
+    w._mark_last_hops([last, more, early, mid, fin])
+    assert last.last_hop and not more.last_hop and not early.last_hop and not mid.last_hop and not fin.last_hop
+
+
 def test_prefix_of_a_queued_final_is_freed_before_it_runs():
     """`_free_prefixes_of_finals` (the DiT thread, before it picks the next call): a stream whose oldest queued job
     is its final and that has no hop in flight gives its flow prefix back at once; a stream with a hop still queued

@@ -72,6 +72,9 @@ class FlowInput:
     ids_checked: bool = False
     host_ids: Optional[torch.Tensor] = None
     prompt_digest: Optional[str] = None
+    # a cached hop may write its new frames' K/V to the request's prefix (False: the last hop before the final, which
+    # is a full-attention pass that reads no prefix; the hop's own output is the same either way)
+    commit: bool = True
 
 
 @dataclass

@@ -57,6 +57,9 @@ class DitJob:
     frames: int            # mel frames of the call (prompt + tokens), for grouping
     t_enqueue: float
     first: bool = False    # the request's first DiT job (the one its first audio waits for)
+    # a streaming hop that started when its request's final was already queued behind it with no hop between: no
+    # later hop reads its frames, so it commits none to the flow prefix pool (`FlowInput.commit`)
+    last_hop: bool = False
 
     @property
     def kind(self) -> tuple[bool, bool]:

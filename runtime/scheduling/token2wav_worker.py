@@ -189,9 +189,26 @@ class Token2WavWorker:
                 if group:
                     taken = {id(j) for j in group}
                     self.dit = [j for j in self.dit if id(j) not in taken]
+                    self._mark_last_hops(group)
                     self.dit_busy = True
                     return how, group
                 self.dit_cond.wait(wait)
+
+    def _mark_last_hops(self, group: list[DitJob]) -> None:
+        """(DiT thread, under dit_cond.) A streaming hop that starts now while its request's final is queued with no
+        other hop of it left in the queue is the last hop before that final: no later call reads its frames' K/V
+        (the final is a full-attention pass over everything), so it commits none to the prefix pool
+        (`DitJob.last_hop`). With the AR running ahead of the DiT under load most streams' last hop starts after
+        their LM has finished. The same audio."""
+        starting = [j for j in group if j.streaming and not j.finalize and id(j) not in self.active]
+        if not starting:
+            return
+        finals, hops = set(), set()
+        for q in self.dit:
+            (finals if q.finalize else hops).add(id(q.r))
+        for j in starting:
+            if id(j.r) in finals and id(j.r) not in hops:
+                j.last_hop = True
 
     def _free_prefixes_of_finals(self) -> None:
         """(DiT thread, under dit_cond.) A stream whose next queued job is its final and that has no hop in flight
@@ -222,7 +239,8 @@ class Token2WavWorker:
             check_token_ids(j.tokens, self.flow.cfg.vocab_size)
             host_ids = torch.cat((r.prompt_ids, j.tokens.long()))
         return FlowInput(upload(j.tokens, self.device), *r.prompt, finalize=j.finalize, cache=cache,
-                         ids_checked=ids_checked, host_ids=host_ids, prompt_digest=r.prompt_digest)
+                         ids_checked=ids_checked, host_ids=host_ids, prompt_digest=r.prompt_digest,
+                         commit=not getattr(j, "last_hop", False))
 
     def _flow_call(self, group: list[DitJob]) -> list[torch.Tensor]:
         """One DiT call for `group` (one kind): prefix-cached hops compute only their new frames (`flow_rows`)."""

@@ -35,7 +35,8 @@ plus per tail slot 2 convs x n_timesteps x 2 rows x 30 x dim (full size bf16: 2.
 charges every page and tail slot a hop reserves against the budget; when a hop's commit does not fit (after evicting
 unused prompt entries) it still runs against what the request already has but commits nothing, and a request with
 nothing cached runs today's whole-history hop through the pipeline's estimator (engine / CUDA graphs); both count as
-`fallback_hops`.
+`fallback_hops`. A hop the scheduler knows to be the last before its request's final (`FlowInput.commit` False)
+commits nothing either (`uncommitted_last_hops`): the final reads no prefix.
 
 The final hop stays upstream's full-attention pass over everything (a streaming final loses quality) and frees the
 request's cache (`FlowPrefixState.close`).
@@ -172,7 +173,8 @@ class FlowCachePool:
         self._free_tails: list = []
         self._prompts: OrderedDict[str, PromptEntry] = OrderedDict()
         self.counts = dict(frames_computed=0, frames_reused=0, cached_hops=0, whole_hops=0, fallback_hops=0,
-                           invalidations=0, prompt_hits=0, prompt_misses=0, prompt_evictions=0, peak_bytes=0)
+                           uncommitted_last_hops=0, invalidations=0, prompt_hits=0, prompt_misses=0,
+                           prompt_evictions=0, peak_bytes=0)
 
     # ------------------------------------------------------------------------------------------------ storage
     def storage(self, flow) -> Optional[PageStore]:

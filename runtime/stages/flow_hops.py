@@ -163,6 +163,9 @@ def plan_hops(flow, inputs, rows):
                 prompt_pages, (prompt_tail,) = got
         own_from = max(start, split)
         own_pages, own_tail = [], None
+        if not getattr(inp, "commit", True) and commit_to > own_from > 0:  # the last hop: no later hop reads them
+            commit_to = own_from
+            pool.count(uncommitted_last_hops=1)
         if commit_to > own_from:
             got = pool.reserve((commit_to - own_from) // chunk, 1)
             if got is None:
