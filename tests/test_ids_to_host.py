@@ -1,6 +1,6 @@
 """`models.sampling.ids_to_host` (SchedulerConfig.ar_event_sync): the AR's per-step read of the sampled ids, either
 `.tolist()` or, on CUDA with the switch on, a pinned copy and an event wait — the same values; the scheduler sets the
-process-wide switch only on CUDA and restores it on close."""
+process-wide read-back only on CUDA, and schedulers that overlap keep it on until the last closes."""
 from __future__ import annotations
 
 import pytest
@@ -24,13 +24,32 @@ def test_cpu_reads_are_tolist_either_way():
 def test_scheduler_sets_it_on_cuda_only_and_restores(tiny_tts):
     from cosytrt.runtime.scheduling.scheduler import Scheduler, SchedulerConfig
 
-    before = sampling._EVENT_SYNC["on"]
+    before = sampling.event_sync_on()
     sched = Scheduler(tiny_tts.pipeline, SchedulerConfig(ar_event_sync=True))
     try:
-        assert sampling._EVENT_SYNC["on"] == before and sched._event_sync is None  # the CPU: nothing to change
+        assert sampling.event_sync_on() == before and sched._event_sync is None  # the CPU: nothing to change
     finally:
         sched.close()
-    assert sampling._EVENT_SYNC["on"] == before
+    assert sampling.event_sync_on() == before
+
+
+def test_overlapping_users_keep_it_on_until_the_last_closes():
+    """`use_event_sync`: two schedulers that overlap and close in either order: on while either is registered (a
+    save-and-restore switch would turn it off under the second when the first closes)."""
+    assert not sampling.event_sync_on()
+    sampling.use_event_sync(+1)
+    sampling.use_event_sync(+1)
+    try:
+        sampling.use_event_sync(-1)                      # the first closes
+        assert sampling.event_sync_on()
+    finally:
+        sampling.use_event_sync(-1)
+    assert not sampling.event_sync_on()
+    sampling.use_event_sync(-1)                          # an extra release does not go below zero
+    sampling.use_event_sync(+1)
+    assert sampling.event_sync_on()
+    sampling.use_event_sync(-1)
+    assert not sampling.event_sync_on()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA: the pinned copy and event wait need a GPU")

@@ -440,7 +440,11 @@ def test_cache_pressure_cancels_and_voices_soak(tts, speakers):
     assert not errors
     assert_streams_match([o for i, o in enumerate(outs) if i not in cancel],
                          [r for i, r in enumerate(refs) if i not in cancel])
-    assert st["cache_fallbacks"] > 0 and st["frames_reused"] > 0 and "cached/step" in st["kinds"], st
+    # the small pool makes hops fall back under load — unless the last hops' uncommitted pages left enough room (a
+    # timing matter: the deterministic overflow cases are tests/test_flow_cache.py's)
+    fc = st["flow_cache"]
+    assert st["cache_fallbacks"] + fc["uncommitted_last_hops"] > 0, st
+    assert st["frames_reused"] > 0 and "cached/step" in st["kinds"], st
     assert st["flow_cache"]["hop_graphs"]["misses"] == 0
 
 

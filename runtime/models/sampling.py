@@ -44,24 +44,38 @@ _SILENT = frozenset(SILENT_TOKENS)
 
 # ---------------------------------------------------------------- reading the sampled ids back
 
-_EVENT_SYNC = {"on": False}
+_EVENT_SYNC = {"on": False, "users": 0}
+_EVENT_SYNC_LOCK = threading.Lock()
 _HOST = threading.local()  # per thread: pinned buffers by dtype, one CUDA event
 
 
 def set_event_sync(on: bool) -> bool:
-    """Process-wide: read sampled ids back through `ids_to_host`'s event wait (True) or `.tolist()`; returns the
-    previous setting (a scheduler with `SchedulerConfig.ar_event_sync` sets it and restores it on close)."""
-    prev, _EVENT_SYNC["on"] = _EVENT_SYNC["on"], bool(on)
+    """Process-wide: read sampled ids back through `ids_to_host`'s event wait (True) or `.tolist()` — an explicit
+    switch beside the schedulers that use it (`use_event_sync`); returns the previous switch."""
+    with _EVENT_SYNC_LOCK:
+        prev, _EVENT_SYNC["on"] = _EVENT_SYNC["on"], bool(on)
     return prev
 
 
+def use_event_sync(delta: int) -> None:
+    """A scheduler with `SchedulerConfig.ar_event_sync` on CUDA registers (+1) when it starts and unregisters (-1)
+    when it closes: the event read-back is on while any is registered (or `set_event_sync(True)`), so schedulers
+    that overlap (a benchmark's) and close in any order leave each other's setting alone."""
+    with _EVENT_SYNC_LOCK:
+        _EVENT_SYNC["users"] = max(0, _EVENT_SYNC["users"] + delta)
+
+
+def event_sync_on() -> bool:
+    return _EVENT_SYNC["on"] or _EVENT_SYNC["users"] > 0
+
+
 def ids_to_host(ids: torch.Tensor) -> list:
-    """`ids.tolist()` — the AR's one host sync per step. With `set_event_sync(True)` on CUDA: a non-blocking copy into
-    a pinned buffer of this thread, an event recorded after it on the current stream and waited for, then the list
-    from host memory, instead of the synchronous copy into pageable memory that `.tolist()` makes (the AR thread
-    spends most of every step in that wait, and the DiT and HiFT threads' launches waited with it: BENCHMARKS.md runs
-    42-43 and 48). The same values either way."""
-    if not _EVENT_SYNC["on"] or ids.device.type != "cuda":
+    """`ids.tolist()` — the AR's one host sync per step. With the event read-back on (`event_sync_on`) on CUDA: a
+    non-blocking copy into a pinned buffer of this thread, an event recorded after it on the current stream and
+    waited for, then the list from host memory, instead of the synchronous copy into pageable memory that `.tolist()`
+    makes (the AR thread spends most of every step in that wait, and the DiT and HiFT threads were held back with it:
+    BENCHMARKS.md runs 42-43 and 48). The same values either way."""
+    if ids.device.type != "cuda" or not event_sync_on():
         return ids.tolist()
     flat = ids.reshape(-1)
     n = flat.numel()

@@ -86,10 +86,10 @@ class SchedulerConfig:
     # on CUDA: the AR worker reads each step's sampled ids back by a non-blocking copy into pinned memory and an event
     # wait (`models.sampling.ids_to_host`) instead of `.tolist()`'s synchronous copy into pageable memory, which (by
     # runs 42-43 and 48; the mechanism is not shown) held the other threads back while the AR thread waited.
-    # Process-wide while the scheduler runs (restored on close); the same ids. On by default: on an H100 (run 48,
-    # compiled, 8 req/s, one process) TTFA p95 0.61 vs 0.80 s, 59.1 vs 56.2 audio s/s delivered within the arrival
-    # window (all of it by the drain's end either way); and with it the sampling inside the decode graphs no longer
-    # slows the other stages (57.6 audio s/s, where run 43 without it measured 38 vs 62)
+    # Process-wide while any scheduler with it runs (`sampling.use_event_sync`); the same ids. On by default: on an
+    # H100 (run 48, compiled, 8 req/s, one process) TTFA p95 0.61 vs 0.80 s, 59.1 vs 56.2 audio s/s delivered within
+    # the arrival window (all of it by the drain's end either way); and with it the sampling inside the decode graphs
+    # no longer slows the other stages (57.6 audio s/s, where run 43 without it measured 38 vs 62)
     ar_event_sync: bool = True
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)

@@ -190,11 +190,12 @@ class Scheduler:
 
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self._switch_interval, 0.0005))
-        self._event_sync = None  # the process-wide id read-back before this scheduler (ar_event_sync)
+        self._event_sync = None  # True while this scheduler is registered for the event read-back (ar_event_sync)
         if cfg.ar_event_sync and self.device.type == "cuda":
-            from ..models.sampling import set_event_sync
+            from ..models.sampling import use_event_sync
 
-            self._event_sync = set_event_sync(True)
+            use_event_sync(+1)
+            self._event_sync = True
         self.clock = StageClock(self.device.type == "cuda")  # busy time per stage (stats()["busy_s"])
         # CUDA: the frontend's uploads and LM-input embeddings run on a stream of their own, so a new request's
         # inputs do not queue behind the DiT / HiFT work on the default stream (its AR prefill and first DiT call
@@ -273,9 +274,9 @@ class Scheduler:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
         if self._event_sync is not None:
-            from ..models.sampling import set_event_sync
+            from ..models.sampling import use_event_sync
 
-            set_event_sync(self._event_sync)
+            use_event_sync(-1)
             self._event_sync = None
 
     # ================================================================== wiring
