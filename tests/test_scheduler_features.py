@@ -341,15 +341,30 @@ def test_dit_step_level_keeps_the_audio_and_steps_rows_together(tts, speaker):
 
 def test_fast_gil_switch_is_cuda_only_and_restored(tts):
     """`fast_gil_switch` shortens the interpreter's GIL switch interval while a CUDA scheduler runs and restores it
-    on close; on the CPU it changes nothing (no GPU work for the worker threads to keep queued)."""
+    when the last such scheduler closes; on the CPU it changes nothing (no GPU work for the worker threads to keep
+    queued)."""
     import sys
+
+    from cosytrt.runtime.scheduling.scheduler import FAST_GIL_SWITCH_S, use_fast_gil_switch
 
     before = sys.getswitchinterval()
     sched = Scheduler(tts.pipeline, SchedulerConfig(fast_gil_switch=True))
     try:
-        assert sys.getswitchinterval() == before and sched._switch_interval is None
+        assert sys.getswitchinterval() == before and not sched._fast_gil
     finally:
         sched.close()
+    assert sys.getswitchinterval() == before
+    # two overlapping users (CUDA schedulers): short while either is registered, the old interval after the last
+    use_fast_gil_switch(+1)
+    use_fast_gil_switch(+1)
+    try:
+        assert sys.getswitchinterval() == min(before, FAST_GIL_SWITCH_S)
+        use_fast_gil_switch(-1)
+        assert sys.getswitchinterval() == min(before, FAST_GIL_SWITCH_S)
+    finally:
+        use_fast_gil_switch(-1)
+    assert sys.getswitchinterval() == before
+    use_fast_gil_switch(-1)  # an extra release changes nothing
     assert sys.getswitchinterval() == before
 
 

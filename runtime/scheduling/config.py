@@ -45,10 +45,11 @@ class SchedulerConfig:
     # ahead of the DiT / HiFT kernels queued beside them (the AR step is on the path of every first chunk)
     ar_stream_priority: bool = True
     # on CUDA: while the scheduler runs, the interpreter hands the GIL between threads every 0.5 ms instead of 5 ms
-    # (sys.setswitchinterval; restored on close). The DiT thread needs the GIL for a little Python at every Euler
-    # step beside the AR thread's per-token Python, so each hand-over can cost it up to a whole interval. Off by
-    # default: not yet A/B'd (the lead from BENCHMARKS.md run 31: step-level DiT busy 0.82 vs 0.95 at saturation;
-    # run 41: a thread waiting for the lock waits 0.1 ms at the median, 1.8 ms at p95 at saturation, 5 ms switches)
+    # (sys.setswitchinterval; restored when the last such scheduler closes: `scheduler.use_fast_gil_switch`). The DiT
+    # thread needs the GIL for a little Python at every Euler step beside the AR thread's per-token Python, so each
+    # hand-over can cost it up to a whole interval. Off by default: no clear change on graphs_ar (run 42), not yet
+    # A/B'd on the compiled variant (run 41: a thread waiting for the lock waits 0.1 ms at the median, 1.8 ms at p95
+    # at saturation, 5 ms switches)
     fast_gil_switch: bool = False
     # on CUDA: the HiFT worker runs on its own highest-priority stream (waiting only for the DiT step that made each
     # mel, by event) instead of the DiT's stream, so a first chunk's vocoder window does not queue behind the DiT steps

@@ -77,6 +77,31 @@ def make_ar_runner(models, config: SchedulerConfig, device, engine_set=None) -> 
     return runner
 
 
+FAST_GIL_SWITCH_S = 0.0005
+_FAST_GIL = {"users": 0, "saved": None}
+_FAST_GIL_LOCK = threading.Lock()
+
+
+def use_fast_gil_switch(delta: int) -> None:
+    """`SchedulerConfig.fast_gil_switch`: a scheduler registers (+1) when it starts and unregisters (-1) when it
+    closes; while any is registered the interpreter switches threads every FAST_GIL_SWITCH_S at most
+    (`sys.setswitchinterval`), and the interval from before the first comes back when the last closes — whatever
+    order overlapping schedulers close in."""
+    import sys
+
+    with _FAST_GIL_LOCK:
+        if delta > 0:
+            if _FAST_GIL["users"] == 0:
+                _FAST_GIL["saved"] = sys.getswitchinterval()
+                sys.setswitchinterval(min(_FAST_GIL["saved"], FAST_GIL_SWITCH_S))
+            _FAST_GIL["users"] += 1
+        elif _FAST_GIL["users"] > 0:
+            _FAST_GIL["users"] -= 1
+            if _FAST_GIL["users"] == 0:
+                sys.setswitchinterval(_FAST_GIL["saved"])
+                _FAST_GIL["saved"] = None
+
+
 def start_workers(loops: list[tuple[str, Callable[[], None]]], lifecycle: Lifecycle) -> list[threading.Thread]:
     """One daemon thread per worker loop; a loop that dies of an unexpected error fails every live request."""
     def guard(loop):
@@ -184,12 +209,10 @@ class Scheduler:
                 t = time.perf_counter()
                 hops.capture_all(store, step_consts(flow, flow.rand_noise.device, flow.rand_noise.dtype))
                 self.setup_s["cached_hop_graphs"] = time.perf_counter() - t
-        self._switch_interval = None  # the interpreter's GIL switch interval before this scheduler (fast_gil_switch)
+        self._fast_gil = False  # registered for the short GIL switch interval (fast_gil_switch)
         if cfg.fast_gil_switch and self.device.type == "cuda":
-            import sys
-
-            self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._switch_interval, 0.0005))
+            use_fast_gil_switch(+1)
+            self._fast_gil = True
         self._event_sync = None  # True while this scheduler is registered for the event read-back (ar_event_sync)
         if cfg.ar_event_sync and self.device.type == "cuda":
             from ..models.sampling import use_event_sync
@@ -268,11 +291,9 @@ class Scheduler:
             if self.backends.dit_cached is not None:
                 self.backends.dit_cached.release(self.flow_cache.store)
             self.flow_cache.close()
-        if self._switch_interval is not None:
-            import sys
-
-            sys.setswitchinterval(self._switch_interval)
-            self._switch_interval = None
+        if self._fast_gil:
+            use_fast_gil_switch(-1)
+            self._fast_gil = False
         if self._event_sync is not None:
             from ..models.sampling import use_event_sync
 
