@@ -96,7 +96,8 @@ def ar_step_due(rows, now: float, lead_s: float, step_s: float) -> tuple[bool, f
     has not started) within `lead_s` plus the steps its next hop still needs (`step_s` each). Rows that are not due
     advance with those that are: a step of 32 rows costs about what a step of 2 does (BENCHMARKS.md run 8: 1.8 vs
     1.5 ms), so pacing makes fewer steps with more rows each instead of running every stream far ahead of its
-    listener. The tokens do not change (ordering only)."""
+    listener. Ordering only: with `batch_invariant` the tokens do not change; without it, as with any change of
+    which rows share a step."""
     wait = None
     for r in rows:
         if r.dead:
