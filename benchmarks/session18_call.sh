@@ -6,7 +6,10 @@
 #   CALL=mixed (first): mixed lengths at 8 and 12 req/s, 24 s of arrivals and 8 s of drain (AR pacing defers long
 #     streams' finals: a longer cell than run 48's), today's defaults against AR pacing (lead 2 s), the 0.5 ms
 #     interpreter switch interval and in-graph sampling (now with the event read-back); two calls' worth;
-#   CALL=long: 40 s streams at 1 / 2 / 3 req/s, defaults against AR pacing (the issue's 40 s saturation target);
+#   CALL=long: 40 s streams at 1 / 2 / 3 req/s, defaults against AR pacing (the issue's 40 s saturation target;
+#     their finals, ~2150 frames, are longer than h200-graphs' largest DiT offline bucket, 1536: they run eager and
+#     show as eager fallbacks — h200-mixed covers them, 16 x 2168, but needs its own process: START_ARGS=
+#     "--graph-profile h200-mixed" on a fresh machine, not yet run on a GPU);
 #   CALL=offline: the same 40 s mix offline (the "within 1.5x of offline" half of that target).
 #   AB=... replaces the settings. Each call waits up to WAIT_S (default 560 s) for its job; call again with the same
 #   CALL to keep waiting. Fire each call within 30 s of the previous one (the machine's idle release).
