@@ -10,7 +10,9 @@
 #     their finals, ~2150 frames, are longer than h200-graphs' largest DiT offline bucket, 1536: they run eager and
 #     show as eager fallbacks — h200-mixed covers them, 16 x 2168, but needs its own process: START_ARGS=
 #     "--graph-profile h200-mixed" on a fresh machine, not yet run on a GPU);
-#   CALL=offline: the same 40 s mix offline (the "within 1.5x of offline" half of that target).
+#   CALL=offline: the same 40 s mix offline (the "within 1.5x of offline" half of that target);
+#   CALL=c1: 1 req/s, in-graph sampling off / on with the event read-back (the c1 TTFA target: 28 AR steps of the
+#     ~100 ms to first audio; run 45 halved the AR thread's host time per step with it).
 #   AB=... replaces the settings. Each call waits up to WAIT_S (default 560 s) for its job; call again with the same
 #   CALL to keep waiting. Fire each call within 30 s of the previous one (the machine's idle release).
 #   usage (repo root on the device): CALL=mixed bash benchmarks/session18_call.sh
@@ -23,6 +25,7 @@ case "${CALL:-mixed}" in
   long)    args=(--rates 1,2,3 --duration-s 24 --drain-s 8 --lengths 40:0 --stream-fraction 1
                  --ab "${AB:-ar_graph_sampling=0,ar_pace_lead_s=2}") ;;
   offline) args=(--rates 1,2,3,4 --duration-s 24 --drain-s 8 --lengths 40:0 --stream-fraction 0) ;;
-  *) echo "CALL must be mixed, long or offline"; exit 2 ;;
+  c1)      args=(--rates 1 --duration-s 24 --drain-s 8 --ab "${AB:-ar_graph_sampling=0,ar_graph_sampling=1}") ;;
+  *) echo "CALL must be mixed, long, offline or c1"; exit 2 ;;
 esac
 JOB=${JOB:-${CALL:-mixed}} bash benchmarks/bench_job.sh "${args[@]}" "${kp[@]}"
