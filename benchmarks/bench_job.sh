@@ -14,6 +14,7 @@
 set -uo pipefail
 D=${BENCHD:-/tmp/benchd}
 job=${JOB:?JOB=name names the job}
+[[ "$job" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "JOB must be letters, digits, '_', '.' or '-': $job"; exit 2; }
 wait_s=${WAIT_S:-560}
 start=$(date +%s)
 mkdir -p "$D/queue" "$D/done"
