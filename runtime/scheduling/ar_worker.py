@@ -126,10 +126,7 @@ class ARWorker:
         t0 = time.perf_counter()
         if deadline is None or t0 >= deadline:
             return False
-        with self.cond:
-            if not self.waiting and not self.stopped:
-                self.cond.wait(min(deadline - t0, HOLD_POLL_S))
-        self.counters.hold(time.perf_counter() - t0)
+        self._wait(t0, min(deadline - t0, HOLD_POLL_S), self.counters.hold)
         return True
 
     def _pace(self) -> bool:
@@ -142,11 +139,16 @@ class ARWorker:
         due, wait = ar_step_due(self.running, t0, lead, self.step_s)
         if due:
             return False
+        self._wait(t0, PACE_POLL_S if wait is None else min(wait, PACE_POLL_S), self.counters.pace)
+        return True
+
+    def _wait(self, t0: float, seconds: float, count) -> None:
+        """Wait up to `seconds` instead of a decode step (a new request or the scheduler's stop ends it early), then
+        `count` the seconds since `t0`."""
         with self.cond:
             if not self.waiting and not self.stopped:
-                self.cond.wait(PACE_POLL_S if wait is None else min(wait, PACE_POLL_S))
-        self.counters.pace(time.perf_counter() - t0)
-        return True
+                self.cond.wait(seconds)
+        count(time.perf_counter() - t0)
 
     def _admit(self) -> list[RequestState]:
         """Free the slots of dead running rows; give waiting requests a slot (see `policies.admit`)."""

@@ -209,16 +209,16 @@ class Scheduler:
                 t = time.perf_counter()
                 hops.capture_all(store, step_consts(flow, flow.rand_noise.device, flow.rand_noise.dtype))
                 self.setup_s["cached_hop_graphs"] = time.perf_counter() - t
-        self._fast_gil = False  # registered for the short GIL switch interval (fast_gil_switch)
-        if cfg.fast_gil_switch and self.device.type == "cuda":
-            use_fast_gil_switch(+1)
-            self._fast_gil = True
-        self._event_sync = None  # True while this scheduler is registered for the event read-back (ar_event_sync)
-        if cfg.ar_event_sync and self.device.type == "cuda":
+        # process-wide switches this scheduler registered for (CUDA only), each given back on close: the short GIL
+        # switch interval (fast_gil_switch) and the event read-back of the sampled ids (ar_event_sync)
+        self._process_switches: list[Callable[[int], None]] = []
+        if self.device.type == "cuda":
             from ..models.sampling import use_event_sync
 
-            use_event_sync(+1)
-            self._event_sync = True
+            for on, use in ((cfg.fast_gil_switch, use_fast_gil_switch), (cfg.ar_event_sync, use_event_sync)):
+                if on:
+                    use(+1)
+                    self._process_switches.append(use)
         self.clock = StageClock(self.device.type == "cuda")  # busy time per stage (stats()["busy_s"])
         # CUDA: the frontend's uploads and LM-input embeddings run on a stream of their own, so a new request's
         # inputs do not queue behind the DiT / HiFT work on the default stream (its AR prefill and first DiT call
@@ -291,14 +291,8 @@ class Scheduler:
             if self.backends.dit_cached is not None:
                 self.backends.dit_cached.release(self.flow_cache.store)
             self.flow_cache.close()
-        if self._fast_gil:
-            use_fast_gil_switch(-1)
-            self._fast_gil = False
-        if self._event_sync is not None:
-            from ..models.sampling import use_event_sync
-
-            use_event_sync(-1)
-            self._event_sync = None
+        while self._process_switches:
+            self._process_switches.pop()(-1)
 
     # ================================================================== wiring
     def _on_dead(self, r: RequestState) -> None:

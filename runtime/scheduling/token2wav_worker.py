@@ -203,12 +203,14 @@ class Token2WavWorker:
         starting = [j for j in group if j.streaming and not j.finalize and id(j) not in self.active]
         if not starting:
             return
-        finals, hops = set(), set()
-        for q in self.dit:
-            (finals if q.finalize else hops).add(id(q.r))
+        final_next = {id(j.r) for j in self._finals_next()}
         for j in starting:
-            if id(j.r) in finals and id(j.r) not in hops:
+            if id(j.r) in final_next:
                 j.last_hop = True
+
+    def _finals_next(self) -> list[DitJob]:
+        """The queued finals that are their request's next queued job (its hops, queued before it, are all taken)."""
+        return [j for j in first_per_request(self.dit) if j.finalize]
 
     def _free_prefixes_of_finals(self) -> None:
         """(DiT thread, under dit_cond.) A stream whose next queued job is its final and that has no hop in flight
@@ -217,9 +219,9 @@ class Token2WavWorker:
         lets new hops commit nothing (their later hops recompute those frames; run 44: 67 such hops at 12 req/s).
         The same audio."""
         busy = {id(j.r) for j, _ in self.active.values()}
-        for j in first_per_request(self.dit):
+        for j in self._finals_next():
             cache = None if j.r.stream is None else j.r.stream.flow_cache
-            if j.finalize and cache is not None and not cache.closed and id(j.r) not in busy:
+            if cache is not None and not cache.closed and id(j.r) not in busy:
                 cache.close()
                 self.dit_counters.prefixes_freed_early += 1
 
@@ -240,7 +242,7 @@ class Token2WavWorker:
             host_ids = torch.cat((r.prompt_ids, j.tokens.long()))
         return FlowInput(upload(j.tokens, self.device), *r.prompt, finalize=j.finalize, cache=cache,
                          ids_checked=ids_checked, host_ids=host_ids, prompt_digest=r.prompt_digest,
-                         commit=not getattr(j, "last_hop", False))
+                         commit=not j.last_hop)
 
     def _flow_call(self, group: list[DitJob]) -> list[torch.Tensor]:
         """One DiT call for `group` (one kind): prefix-cached hops compute only their new frames (`flow_rows`)."""

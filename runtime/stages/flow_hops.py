@@ -163,7 +163,7 @@ def plan_hops(flow, inputs, rows):
                 prompt_pages, (prompt_tail,) = got
         own_from = max(start, split)
         own_pages, own_tail = [], None
-        if not getattr(inp, "commit", True) and commit_to > own_from > 0:  # the last hop: no later hop reads them
+        if not inp.commit and commit_to > own_from > 0:  # the last hop: no later hop reads them
             commit_to = own_from
             pool.count(uncommitted_last_hops=1)
         if commit_to > own_from:

@@ -282,7 +282,8 @@ def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, la
             **stats_delta(before, after, end),
             "compiles": compiled_graph_count() - compiles,
             "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
-            "cuda_alloc": allocator_events(alloc),  # the caching allocator's retries / cudaMalloc / cudaFree in the cell
+            # the caching allocator's retries / cudaMalloc / cudaFree in the cell
+            "cuda_alloc": allocator_events(alloc),
             "gil_wait_ms": gil.summary(),  # a probe thread's lateness waking from 5 ms sleeps (gil_probe.py)
             "gpu_util_pct": gpu.summary(),  # nvidia-smi's utilization.gpu through the cell (gpu_util.py)
             # [arrival s, audio s, stream, first chunk s, last chunk s, chunks, status]
@@ -292,8 +293,9 @@ def run_open_loop_cell(tts, spec: OpenLoopSpec, drain_s: float, speaker=None, la
                              for r in records]}
     if sampler is not None:
         cell["stacks"] = sampler.summary()
-    if kprof.summary() is not None:
-        cell["kernel_profile"] = kprof.summary()
+    kernels = kprof.summary()
+    if kernels is not None:
+        cell["kernel_profile"] = kernels
     _settle(tts)
     errs = [r.error for r in records if r.status == FAILED and r.error]
     if errs:

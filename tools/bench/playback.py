@@ -114,12 +114,13 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, end_t: float,
     ttfa, ttfa_censored = first_audio(streams, last=False)
     latency, latency_censored = first_audio(offline, last=True)
     gaps = [b - a for r in streams for a, b in zip(r.chunk_t, r.chunk_t[1:])]
-    per = [underruns(r.chunk_t, r.chunk_s, tolerance_s) for r in streams if r.chunk_t]
+    played = [r for r in streams if r.chunk_t]
+    per = [underruns(r.chunk_t, r.chunk_s, tolerance_s) for r in played]
     with_underrun = sum(1 for n, _ in per if n)
     # streams cut at the end of the cell while their listener still had audio to play (paced streams: the AR keeps
     # them only a lead ahead, `ar_pace_lead_s`): not behind, only not done yet
-    ahead = [r for r in streams if r.status == UNFINISHED and r.chunk_t
-             and r.chunk_t[0] + sum(r.chunk_s) + underruns(r.chunk_t, r.chunk_s, tolerance_s)[1] > end_t]
+    ahead = [r for r, (_, stall) in zip(played, per)
+             if r.status == UNFINISHED and r.chunk_t[0] + sum(r.chunk_s) + stall > end_t]
     delivered = sum(sum(r.chunk_s) for r in records)
     in_window = sum(s for r in records for t, s in zip(r.chunk_t, r.chunk_s) if t <= duration_s)
     return {"requests": len(records), "streams": len(streams), "offline": len(offline),

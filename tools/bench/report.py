@@ -306,7 +306,8 @@ def open_loop_tables(res: dict) -> str:
                                    + [f"hits {sm}" for sm in sms]
                                    + ["eager fallbacks", "DiT frames computed", "DiT frames reused", "compiles",
                                       "peak GB", "GIL wait p50 / p95 ms", "GPU util mean / p50 %",
-                                      "AR rows/step, sampled in graph (first-audio hold)", "alloc retries / cudaFree"], res_rows))
+                                      "AR rows/step, sampled in graph (held / paced s)",
+                                      "alloc retries / cudaFree"], res_rows))
     from .playback import TTFA_PARTS
 
     ttfa_rows = [[c.get("setting"), c.get("rate")]
