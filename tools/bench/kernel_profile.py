@@ -10,7 +10,8 @@ after another. This window measures, from CUPTI's own kernel records:
   * `concurrency`: summed kernel time / that union (1.0: kernels never overlapped; streams did not help);
   * per launching thread: kernel time as a share of the window, kernels, and its top kernels. A kernel is attributed
     through the `correlation` id that links it to the runtime / driver call that launched it (a CUDA graph replay's
-    kernels share its `cudaGraphLaunch`), whose `tid` is the launching thread's native id;
+    kernels share its `cudaGraphLaunch`), whose `tid` names the launching thread (its native id, or the low 32
+    bits of its pthread id as in run 47's traces: `thread_names` maps both);
   * the top kernels overall (name, count, total ms, mean µs).
 
 The profiler starts `start_s` after the cell starts (default: the middle of the arrival window) for `window_s`
@@ -61,12 +62,12 @@ def thread_names(threads) -> dict[int, str]:
 
 
 def summarize_trace(trace: dict, threads: dict[int, str] | None = None, window_s: float | None = None) -> dict:
-    """The summary of a Chrome trace from `torch.profiler` (see the module doc). `threads`: native thread id ->
-    name (the launching threads' names; ids not in it show as `tid N`). `window_s`: the profiled wall time (default:
+    """The summary of a Chrome trace from `torch.profiler` (see the module doc). `threads`: trace tid -> name
+    (`thread_names`: the launching threads' names; ids not in it show as `tid N`). `window_s`: the profiled wall time (default:
     first kernel start to last kernel end)."""
     threads = threads or {}
     events = trace.get("traceEvents") or []
-    launcher: dict[int, int] = {}  # correlation -> launching thread's native id
+    launcher: dict[int, int] = {}  # correlation -> launching thread's tid
     gpu = []
     for ev in events:
         if ev.get("ph") != "X":
