@@ -21,7 +21,9 @@ mkdir -p "$D/queue" "$D/done"
 export COSYTRT_COMMIT=${COSYTRT_COMMIT:-$(cat benchmarks/COMMIT 2>/dev/null || echo unknown)}
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 source benchmarks/device_setup.sh
-alive() { [ -f "$D/pid" ] && kill -0 "$(cat "$D/pid")" 2>/dev/null; }
+# Found by its command line, not by `$!`: that is setsid's pid, and setsid forks when it leads its process group, so
+# the saved pid was gone while the bench process ran on and a second call started a second one beside it (run 50).
+alive() { pgrep -f -- "--keep-alive $D " > /dev/null; }
 if [ ! -e "$D/done/$job" ] && [ ! -e "$D/queue/$job.json" ]; then
   python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@" > "$D/queue/$job.json.tmp" \
     && mv "$D/queue/$job.json.tmp" "$D/queue/$job.json" && echo "queued job $job: $*"
@@ -31,8 +33,9 @@ if [ ! -f "$D/done/$job/DONE" ] && ! alive; then
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
   (cd /tmp && setsid nohup python3 -X faulthandler -m cosytrt.tools.bench --out "$D/boot" --compile-cache /tmp/cc.bin \
     --suite open_loop --variants "${VARIANT:-compiled}" --keep-alive "$D" --keep-alive-idle-s "${IDLE_S:-900}" \
-    ${START_ARGS:-} < /dev/null > "$D/daemon.log" 2>&1 & echo $! > "$D/pid")
-  echo "started the bench process (pid $(cat "$D/pid"), log $D/daemon.log)"
+    ${START_ARGS:-} < /dev/null > "$D/daemon.log" 2>&1 &)
+  sleep 2
+  echo "started the bench process (pid $(pgrep -f -- "--keep-alive $D " | tr '\n' ' '), log $D/daemon.log)"
 fi
 shown=0
 while :; do
