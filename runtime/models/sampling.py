@@ -309,11 +309,18 @@ class TokenPolicy:
             self._uniforms = torch.rand(2 * DRAW_BLOCK, generator=self._generator()).tolist()[::-1]
         return [self._uniforms.pop(), self._uniforms.pop()]
 
-    def stop_mask_mode(self) -> int:
-        """0: no stop id masked; 1: only `speech_token_size` (upstream ignore_eos quirk); 2: every stop id."""
-        if self.params.force_tokens is not None or (self.mask_all_stops_before_min and self.num_sampled < self.min_len):
+    def undraw(self, uniforms: list[float]) -> None:
+        """Give back `uniforms` (in the order `draw` gave them, the last ones drawn): the next `draw`s return them
+        again. For a decode call that drew its steps' uniforms and then did not run (`PackedRows.undraw`)."""
+        self._uniforms += uniforms[::-1]
+
+    def stop_mask_mode(self, ahead: int = 0) -> int:
+        """0: no stop id masked; 1: only `speech_token_size` (upstream ignore_eos quirk); 2: every stop id. `ahead`:
+        the mode `ahead` steps from now, if none of them stops (a multi-step decode call, `pack_rows(steps=)`)."""
+        n = self.num_sampled + ahead
+        if self.params.force_tokens is not None or (self.mask_all_stops_before_min and n < self.min_len):
             return _MASK_ALL_STOPS
-        if self.num_sampled < self.min_len:
+        if n < self.min_len:
             return _MASK_FIRST_STOP   # upstream ignore_eos quirk (see module docstring)
         return _NO_STOP_MASK
 
@@ -368,7 +375,9 @@ class TokenPolicy:
 class PackedRows:
     """The host side of one sampling step for B rows (`pack_rows`): every row's two uniforms (already drawn from its
     generator), top_p / top_k / repeat_min / greedy / stop mode and RAS window, row-major in `flat` ([B, 7 + width]
-    float32 once uploaded), and what the tensor ops need to know on the host."""
+    float32 once uploaded), and what the tensor ops need to know on the host. `steps` > 1: that many such blocks one
+    after the other, one per step of a multi-step decode call (each with its own uniforms and stop mode; the window
+    columns of the later blocks repeat the first's: the device keeps the window from there)."""
     flat: list[float]
     rows: int
     width: int          # window columns (the widest win_size; shorter windows padded with -1)
@@ -376,6 +385,15 @@ class PackedRows:
     modes: set
     any_greedy: bool
     stop: int           # speech_token_size: the first stop id
+    steps: int = 1
+
+    def undraw(self, policies: list["TokenPolicy"]) -> None:
+        """Give every row's uniforms back to its policy (`TokenPolicy.undraw`), for a call that did not run: the
+        rows' next steps draw them again, so their tokens stay the ones a run without that call gives."""
+        c = _WINDOW + self.width
+        for i, p in enumerate(policies):
+            p.undraw([u for k in range(self.steps) for u in
+                      self.flat[(k * self.rows + i) * c + _U_NUCLEUS:(k * self.rows + i) * c + _U_RESAMPLE + 1]])
 
     def upload(self, device: torch.device) -> torch.Tensor:
         return _upload(self.flat, self.rows, device)
@@ -390,9 +408,11 @@ class PackedRows:
                           any(flat[j * c + _GREEDY] > 0 for j in range(len(keep))), self.stop)
 
 
-def pack_rows(policies: list[TokenPolicy], vocab: int) -> PackedRows:
+def pack_rows(policies: list[TokenPolicy], vocab: int, steps: int = 1) -> PackedRows:
     """Check every policy first (so a bad one draws nothing), then draw each row's two uniforms and pack its host
-    values. Does not touch the policies' bookkeeping (that is `TokenPolicy.accept`)."""
+    values. Does not touch the policies' bookkeeping (that is `TokenPolicy.accept`). `steps` > 1: a block per step of
+    a multi-step decode call, step k with the rows' next uniforms and their stop mode k steps ahead (the uniforms
+    drawn in the order single steps draw them: row by row within a step, each row's own stream)."""
     stop = policies[0].speech_token_size
     width = max_top_k = 0
     for p in policies:
@@ -406,17 +426,18 @@ def pack_rows(policies: list[TokenPolicy], vocab: int) -> PackedRows:
     flat: list[float] = []
     modes: set[int] = set()
     any_greedy = False
-    for p in policies:
-        params, mode = p.params, p.stop_mask_mode()
-        modes.add(mode)
-        any_greedy |= params.greedy
-        window = p.history[-params.win_size:]
-        flat += p.draw()
-        flat += (params.top_p, params.top_k, _repeat_min(params), params.greedy, mode)
-        if len(window) < width:
-            flat += [-1] * (width - len(window))
-        flat += window
-    return PackedRows(flat, len(policies), width, max_top_k, modes, any_greedy, stop)
+    for k in range(steps):
+        for p in policies:
+            params, mode = p.params, p.stop_mask_mode(k)
+            modes.add(mode)
+            any_greedy |= params.greedy
+            window = p.history[-params.win_size:]
+            flat += p.draw()
+            flat += (params.top_p, params.top_k, _repeat_min(params), params.greedy, mode)
+            if len(window) < width:
+                flat += [-1] * (width - len(window))
+            flat += window
+    return PackedRows(flat, len(policies), width, max_top_k, modes, any_greedy, stop, steps)
 
 
 def select_packed(logits: torch.Tensor, packed: PackedRows) -> list[int]:
@@ -455,6 +476,13 @@ class StaticSampler:
     def fits(self, packed: PackedRows) -> bool:
         return packed.stop == self.stop and packed.max_top_k == self.top_k and packed.width <= self.width
 
+    def fits_steps(self, policies: list[TokenPolicy]) -> bool:
+        """Can these rows sample a multi-step decode call here (`ar_graphs.decode_steps`), checked before anything is
+        drawn: `fits`, and every row's RAS window exactly the static width (the device shifts each step's id into
+        the window; a narrower one would keep ids it should drop)."""
+        return bool(policies) and all(p.speech_token_size == self.stop and p.params.win_size == self.width
+                                      for p in policies) and max(p.params.top_k for p in policies) == self.top_k
+
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """ids [B] (long) of `logits` [B, V] with the host values `rows` [B, 7 + width] (float32)."""
         scores = _masked_scores(logits, rows, {_NO_STOP_MASK, _MASK_FIRST_STOP}, self.stop)  # per-row mode column
@@ -464,18 +492,22 @@ class StaticSampler:
 
     def rows(self, packed: PackedRows, B: int, pin: bool = False) -> torch.Tensor:
         """`packed`'s host values as a [B, 7 + width] float32 CPU tensor (pinned with `pin`): each window padded with
-        -1 to the static width (-1 is never an id: the repeat counts do not change), then B - rows padding rows."""
+        -1 to the static width (-1 is never an id: the repeat counts do not change), then B - rows padding rows.
+        A multi-step `packed` ([K, B, 7 + width]): the same for each step's block."""
         c, extra = _WINDOW + packed.width, [-1.0] * (self.width - packed.width)
+        pad = ([0.5, 0.5, 1.0, self.top_k, 1 << 20, 1, _NO_STOP_MASK] + [-1.0] * self.width) * (B - packed.rows)
         flat: list[float] = []
-        for i in range(0, packed.rows * c, c):
-            flat += packed.flat[i:i + _WINDOW]
-            flat += extra
-            flat += packed.flat[i + _WINDOW:i + c]
-        flat += ([0.5, 0.5, 1.0, self.top_k, 1 << 20, 1, _NO_STOP_MASK] + [-1.0] * self.width) * (B - packed.rows)
-        return torch.tensor(flat, dtype=torch.float32, pin_memory=pin).view(B, _WINDOW + self.width)
+        for k in range(packed.steps):
+            for i in range(k * packed.rows * c, (k + 1) * packed.rows * c, c):
+                flat += packed.flat[i:i + _WINDOW]
+                flat += extra
+                flat += packed.flat[i + _WINDOW:i + c]
+            flat += pad
+        shape = (B, _WINDOW + self.width) if packed.steps == 1 else (packed.steps, B, _WINDOW + self.width)
+        return torch.tensor(flat, dtype=torch.float32, pin_memory=pin).view(shape)
 
-    def example_rows(self, B: int) -> torch.Tensor:
-        return self.rows(PackedRows([], 0, self.width, self.top_k, set(), False, self.stop), B)
+    def example_rows(self, B: int, steps: int = 1) -> torch.Tensor:
+        return self.rows(PackedRows([], 0, self.width, self.top_k, set(), False, self.stop, steps), B)
 
 
 def _masked_scores(logits: torch.Tensor, rows: torch.Tensor, modes: set[int], stop: int) -> torch.Tensor:

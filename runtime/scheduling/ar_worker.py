@@ -2,7 +2,9 @@
 
 One thread. Every iteration admits waiting requests (`policies.admit`: one batched prefill of rows of different
 lengths into free KV slots), runs ONE decode step for all running rows and ONE `sample_batch` for them (one host
-sync). Finished rows free their slot at once; new requests join at the next step (continuous batching). After each
+sync) — or, with `ar_decode_steps` = K, K steps sampled on the device in one runner call (`_decode_steps`: one
+upload, one replay and one read-back per K tokens; the host then books the K steps one by one, as single steps
+would). Finished rows free their slot at once; new requests join at the next step (continuous batching). After each
 step it hands every row that got a token to its `TokenSink` (`tokens(r, done)`): in one process the token2wav
 worker (which turns due hops and the end into DiT jobs), in the cluster the AR replica's token stream.
 """
@@ -59,6 +61,9 @@ class ARWorker:
         self.step_s = 0.003  # decode step wall time, moving average (ar_pace_lead_s)
         # the runner samples the decode step itself (`ar_graph_sampling`: in its decode graphs on CUDA)
         self.graph_sampler = getattr(runner, "graph_sampler", None) if config.ar_graph_sampling else None
+        # `ar_decode_steps` > 1: decode that many steps per runner call where the runner can (`decode_steps_n`)
+        self.steps_per_call = (getattr(runner, "decode_steps_n", 1)
+                               if config.ar_decode_steps > 1 and getattr(runner, "step_sampler", None) else 1)
         # On CUDA the worker runs on its own stream: its per-step host sync (the sampled tokens) then waits for its
         # own kernels only, not for DiT / HiFT batches queued by the other workers, and its graphs overlap theirs.
         # Its only device inputs from other threads are lm_input (fenced by `inputs_ready`); what it hands on
@@ -220,6 +225,8 @@ class ARWorker:
 
     def _decode(self) -> None:
         rows = list(self.running)
+        if self.steps_per_call > 1 and self._decode_steps(rows):
+            return
         t0 = time.perf_counter()
 
         def inputs(rs):  # a decode call's tokens, slots, positions
@@ -244,6 +251,52 @@ class ARWorker:
         self._sample(rows_ok, logits, t0, ids, packed)
         self.counters.decode(len(rows))
         self.step_s += STEP_EMA * (time.perf_counter() - t0 - self.step_s)
+
+    def _book_time(self, rows: list[RequestState], t0: float, steps: int) -> None:
+        """A multi-step call's seconds: each row's share to its AR time, per step to the step-time estimate."""
+        dt = time.perf_counter() - t0
+        for r in rows:
+            r.metrics.t_ar += dt / len(rows)
+        self.step_s += STEP_EMA * (dt / steps - self.step_s)
+
+    def _decode_steps(self, rows: list[RequestState]) -> bool:
+        """`steps_per_call` decode steps for `rows` in one runner call (`ar_decode_steps`), or False (nothing drawn,
+        nothing run: the single step takes them) when a row could not take them: at its length limit, a policy the
+        device sampler does not fit (another RAS window or top_k), no room in the KV slots or graphs for the steps,
+        or the call failed (its uniforms given back first). The K steps' ids are booked step by step as single steps
+        book them (`accept`, the sink per token): a row that stops mid-call drops out, the ids after it are unused."""
+        runner, k = self.runner, self.steps_per_call
+        policies = [r.policy for r in rows]
+        if (any(p.finished or p.num_sampled >= p.max_len for p in policies)
+                or not runner.step_sampler.fits_steps(policies)
+                or not runner.can_decode_steps(len(rows), max(r.pos for r in rows) + 1)):
+            return False
+        t0 = time.perf_counter()
+        try:
+            packed = pack_rows(policies, runner.step_sampler.vocab, steps=k)  # raises before drawing anything
+        except Exception:
+            return False
+        try:
+            ids = runner.decode_steps([p.next_input for p in policies], [r.slot for r in rows],
+                                      [r.pos for r in rows], packed)
+        except Exception:
+            packed.undraw(policies)
+            return False
+        live = set(range(len(rows)))
+        for step in ids:
+            pairs = [(rows[i], step[i]) for i in sorted(live)]
+            if not pairs:
+                break
+            for r, _ in pairs:
+                r.pos += 1
+            booked = self._per_row(pairs, lambda r, tok: r.policy.accept(tok))
+            self._emit(booked)
+            still = {id(r) for r, (_, done) in booked if not done and r.slot is not None}
+            live = {i for i in live if id(rows[i]) in still}
+            self.counters.decode(len(pairs))
+        self.counters.multi_step_calls += 1
+        self._book_time(rows, t0, k)
+        return True
 
     def _pack(self, rows: list[RequestState]) -> PackedRows | None:
         """The step's sampling inputs when the runner samples (`graph_sampler`; its uniforms drawn now), else None:
@@ -289,6 +342,14 @@ class ARWorker:
                 steps = list(zip(rows, sample_batch(logits, [r.policy for r in rows])))
             except Exception:
                 steps = self._per_row(zip(rows, logits), lambda r, lg: r.policy.step(lg))
+        self._emit(steps)
+        share = (time.perf_counter() - t0) / len(rows)
+        for r in rows:
+            r.metrics.t_ar += share
+
+    def _emit(self, steps: list) -> None:
+        """The sampled (row, (token or None, done)) pairs: append the tokens, free the slots of finished rows, hand
+        the rows to the sink."""
         finished = False
         for r, (tok, done) in steps:
             try:
@@ -302,6 +363,3 @@ class ARWorker:
                 self._fail(r, e)
         if finished:
             self.running = [r for r in self.running if r.slot is not None]
-        share = (time.perf_counter() - t0) / len(rows)
-        for r in rows:
-            r.metrics.t_ar += share

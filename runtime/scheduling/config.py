@@ -92,6 +92,20 @@ class SchedulerConfig:
     # the arrival window (all of it by the drain's end either way); and with it the sampling inside the decode graphs
     # no longer slows the other stages (57.6 audio s/s, where run 43 without it measured 38 vs 62)
     ar_event_sync: bool = True
+    # > 1: the AR worker decodes this many steps per runner call where it can (`ARWorker._decode_steps`): the
+    # steps' sampling on the device (`StaticSampler`, as `ar_graph_sampling`), each step's ids fed back as the next
+    # step's tokens and shifted into the RAS window there (`stages.ar_graphs.decode_steps`; on CUDA one multi-step
+    # graph per batch bucket and KV rung, captured at start). The host uploads the inputs, replays and reads the
+    # ids back once per call and then books the steps one by one as single steps do, so the tokens are the same
+    # (each row's own uniforms, drawn in the same order; a row that stops mid-call drops its later ids; tests in
+    # tests/test_ar_decode_steps.py). Why: under load the AR thread's host work per step, not the GPU, set the AR's
+    # pace (runs 47 and 50: ~0.85 ms of kernels in 5-8 ms per step, the AR ~90 % busy at saturation, the 40 s
+    # streams and offline jobs AR-bound at 61-93 audio s/s). Costs: a token reaches the DiT up to K-1 steps later;
+    # a row that stops mid-call computes the rest of the call; a request waiting for admission waits up to K steps;
+    # K times the decode graphs' capture. Rows the device sampler does not fit (another RAS window or top_k), rows
+    # near their length limit and calls that do not fit the graphs take single steps. Off (1) by default: not yet
+    # run on a GPU
+    ar_decode_steps: int = 1
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
     ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)
@@ -115,7 +129,7 @@ class SchedulerConfig:
         if self.on_full not in ("wait", "reject"):
             raise InputError(f"SchedulerConfig.on_full must be 'wait' or 'reject', got {self.on_full!r}")
         for name in ("max_in_flight", "ar_max_batch", "ar_max_prefill_tokens", "dit_max_requests", "hift_max_batch",
-                     "hift_max_frames", "frontend_workers"):
+                     "hift_max_frames", "frontend_workers", "ar_decode_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InputError(f"SchedulerConfig.{name} must be a positive int, got {v!r}")

@@ -178,6 +178,8 @@ class Scheduler:
                                                                        self.backends.engine_set)
         if cfg.ar_graph_sampling and hasattr(self.runner, "enable_graph_sampling"):  # a runner made without it
             self.runner.enable_graph_sampling()  # (TTS.reconfigure): its decode graphs with the sampler, once
+        if hasattr(self.runner, "enable_decode_steps"):  # multi-step decode graphs (ar_decode_steps), or none
+            self.runner.enable_decode_steps(cfg.ar_decode_steps)
         self.setup_s["ar_runner"] = time.perf_counter() - t
         self.ar_max_len = self.runner.max_len
         self._compiles_at_start = compile_count() if cfg.compile else None

@@ -20,6 +20,7 @@ class ARCounters:
     first_audio_hold_s: float = 0.0
     pace_waits: int = 0               # waits instead of a decode step while every stream was far enough ahead of its
     pace_wait_s: float = 0.0          # listener (ar_pace_lead_s); pace_wait_s: their seconds
+    multi_step_calls: int = 0         # runner calls of ar_decode_steps steps each (their steps count in decode_steps)
 
     def prefill(self, rows: int) -> None:
         self.prefill_calls += 1

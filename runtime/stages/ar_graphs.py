@@ -7,6 +7,11 @@ rung >= the longest position + 1 (a static int, so the graph's shapes are fixed)
 With a `StaticSampler` the graphs also hold the step's sampling (`run_sampled`: the packed host values go up with
 the step's inputs, one replay, one read of the ids), so a decode step costs the AR thread a few host operations
 instead of the sampler's ~35 kernel launches beside the DiT and vocoder threads.
+
+With `steps` = K > 1 a graph holds K decode steps, each sampled on the device and fed its own ids as the next step's
+tokens (`decode_steps`; `run_steps`): the AR thread's per-step host work — the inputs' upload, the replay, the
+read-back and its wait — is paid once per K tokens (`SchedulerConfig.ar_decode_steps`). Under load that host work,
+not the GPU, set the AR's pace (BENCHMARKS.md runs 47 and 50: ~0.85 ms of kernels in a 5-8 ms step).
 """
 from __future__ import annotations
 
@@ -22,11 +27,34 @@ def _sampled(logits: torch.Tensor, rows: torch.Tensor, sampler: StaticSampler) -
     return logits, sampler(logits, rows)
 
 
+def decode_steps(decode, sampler: StaticSampler, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                 rows: torch.Tensor) -> torch.Tensor:
+    """K decode steps of B rows in fixed shapes (a CUDA graph holds them; the CPU runs them eagerly): step k samples
+    with `rows[k]` ([K, B, 7 + width], `StaticSampler.rows` of a multi-step `PackedRows`: the step's uniforms and
+    stop modes) and the RAS window the steps before it left (the first step's from `rows[0]`; each step's id is
+    shifted in at the right, the oldest dropped: the last `width` sampled ids, as the host's history gives them),
+    then feeds its ids back as the next step's tokens at the next positions. `decode(tokens, slots, positions)` ->
+    logits [B, V]. Returns the ids [K, B]. A row that samples a stop id runs on to the end of the call (its K/V past
+    the stop are never read: the slot is released); the host keeps only what `TokenPolicy.accept` takes."""
+    n = rows.shape[2] - sampler.width  # the per-step columns before the window
+    window = rows[0, :, n:]
+    out = []
+    for k in range(rows.shape[0]):
+        ids = sampler(decode(tokens, slots, positions), torch.cat([rows[k, :, :n], window], dim=1))
+        out.append(ids)
+        window = torch.cat([window[:, 1:], ids[:, None].to(window.dtype)], dim=1)
+        tokens, positions = ids, positions + 1
+    return torch.stack(out)
+
+
 class DecodeGraphs:
     """`decode(tokens, slots, positions, kv_len=...)` is the LM's decode step, eager or compiled (`compiled.py`)."""
 
     def __init__(self, decode, batches: list[int], kv_lens: list[int], scratch_slot: int, device,
-                 sampler: StaticSampler | None = None):
+                 sampler: StaticSampler | None = None, steps: int = 1):
+        if steps > 1 and sampler is None:
+            raise ValueError("DecodeGraphs: multi-step graphs sample on the device: pass a sampler")
+        self.steps = steps
         self.batches = sorted(set(batches))
         self.kv_lens = sorted(set(kv_lens))
         self.scratch = scratch_slot
@@ -36,6 +64,9 @@ class DecodeGraphs:
         for kv in self.kv_lens:
             if sampler is None:
                 fn = lambda t, s, p, kv=kv: decode(t, s, p, kv_len=kv)  # noqa: E731
+            elif steps > 1:
+                fn = lambda t, s, p, rows, kv=kv: decode_steps(  # noqa: E731
+                    lambda t_, s_, p_: decode(t_, s_, p_, kv_len=kv), sampler, t, s, p, rows)
             else:
                 fn = lambda t, s, p, rows, kv=kv: _sampled(decode(t, s, p, kv_len=kv), rows, sampler)  # noqa: E731
             cache = GraphCache(fn, self.device)
@@ -43,7 +74,7 @@ class DecodeGraphs:
                 t = torch.zeros(B, dtype=torch.long, device=self.device)
                 s = torch.full((B,), scratch_slot, dtype=torch.long, device=self.device)
                 p = torch.zeros(B, dtype=torch.long, device=self.device)
-                extra = () if sampler is None else (sampler.example_rows(B).to(self.device),)
+                extra = () if sampler is None else (sampler.example_rows(B, steps).to(self.device),)
                 cache.capture(B, (t, s, p) + extra)
             self.graphs[kv] = cache
         self.replays = self.sampled = 0
@@ -85,6 +116,17 @@ class DecodeGraphs:
         self.sampled += 1
         logits, ids = self.graphs[kv].run(B, host[0], host[1], host[2], rows)
         return logits[:len(tokens)], ids_to_host(ids[:len(tokens)])
+
+    def run_steps(self, tokens: list[int], slots: list[int], positions: list[int], need_kv: int,
+                  packed: PackedRows) -> list[list[int]]:
+        """The multi-step graphs' call (`steps` > 1, `packed.steps` the same, `fits(len(tokens), need_kv)` with
+        need_kv = the longest position + steps): the ids of every step, [steps][rows]."""
+        B, kv, host = self._host(tokens, slots, positions, need_kv)
+        rows = self.sampler.rows(packed, B, pin=self.device.type == "cuda")
+        self.replays += 1
+        self.sampled += self.steps
+        ids = self.graphs[kv].run(B, host[0], host[1], host[2], rows)
+        return ids_to_host(ids[:, :len(tokens)])
 
     def _host(self, tokens: list[int], slots: list[int], positions: list[int], need_kv: int):
         b = len(tokens)

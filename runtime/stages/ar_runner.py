@@ -87,6 +87,11 @@ class TorchARRunner:
         # (`decode_sampled`), in decode graphs that hold it on the GPU (`sampled_graphs`)
         self.graph_sampler: StaticSampler | None = None
         self.sampled_graphs = None
+        # `enable_decode_steps(K)`: K decode steps per call (`decode_steps`), sampled on the device by `step_sampler`
+        # (in multi-step decode graphs on CUDA)
+        self.decode_steps_n = 1
+        self.step_sampler: StaticSampler | None = None
+        self.step_graphs = None
         self._decode_graph_shape = None  # (batches, KV rungs) of the decode graphs
         if use_graphs:
             from .ar_graphs import DecodeGraphs, PrefillGraphs
@@ -116,13 +121,59 @@ class TorchARRunner:
         if compile:
             self._warm_compiled()
 
+    def _sampler(self) -> StaticSampler:
+        return StaticSampler(self.lm.config.speech_vocab, self.lm.config.speech_token_size)
+
+    def enable_decode_steps(self, steps: int) -> None:
+        """Make `decode_steps` run `steps` decode steps per call (`ar_graphs.decode_steps`; with decode graphs, a set
+        of multi-step graphs captured now over the same KV slots and compiled step). `steps` <= 1: off. Another
+        `steps` than before replaces the graphs (TTS.reconfigure)."""
+        steps = max(1, int(steps))
+        if steps == self.decode_steps_n:
+            return
+        self.decode_steps_n, self.step_graphs = steps, None
+        self.step_sampler = self._sampler() if steps > 1 else None
+        if steps > 1 and self._decode_graph_shape is not None:
+            from .ar_graphs import DecodeGraphs
+
+            batches, rungs = self._decode_graph_shape
+            self.step_graphs = DecodeGraphs(self._decode, batches, rungs, self.slots.scratch_slot, self.device,
+                                            self.step_sampler, steps=steps)
+
+    def can_decode_steps(self, rows: int, need_kv: int) -> bool:
+        """Does a `decode_steps` call of `rows` rows fit, the longest attending `need_kv` positions at its first
+        step (its last step attends `decode_steps_n - 1` more)?"""
+        last = need_kv + self.decode_steps_n - 1
+        if self.decode_steps_n <= 1 or last > self.max_len:
+            return False
+        return self.step_graphs is None or self.step_graphs.fits(rows, last)
+
+    def decode_steps(self, tokens: list[int], slots: list[int], positions: list[int],
+                     packed: PackedRows) -> list[list[int]]:
+        """`packed.steps` (= `decode_steps_n`) decode steps, each sampled with its block of `packed` (made by
+        `pack_rows(..., steps=)` for rows that `step_sampler.fits_steps`) and fed back as the next step's tokens:
+        the ids [steps][rows]. Check `can_decode_steps` first. In a multi-step graph on CUDA, else eagerly in the same
+        fixed-shape ops (the path the CPU tests check)."""
+        from .ar_graphs import decode_steps
+
+        need = max(positions) + packed.steps
+        self.slots.install()
+        if self.step_graphs is not None:
+            return self.step_graphs.run_steps(tokens, slots, positions, need, packed)
+        kv_len = min(self.max_len, -(-need // KV_LEN_STEP) * KV_LEN_STEP)
+        t, s, p = self._padded([tokens, slots, positions], [0, self.slots.scratch_slot, 0])
+        rows = self.step_sampler.rows(packed, t.shape[0]).to(self.device)
+        ids = decode_steps(lambda t_, s_, p_: self._decode(t_, s_, p_, kv_len=kv_len), self.step_sampler, t, s, p,
+                           rows)
+        return ids_to_host(ids[:, :len(tokens)])
+
     def enable_graph_sampling(self) -> None:
         """Make `decode_sampled` sample in the runner: the fixed-shape sampler and, with decode graphs, a second set
         of them with the sampler inside, captured now over the same KV slots and compiled step (no compile again: a
         scheduler with `ar_graph_sampling` can take over this runner, `TTS.reconfigure`). Idempotent."""
         if self.graph_sampler is not None:
             return
-        sampler = StaticSampler(self.lm.config.speech_vocab, self.lm.config.speech_token_size)
+        sampler = self._sampler()
         if self._decode_graph_shape is not None:
             from .ar_graphs import DecodeGraphs
 
@@ -210,7 +261,7 @@ class TorchARRunner:
 
     def close(self) -> None:
         """Drop the graphs (their memory pools) and the KV cache references."""
-        self.decode_graphs = self.prefill_graphs = self.sampled_graphs = None
+        self.decode_graphs = self.prefill_graphs = self.sampled_graphs = self.step_graphs = None
 
     # ---------------------------------------------------------------- extras
     @property
@@ -224,6 +275,8 @@ class TorchARRunner:
                 # decode steps sampled inside a decode graph (`ar_graph_sampling`; the second graph set when the
                 # runner took it on later, else the one set)
                 "sampled_graph_replays": self.sampled_graphs.sampled if self.sampled_graphs else 0,
+                # multi-step decode graphs (`ar_decode_steps`): replays, each `decode_steps` steps
+                "multi_step_graph_replays": self.step_graphs.replays if self.step_graphs else 0,
                 "slot_allocations": self.slots.allocations,
                 **({"batch_invariance_check": self.invariance_check} if self.invariance_check else {})}
 

@@ -8,7 +8,8 @@ requests, default sampling parameters, one seed per row, with two runners:
   the worker's own time per step, the LM left out;
 - `tiny`: `TorchARRunner` over the tiny CosyVoice3 LM (seeded random weights, fp32; on CUDA in its decode graphs):
   the whole step; `tiny sampled`: the same with `ar_graph_sampling` (on CUDA the sampling inside the decode graphs;
-  on the CPU the same fixed-shape sampler, eagerly).
+  on the CPU the same fixed-shape sampler, eagerly); `tiny x4`: `ar_decode_steps=4` (four steps per runner call,
+  sampled on the device; on CUDA in multi-step decode graphs), its µs divided by 4: per token step.
 Prints microseconds per step (median of `repeats` blocks of `steps` steps), for `fixed` the aten ops per step that
 are not views (about the kernel launches of a GPU step), and for `tiny` the part spent outside `runner.decode` (on
 CUDA that includes waiting for the GPU: the decode is only launched). On CUDA every step ends in the sampling's host
@@ -90,6 +91,12 @@ class _TimedRunner:
         self.seconds += time.perf_counter() - t0
         return out
 
+    def decode_steps(self, tokens, slots, positions, packed):
+        t0 = time.perf_counter()
+        out = self.runner.decode_steps(tokens, slots, positions, packed)
+        self.seconds += time.perf_counter() - t0
+        return out
+
 
 def tiny_runner(max_batch: int, max_len: int = 1024, device: str = "cpu", graph_sampling: bool = False):
     """TorchARRunner over the tiny LM (fp32); on CUDA with its decode graphs."""
@@ -107,16 +114,17 @@ def _reraise(r, e: BaseException) -> None:
     raise e
 
 
-def worker_for(runner, batch: int, start_pos: int = 64, device: str = "cpu"):
+def worker_for(runner, batch: int, start_pos: int = 64, device: str = "cpu", decode_steps: int = 1):
     """An ARWorker over `runner` with `batch` running rows (seeds 0..batch-1, default top_p / top_k / RAS window;
-    every stop id masked, so no row ends)."""
+    every stop id masked, so no row ends); `decode_steps`: its `ar_decode_steps`."""
     from ...runtime.models.sampling import SamplingParams, TokenPolicy
     from ...runtime.scheduling.ar_worker import ARWorker
     from ...runtime.scheduling.config import SchedulerConfig
     from ...runtime.scheduling.stage_clock import StageClock
 
     # ar_graph_sampling on: a runner made with `graph_sampling` samples in the runner, the others as before
-    w = ARWorker(runner, SchedulerConfig(ar_graph_sampling=True), _NullSink(), _reraise, StageClock(False), device)
+    w = ARWorker(runner, SchedulerConfig(ar_graph_sampling=True, ar_decode_steps=decode_steps), _NullSink(), _reraise,
+                 StageClock(False), device)
     for i in range(batch):
         pol = TokenPolicy(1, SamplingParams(seed=i, min_tokens=1 << 20, max_tokens=1 << 20),
                           mask_all_stops_before_min=True)   # no row ends
@@ -158,6 +166,9 @@ def ops_per_step(worker, steps: int = 20) -> float:
     return c.total / steps
 
 
+MULTI_STEPS = 4
+
+
 def table(batches=(1, 8, 32), steps: int = 100, repeats: int = 5, device: str = "cpu") -> list[dict]:
     rows = []
     for b in batches:
@@ -170,6 +181,15 @@ def table(batches=(1, 8, 32), steps: int = 100, repeats: int = 5, device: str = 
             w = worker_for(timed, b, device=device)
             row[f"{name}_us"], row[f"{name}_outside_decode_us"] = time_steps(w, max(10, steps // 2), repeats, timed)
             row[f"{name}_ops"] = ops_per_step(w)
+        k = MULTI_STEPS  # four steps per call: each timed call is k token steps (within the runner's 1024 positions)
+        runner = tiny_runner(b, device=device, graph_sampling=True)
+        runner.enable_decode_steps(k)
+        timed = _TimedRunner(runner)
+        w = worker_for(timed, b, device=device, decode_steps=k)
+        us, outside = time_steps(w, max(3, steps // (2 * k)), repeats, timed)
+        row["tiny_x4_us"], row["tiny_x4_outside_decode_us"] = us / k, outside / k
+        row["tiny_x4_ops"] = ops_per_step(w, 5) / k
+        row["tiny_x4_calls"] = w.counters.multi_step_calls
         rows.append(row)
     return rows
 
@@ -188,12 +208,13 @@ def main(argv=None) -> None:
     print(f"AR worker decode step, {a.device}, torch {torch.__version__}, {a.threads} thread(s); µs per step (median)")
     print("| batch | fixed logits: worker host µs | its aten ops (not views) | tiny LM: whole step µs "
           "| tiny LM: outside runner.decode µs | its aten ops | tiny LM, sampling in the runner: whole step µs "
-          "| outside runner.decode µs | its aten ops |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| outside runner.decode µs | its aten ops | tiny LM, 4 steps per call: µs per step | outside µs | ops |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['fixed_us']:.0f} | {r['fixed_ops']:.0f} | {r['tiny_us']:.0f} "
               f"| {r['tiny_outside_decode_us']:.0f} | {r['tiny_ops']:.0f} | {r['tiny_sampled_us']:.0f} "
-              f"| {r['tiny_sampled_outside_decode_us']:.0f} | {r['tiny_sampled_ops']:.0f} |")
+              f"| {r['tiny_sampled_outside_decode_us']:.0f} | {r['tiny_sampled_ops']:.0f} | {r['tiny_x4_us']:.0f} "
+              f"| {r['tiny_x4_outside_decode_us']:.0f} | {r['tiny_x4_ops']:.0f} |")
 
 
 if __name__ == "__main__":
