@@ -298,6 +298,7 @@ def test_scheduler_decode_steps_keep_tokens_and_audio(one_torch_thread, tiny_tts
 
     on, tok_on, st = run(SchedulerConfig(ar_decode_steps=4))
     assert st["ar"]["multi_step_calls"] > 0 and st["completed"] == 5
+    assert st["host_s"]["ar"]["wall_s"] > 0 and st["host_s"]["ar"]["cpu_s"] > 0   # the AR thread's host seconds
     off, tok_off, st_off = run(SchedulerConfig())
     assert st_off["ar"]["multi_step_calls"] == 0
     assert tok_on == tok_off and len({len(t) for t in tok_on}) > 1

@@ -60,3 +60,34 @@ def test_cuda_spans_settle_as_they_complete_without_being_asked(monkeypatch):
             pass
     assert clock.pending() == 0 and clock.spans() == {"ar": 1000}
     assert clock.busy_s()["ar"] == pytest.approx(2.0)  # 1000 spans x 2 ms
+
+
+def test_host_seconds_split_wall_from_cpu():
+    """`host_s`: a span's wall seconds and its thread's CPU seconds; a span that sleeps (blocked, as a thread waiting
+    for the interpreter lock) adds wall but little CPU, one that computes adds both."""
+    clock = StageClock(cuda=False)
+    with clock.span("ar"):
+        time.sleep(0.05)
+    with clock.span("dit"):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.05:
+            pass
+    h = clock.host_s()
+    assert h["ar"]["wall_s"] >= 0.05 and h["ar"]["cpu_s"] < 0.02
+    assert h["dit"]["wall_s"] >= 0.05 and h["dit"]["cpu_s"] > 0.03
+
+
+def test_open_loop_host_delta_and_its_table():
+    """The bench's cell share of the host seconds: wall / CPU shares, blocked share, AR ms per decode step; and the
+    report's table of them."""
+    from cosytrt.tools.bench.open_loop import host_delta
+    from cosytrt.tools.bench.report import _host_row
+
+    before = {"host_s": {"ar": {"wall_s": 1.0, "cpu_s": 0.5}}}
+    after = {"host_s": {"ar": {"wall_s": 3.0, "cpu_s": 1.5}, "dit": {"wall_s": 2.0, "cpu_s": 2.0}}}
+    d = host_delta(before, after, 10.0, decode_steps=400)
+    assert d["ar"] == pytest.approx({"wall_share": 0.2, "cpu_share": 0.1, "blocked": 0.5, "wall_ms_per_step": 5.0,
+                                     "cpu_ms_per_step": 2.5})
+    assert d["dit"]["blocked"] == 0.0 and "wall_ms_per_step" not in d["dit"]
+    assert host_delta({}, {}, 10.0, 5) == {}
+    assert _host_row(d) == ["0.20 / 0.10", "50 %", "5.00 / 2.50", "0.20 / 0.20", "0 %", "—", "—"]

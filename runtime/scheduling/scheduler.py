@@ -148,6 +148,7 @@ def collect_stats(lifecycle: Lifecycle, frontend: FrontendPool, clock: StageCloc
     # compile=True: torch.compile graphs compiled since the scheduler was ready (each stalled serving; expected 0)
     st.compiles_since_start = 0 if compiles_at_start is None else compile_count() - compiles_at_start
     st.busy_s = clock.busy_s()  # CUDA: GPU time of each stage's batches; CPU: wall time
+    st.host_s = clock.host_s()  # the worker threads' wall / CPU seconds inside those batches
     return st
 
 

@@ -6,6 +6,11 @@ time spent waiting behind other streams' kernels); on the CPU it is wall time. `
 end event has completed (it never blocks), so a stage's busy seconds divided by the wall time of a workload is its
 occupancy: near 1 for the stage that limits throughput. Stages run on different streams, so the occupancies of the
 stages can sum to more than 1.
+
+Beside it, every span's host side (`host_s()`): the worker thread's wall seconds inside its spans and its CPU seconds
+there (`time.thread_time`). Wall minus CPU is time the thread was blocked inside its own batched work — waiting for
+the interpreter lock, or descheduled — since a CUDA wait for the GPU spins (CPU time) on these machines: under load the
+AR's host time per step, not the GPU, set its pace (BENCHMARKS.md runs 47 and 50), and this splits that host time.
 """
 from __future__ import annotations
 
@@ -24,15 +29,17 @@ class StageClock:
         self._busy: dict[str, float] = {}
         self._spans: dict[str, int] = {}
         self._pending: dict[str, deque] = {}   # stage -> (start, end) CUDA events, in recording order
+        self._host: dict[str, list[float]] = {}  # stage -> [wall s, thread CPU s] inside its spans
 
     @contextmanager
     def span(self, stage: str):
+        t0, c0 = time.perf_counter(), time.thread_time()
         if not self.cuda:
-            t0 = time.perf_counter()
             try:
                 yield
             finally:
                 self._add(stage, time.perf_counter() - t0)
+                self._add_host(stage, t0, c0)
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -40,9 +47,22 @@ class StageClock:
             yield
         finally:
             end.record()
+            self._add_host(stage, t0, c0)
             with self._lock:
                 self._pending.setdefault(stage, deque()).append((start, end))
                 self._settle(stage)  # a server that never asks must not collect events without bound
+
+    def _add_host(self, stage: str, t0: float, c0: float) -> None:
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        with self._lock:
+            h = self._host.setdefault(stage, [0.0, 0.0])
+            h[0] += wall
+            h[1] += cpu
+
+    def host_s(self) -> dict[str, dict[str, float]]:
+        """Per stage: the wall seconds its worker thread spent inside its spans and the thread's CPU seconds there."""
+        with self._lock:
+            return {s: {"wall_s": h[0], "cpu_s": h[1]} for s, h in self._host.items()}
 
     def _add(self, stage: str, seconds: float) -> None:
         with self._lock:

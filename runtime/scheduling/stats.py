@@ -100,6 +100,7 @@ class SchedulerStats:
     shapes: dict | None = None                      # engine calls: bucket hits / padding / eager fallbacks
     compiles_since_start: int = 0                   # torch.compile graphs compiled while serving (expected 0)
     busy_s: dict = field(default_factory=dict)      # busy seconds per stage (stage_clock)
+    host_s: dict = field(default_factory=dict)      # per stage: its thread's wall / CPU seconds in its spans
     flow_cache: dict = field(default_factory=dict)  # the flow prefix cache pool's numbers (stages/flow_cache.py)
     setup_s: dict = field(default_factory=dict)     # seconds of the scheduler's start, by part (Scheduler.__init__)
 
@@ -120,5 +121,6 @@ class SchedulerStats:
             out["shapes"] = self.shapes
         out["compiles_since_start"] = self.compiles_since_start
         out["busy_s"] = self.busy_s
+        out["host_s"] = self.host_s
         out["setup_s"] = self.setup_s
         return out

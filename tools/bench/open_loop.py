@@ -148,15 +148,48 @@ def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
     # the AR worker's decode steps: rows per step, the share sampled inside the decode graphs, first-audio holds,
     # pacing waits
     ar = _deltas(before, after, "ar", ("decode_steps", "decode_rows", "prefill_calls", "decode_graph_replays",
-                                       "sampled_graph_replays", "first_audio_hold_s", "pace_wait_s"))
+                                       "sampled_graph_replays", "first_audio_hold_s", "pace_wait_s",
+                                       "multi_step_calls"))
     if ar.get("decode_steps"):
         ar["rows_per_step"] = (ar["decode_rows"] or 0) / ar["decode_steps"]
         ar["sampled_share"] = None if ar["sampled_graph_replays"] is None else \
             ar["sampled_graph_replays"] / ar["decode_steps"]
-    return {"busy": busy, "buckets": buckets if sa else None, "ar_steps": ar,
+    return {"busy": busy, "host": host_delta(before, after, wall_s, ar.get("decode_steps")),
+            "buckets": buckets if sa else None, "ar_steps": ar,
             "fallbacks": sum(b["fallbacks"] for b in buckets.values()) if sa else None,
             "fallback_reasons": reasons, "fallback_shapes": fallback_shapes, "dit_frames": frames, "dit_calls": kinds,
             "cached_hops": cached_hops_delta(before, after)}
+
+
+def host_delta(before: dict, after: dict, wall_s: float, decode_steps: int | None) -> dict:
+    """Per stage, the cell's host side of its spans (`StageClock.host_s`): wall and CPU seconds as shares of the cell,
+    the blocked share of the span time (wall - CPU: the interpreter lock or the OS), and for the AR the wall and CPU
+    milliseconds per decode step."""
+    ha, hb = after.get("host_s") or {}, before.get("host_s") or {}
+    out = {}
+    for stage, h in sorted(ha.items()):
+        prev = hb.get(stage) or {}
+        wall = h.get("wall_s", 0.0) - prev.get("wall_s", 0.0)
+        cpu = h.get("cpu_s", 0.0) - prev.get("cpu_s", 0.0)
+        if wall <= 0 or wall_s <= 0:
+            continue
+        row = {"wall_share": wall / wall_s, "cpu_share": cpu / wall_s, "blocked": max(0.0, wall - cpu) / wall}
+        if stage == "ar" and decode_steps:
+            row.update(wall_ms_per_step=wall / decode_steps * 1e3, cpu_ms_per_step=cpu / decode_steps * 1e3)
+        out[stage] = row
+    return out
+
+
+def _host_line(host: dict | None, multi_step_calls: int | None) -> str:
+    """The log line's host part: the AR's wall / CPU ms per decode step and each stage's blocked share."""
+    if not host:
+        return ""
+    ar = host.get("ar") or {}
+    out = (f"; AR host {ar['wall_ms_per_step']:.2f} ms/step (CPU {ar['cpu_ms_per_step']:.2f})"
+           if "wall_ms_per_step" in ar else "")
+    if multi_step_calls:
+        out += f", {multi_step_calls} multi-step calls"
+    return out + "; blocked in spans " + ", ".join(f"{k} {100 * v['blocked']:.0f} %" for k, v in host.items())
 
 
 def _hop_graphs(stats: dict) -> dict:
@@ -536,6 +569,7 @@ def _rate_sweep(bench, out, tts, label, spec, rates, drain_s, speaker) -> None:
                f"{cell['cuda_alloc']['num_device_free']}" if cell.get("cuda_alloc") else "")
             + (f"; AR {cell['ar_steps']['rows_per_step']:.2f} rows/step, {100 * cell['ar_steps']['sampled_share']:.0f} "
                "% sampled in graph" if (cell.get("ar_steps") or {}).get("sampled_share") is not None else "")
+            + _host_line(cell.get("host"), (cell.get("ar_steps") or {}).get("multi_step_calls"))
             + (f"; WARNING: {cell['compiles']} graph(s) compiled during the cell" if cell["compiles"] else ""))
         kp = cell.get("kernel_profile")
         if kp:

@@ -308,6 +308,15 @@ def open_loop_tables(res: dict) -> str:
                                       "peak GB", "GIL wait p50 / p95 ms", "GPU util mean / p50 %",
                                       "AR rows/step, sampled in graph (held / paced s)",
                                       "alloc retries / cudaFree"], res_rows))
+    host_rows = [[c.get("setting"), c.get("rate")] + _host_row(c["host"]) for c in cells
+                 if "error" not in c and c.get("host")]
+    if host_rows:
+        parts.append("**Open loop: the worker threads' host time inside their batches** (`StageClock.host_s`: wall "
+                     "and CPU seconds of each thread inside its spans as shares of the cell; blocked = (wall - CPU) / "
+                     "wall: waiting for the interpreter lock or descheduled — a CUDA wait spins, so it counts as CPU; "
+                     "the AR per decode step)\n\n"
+                     + _md(["setting", "req/s", "AR wall / CPU share", "AR blocked", "AR wall / CPU ms per step",
+                            "DiT wall / CPU share", "DiT blocked", "HiFT wall / CPU share", "HiFT blocked"], host_rows))
     from .playback import TTFA_PARTS
 
     ttfa_rows = [[c.get("setting"), c.get("rate")]
@@ -388,6 +397,20 @@ def _top(counts: dict, k: int) -> str:
     return ", ".join(f"{key} ({n})" for key, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:k])
 
 
+def _host_row(host: dict) -> list:
+    out = []
+    for stage in ("ar", "dit", "hift"):
+        h = host.get(stage)
+        if not h:
+            out += ["—", "—"] + (["—"] if stage == "ar" else [])
+            continue
+        out += [f"{h['wall_share']:.2f} / {h['cpu_share']:.2f}", f"{100 * h['blocked']:.0f} %"]
+        if stage == "ar":
+            out.append(f"{h['wall_ms_per_step']:.2f} / {h['cpu_ms_per_step']:.2f}" if "wall_ms_per_step" in h
+                       else "—")
+    return out
+
+
 def _hop_row(h: dict) -> list:
     calls = h.get("hits", 0) + h.get("misses", 0)
     shapes = h.get("shapes") or {}
@@ -423,12 +446,14 @@ def _util(d) -> str:
 
 def _ar_steps(d) -> str:
     """AR decode steps of a cell: rows per step, the share sampled inside the decode graphs ('-' before), the
-    seconds of first-audio holds and pacing waits."""
+    seconds of first-audio holds and pacing waits, the multi-step calls (`ar_decode_steps`)."""
     if not d or not d.get("decode_steps"):
         return "-"
     share, hold, pace = d.get("sampled_share"), d.get("first_audio_hold_s"), d.get("pace_wait_s")
+    multi = d.get("multi_step_calls")
     return (f"{d['rows_per_step']:.2f}, " + ("-" if share is None else f"{100 * share:.0f} %")
-            + (f", held {hold:.2f} s" if hold else "") + (f", paced {pace:.2f} s" if pace else ""))
+            + (f", held {hold:.2f} s" if hold else "") + (f", paced {pace:.2f} s" if pace else "")
+            + (f", {multi} multi-step calls" if multi else ""))
 
 
 def _alloc(d) -> str:
