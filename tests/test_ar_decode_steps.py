@@ -146,6 +146,47 @@ def test_decode_graphs_steps_equal_single_steps(lm):
     assert multi.fits(4, 128) and not multi.fits(5, 10)
 
 
+def test_runner_keeps_its_multi_step_graphs_per_steps(golden_lm, monkeypatch):
+    """`TorchARRunner.enable_decode_steps`: a `steps` asked for again (a later scheduler, a benchmark's A/B) gets the
+    graphs captured the first time, off (1) keeps them; the graph path's ids are the eager path's. (The ladder's
+    shape is set by hand: on the CPU the runner makes no graphs.)"""
+    from cosytrt.runtime.stages.ar_runner import PrefillRow, TorchARRunner
+
+    monkeypatch.setattr(ar_graphs, "GraphCache", DirectCall)
+    cfg = golden_lm.config
+    lm = copy.deepcopy(golden_lm)
+    runner = TorchARRunner(lm, 4, 256, "cpu", cuda_graphs=False)
+    runner.enable_decode_steps(3)
+    assert runner.step_graphs is None and runner.decode_steps_n == 3   # no ladder on the CPU: eager
+    slot = runner.allocate()
+    with torch.inference_mode():
+        runner.prefill([PrefillRow(slot, torch.randn(6, cfg.qwen.hidden_size,
+                                                     generator=torch.Generator().manual_seed(0)))])
+    pol = _policy(3, min_tokens=1)
+    eager_pol = copy.deepcopy(pol)
+    with torch.inference_mode():
+        eager = runner.decode_steps([1], [slot], [6], pack_rows([eager_pol], cfg.speech_vocab, steps=3))
+    runner._decode_graph_shape = ([1, 2], [64, 256])
+    runner.slots._free.remove(3)           # a scratch slot for the padding rows, as a runner with graphs has
+    runner.slots.scratch_slot = 3
+    runner.enable_decode_steps(3)
+    first = runner.step_graphs
+    assert first is not None and first.steps == 3 and runner.can_decode_steps(2, 62) \
+        and not runner.can_decode_steps(2, 255) and not runner.can_decode_steps(3, 10)
+    with torch.inference_mode():
+        graphed = runner.decode_steps([1], [slot], [6], pack_rows([pol], cfg.speech_vocab, steps=3))
+    assert graphed == eager and first.replays == 1
+    runner.enable_decode_steps(1)
+    assert runner.step_graphs is None and runner.decode_steps_n == 1 and not runner.can_decode_steps(1, 10)
+    runner.enable_decode_steps(3)
+    assert runner.step_graphs is first
+    runner.enable_decode_steps(2)
+    assert runner.step_graphs is not first and runner.step_graphs.steps == 2
+    assert runner.stats()["multi_step_graph_replays"] == 0
+    runner.close()
+    assert runner.step_graphs is None
+
+
 def test_decode_steps_needs_a_sampler():
     with pytest.raises(ValueError, match="sampler"):
         DecodeGraphs(lambda *a, **k: None, [2], [64], 4, "cpu", None, steps=2)

@@ -92,6 +92,7 @@ class TorchARRunner:
         self.decode_steps_n = 1
         self.step_sampler: StaticSampler | None = None
         self.step_graphs = None
+        self._step_graph_sets: dict[int, object] = {}  # steps -> its multi-step DecodeGraphs (kept when switched off)
         self._decode_graph_shape = None  # (batches, KV rungs) of the decode graphs
         if use_graphs:
             from .ar_graphs import DecodeGraphs, PrefillGraphs
@@ -126,19 +127,24 @@ class TorchARRunner:
 
     def enable_decode_steps(self, steps: int) -> None:
         """Make `decode_steps` run `steps` decode steps per call (`ar_graphs.decode_steps`; with decode graphs, a set
-        of multi-step graphs captured now over the same KV slots and compiled step). `steps` <= 1: off. Another
-        `steps` than before replaces the graphs (TTS.reconfigure)."""
+        of multi-step graphs captured over the same KV slots and compiled step the first time a `steps` is asked
+        for, kept for the next scheduler that asks for it again: TTS.reconfigure, a benchmark's A/B). `steps` <= 1:
+        off (no call runs more than one step)."""
         steps = max(1, int(steps))
-        if steps == self.decode_steps_n:
-            return
         self.decode_steps_n, self.step_graphs = steps, None
-        self.step_sampler = self._sampler() if steps > 1 else None
-        if steps > 1 and self._decode_graph_shape is not None:
-            from .ar_graphs import DecodeGraphs
+        if steps <= 1:
+            return
+        if self.step_sampler is None:
+            self.step_sampler = self._sampler()
+        if self._decode_graph_shape is not None:
+            graphs = self._step_graph_sets.get(steps)
+            if graphs is None:
+                from .ar_graphs import DecodeGraphs
 
-            batches, rungs = self._decode_graph_shape
-            self.step_graphs = DecodeGraphs(self._decode, batches, rungs, self.slots.scratch_slot, self.device,
-                                            self.step_sampler, steps=steps)
+                batches, rungs = self._decode_graph_shape
+                graphs = self._step_graph_sets[steps] = DecodeGraphs(
+                    self._decode, batches, rungs, self.slots.scratch_slot, self.device, self.step_sampler, steps=steps)
+            self.step_graphs = graphs
 
     def can_decode_steps(self, rows: int, need_kv: int) -> bool:
         """Does a `decode_steps` call of `rows` rows fit, the longest attending `need_kv` positions at its first
@@ -262,6 +268,7 @@ class TorchARRunner:
     def close(self) -> None:
         """Drop the graphs (their memory pools) and the KV cache references."""
         self.decode_graphs = self.prefill_graphs = self.sampled_graphs = self.step_graphs = None
+        self._step_graph_sets = {}
 
     # ---------------------------------------------------------------- extras
     @property
