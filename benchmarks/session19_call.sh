@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The next session's device calls (BENCHMARKS.md, runs 50-54, "Next GPU session"), as jobs of one bench process that
+# stays up between calls (bench_job.sh: only the first call pays the 5-6 minute set-up; one job per call: a call
+# brings back at most 8 files). The compiled variant under open-loop traffic, each cell with the worker threads'
+# host seconds (`StageClock.host_s`: the AR's wall / CPU ms per step and the share of it blocked — the interpreter
+# lock — new since run 53) and a 1 s kernel profile. What is asked: does multi-step AR decode (`ar_decode_steps`,
+# new, K steps per runner call) lift the AR-bound cells? Run 50-53 found the AR 87-99 % busy where the traffic
+# saturated (12 req/s mixed, 40 s streams at 2 req/s, 40 s offline at 3 req/s) with 4-8 ms per step of which ~1 ms
+# is kernels. Its first setting captures the multi-step graphs (about K x the 35 s of the sampled graph set; kept
+# for later settings with the same K).
+#   CALL=mixed (first): mixed lengths at 8 and 12 req/s, 24 s of arrivals and 8 s of drain: defaults, 4 and 8
+#     steps per call;
+#   CALL=long: 40 s streams at 1 / 2 / 3 req/s, defaults against 4 steps per call (the 40 s saturation target);
+#   CALL=offline: the same 40 s mix offline, the same two settings (the "within 1.5x of offline" half);
+#   CALL=c1: 1 req/s, defaults against 4 steps per call (a token reaches the DiT up to 3 steps later, each step
+#     cheaper: the c1 TTFA target).
+#   AB=... replaces the settings. Each call waits up to WAIT_S (default 560 s) for its job; call again with the same
+#   CALL to keep waiting. Fire each call within 30 s of the previous one (the machine's idle release).
+#   usage (repo root on the device): CALL=mixed bash benchmarks/session19_call.sh
+#   carry: dist .whl compile_cache benchmarks/COMMIT (the first call; later calls need only the repo)
+set -u
+kp=(--kernel-profile-s 1 --budget-s 100000)
+case "${CALL:-mixed}" in
+  mixed)   args=(--rates 8,12 --duration-s 24 --drain-s 8 --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4,ar_decode_steps=8}") ;;
+  long)    args=(--rates 1,2,3 --duration-s 24 --drain-s 8 --lengths 40:0 --stream-fraction 1
+                 --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
+  offline) args=(--rates 1,2,3,4 --duration-s 24 --drain-s 8 --lengths 40:0 --stream-fraction 0
+                 --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
+  c1)      args=(--rates 1 --duration-s 24 --drain-s 8 --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
+  *) echo "CALL must be mixed, long, offline or c1"; exit 2 ;;
+esac
+JOB=${JOB:-${CALL:-mixed}} bash benchmarks/bench_job.sh "${args[@]}" "${kp[@]}"
