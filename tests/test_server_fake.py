@@ -225,8 +225,9 @@ def test_runtime_counters_from_tts_metrics(tmp_path):
                                                           "cache_fallbacks": 3,
                                                           "flow_cache": {"bytes_used": 5e8, "budget_bytes": 4e9,
                                                                          "peak_bytes": 3.9e9, "pages": 44}},
+                                                  "host_s": {"ar": {"wall_s": 3.0, "cpu_s": 1.25}},
                                                   "ar": {"decode_steps": 100, "decode_rows": 750, "pace_wait_s": 2.5,
-                                                         "first_audio_hold_s": 0.0}}}
+                                                         "first_audio_hold_s": 0.0, "multi_step_calls": 20}}}
     with client:
         m = parse_metrics(client.get("/metrics").text)
     assert m["cosytrt_bucket_hits_total"] == 7 and m["cosytrt_bucket_pads_total"] == 0
@@ -239,6 +240,9 @@ def test_runtime_counters_from_tts_metrics(tmp_path):
     assert m['cosytrt_ar_decode_total{kind="steps"}'] == 100 and m['cosytrt_ar_decode_total{kind="rows"}'] == 750
     assert m['cosytrt_ar_wait_seconds_total{kind="pace"}'] == 2.5
     assert m['cosytrt_ar_wait_seconds_total{kind="first_audio_hold"}'] == 0
+    assert m['cosytrt_ar_decode_total{kind="multi_step_calls"}'] == 20
+    assert m['cosytrt_stage_host_seconds_total{stage="ar",kind="wall"}'] == 3.0
+    assert m['cosytrt_stage_host_seconds_total{stage="ar",kind="cpu"}'] == 1.25
     assert not any(k.startswith("cosytrt_gpu_memory_bytes") for k in m)  # no CUDA in this process
 
 

@@ -60,11 +60,16 @@ def runtime_view(stats: dict | None) -> dict:
     dit = next((d for d in dicts if "frames_computed" in d), {})
     ar = next((d for d in dicts if "decode_steps" in d and "decode_rows" in d), {})
     busy = next((d["busy_s"] for d in dicts if isinstance(d.get("busy_s"), dict)), {})
+    host = next((d["host_s"] for d in dicts if isinstance(d.get("host_s"), dict)), {})
     pool = dit.get("flow_cache") if isinstance(dit.get("flow_cache"), dict) else {}
     return {"in_flight": _number(sched.get("in_flight")), "queues": sched.get("queues", {}), "counters": counters,
             "dit_frames": {k: _number(dit.get(f"frames_{k}")) for k in ("computed", "reused")},
             "cache_fallbacks": _number(dit.get("cache_fallbacks")), "busy_s": busy,
-            "ar_steps": {k: _number(ar.get(f"decode_{k}")) for k in ("steps", "rows")} if ar else {},
+            "host_s": {(stage, kind): _number(h.get(f"{kind}_s")) for stage, h in host.items() if isinstance(h, dict)
+                       for kind in ("wall", "cpu") if _number(h.get(f"{kind}_s")) is not None},
+            "ar_steps": {**{k: _number(ar.get(f"decode_{k}")) for k in ("steps", "rows")},
+                         **({"multi_step_calls": _number(ar["multi_step_calls"])} if "multi_step_calls" in ar else {})}
+            if ar else {},
             "ar_waits_s": {k: _number(ar.get(key)) for k, key in (("pace", "pace_wait_s"),
                                                                    ("first_audio_hold", "first_audio_hold_s"))
                            if key in ar},
@@ -207,8 +212,8 @@ class ServerMetrics:
             head("cosytrt_cuda_ooms_total", "counter", "CUDA out-of-memory errors (the requests in that call failed)")
             lines.append(f"cosytrt_cuda_ooms_total {mem['ooms']!r}")
         if view["ar_steps"]:
-            head("cosytrt_ar_decode_total", "counter", "AR decode steps, and the rows they advanced (rows / steps: "
-                 "the decode batch)")
+            head("cosytrt_ar_decode_total", "counter", "AR decode steps, the rows they advanced (rows / steps: the "
+                 "decode batch) and the runner calls that made several steps each (ar_decode_steps)")
             for k, x in view["ar_steps"].items():
                 lines.append(f"cosytrt_ar_decode_total{_labels(kind=k)} {x or 0.0!r}")
         if view["ar_waits_s"]:
@@ -220,6 +225,12 @@ class ServerMetrics:
         for k, x in sorted(view["busy_s"].items()):
             if _number(x) is not None:
                 lines.append(f"cosytrt_stage_busy_seconds_total{_labels(stage=k)} {_number(x)!r}")
+        if view["host_s"]:
+            head("cosytrt_stage_host_seconds_total", "counter", "Seconds each stage's worker thread spent inside its "
+                 "batches (kind=wall) and its CPU seconds there (kind=cpu); wall - cpu: blocked on the interpreter "
+                 "lock or the OS")
+            for (stage, kind), x in sorted(view["host_s"].items()):
+                lines.append(f"cosytrt_stage_host_seconds_total{_labels(stage=stage, kind=kind)} {x!r}")
         return "\n".join(lines) + "\n"
 
 
