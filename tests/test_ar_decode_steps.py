@@ -347,6 +347,32 @@ def test_scheduler_decode_steps_keep_tokens_and_audio(one_torch_thread, tiny_tts
         assert a.shape == b.shape and np.abs(a - b).max() <= 2e-3   # the batching bound (other DiT batches)
 
 
+def test_reconfigure_switches_decode_steps_over_the_same_runner(one_torch_thread, tiny_tts):
+    """`TTS.reconfigure(ar_decode_steps=4)` keeps the AR runner (no new runner, its multi-step state set by the new
+    scheduler) and the request's tokens; switching back leaves no multi-step call."""
+    from dataclasses import replace
+
+    from cosytrt.runtime.tts import make_request
+
+    tts = tiny_tts
+    base = tts.scheduler_config
+    req = dict(seed=11, max_tokens=70)
+    try:
+        h = tts.submit(make_request("Four at a time, or one.", **req))
+        h.result(timeout=120)
+        runner = tts.ar_runner
+        tts.reconfigure(replace(base, ar_decode_steps=4))
+        h4 = tts.submit(make_request("Four at a time, or one.", **req))
+        h4.result(timeout=120)
+        assert tts.ar_runner is runner and runner.decode_steps_n == 4 and h4.tokens == h.tokens
+        assert tts.scheduler.stats()["ar"]["multi_step_calls"] > 0
+        tts.reconfigure(replace(base, ar_decode_steps=1))
+        st = tts.scheduler.stats()   # (the new scheduler starts on first use)
+        assert runner.decode_steps_n == 1 and st["ar"]["multi_step_calls"] == 0
+    finally:
+        tts.reconfigure(base)
+
+
 def test_ar_decode_steps_must_be_a_positive_int():
     from cosytrt.engines.errors import InputError
 
