@@ -19,7 +19,7 @@ from cosytrt.runtime.scheduling.config import SchedulerConfig
 from cosytrt.runtime.scheduling.stage_clock import StageClock
 from cosytrt.runtime.stages import ar_graphs
 from cosytrt.runtime.stages.ar_graphs import DecodeGraphs, decode_steps
-from graph_stand_in import DirectCall
+from graph_stand_in import DirectCall, prefilled_rows
 
 V, STOP = 6761, 6561
 
@@ -319,9 +319,9 @@ def test_scheduler_decode_steps_keep_tokens_and_audio(one_torch_thread, tiny_tts
     scheduler: free-running requests (stop ids, RAS repeats, a greedy one), streamed and offline, get the same tokens
     and audio as single steps; a request with another top_k makes its batch take single steps, with its own tokens
     the same too."""
-    from cosytrt.runtime.scheduling.scheduler import Scheduler
     from cosytrt.runtime.stages.request import default_voice_wav
     from cosytrt.runtime.tts import make_request
+    from test_scheduler_features import run_staggered
 
     tts = tiny_tts
     speaker = tts.make_speaker(default_voice_wav(16000, 1.0), "Short voice.", 16000)
@@ -329,13 +329,7 @@ def test_scheduler_decode_steps_keep_tokens_and_audio(one_torch_thread, tiny_tts
                          **extra) for s, extra in enumerate([{}, {}, {"greedy": True}, {}, {"top_k": 5}])]
 
     def run(cfg):
-        sched = Scheduler(tts.pipeline, cfg)
-        try:
-            handles = [sched.submit(r) for r in reqs]
-            wavs = [h.result(timeout=120) for h in handles]
-            return wavs, [h.tokens for h in handles], sched.stats()
-        finally:
-            sched.close()
+        return run_staggered(tts, cfg, reqs, gap_s=0.0)
 
     on, tok_on, st = run(SchedulerConfig(ar_decode_steps=4))
     assert st["ar"]["multi_step_calls"] > 0 and st["completed"] == 5
@@ -387,7 +381,7 @@ def test_ar_decode_steps_must_be_a_positive_int():
 def test_multi_step_graphs_on_cuda_equal_single_steps(golden_lm):
     """On a GPU: `TorchARRunner.enable_decode_steps(4)` captures multi-step decode graphs; five rows (bucket 8,
     padding rows) decoded 4 steps per replay give exactly the token streams of single sampled steps."""
-    from cosytrt.runtime.stages.ar_runner import PrefillRow, TorchARRunner
+    from cosytrt.runtime.stages.ar_runner import TorchARRunner
 
     cfg = golden_lm.config
     streams = {}
@@ -395,18 +389,7 @@ def test_multi_step_graphs_on_cuda_equal_single_steps(golden_lm):
         lm = copy.deepcopy(golden_lm).to("cuda")
         runner = TorchARRunner(lm, 8, 512, "cuda", graph_sampling=True, graph_batches=(1, 4, 8))
         runner.enable_decode_steps(steps)
-        g = torch.Generator().manual_seed(0)
-        policies, slots, pos = [], [], []
-        for i in range(5):
-            slot = runner.allocate()
-            n = 6 + i
-            embeds = torch.randn(n, cfg.qwen.hidden_size, generator=g).to("cuda")
-            with torch.inference_mode():
-                runner.prefill([PrefillRow(slot, embeds)])
-            pol = TokenPolicy(4, SamplingParams(seed=i, greedy=i == 3, max_tokens=200, min_tokens=30),
-                              speech_token_size=cfg.speech_token_size)
-            pol.next_input = i
-            policies.append(pol), slots.append(slot), pos.append(n)
+        policies, slots, pos = prefilled_rows(runner, cfg)
         with torch.inference_mode():
             for _ in range(40 // steps):
                 live = [i for i in range(5) if not policies[i].finished]

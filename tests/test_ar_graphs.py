@@ -8,7 +8,7 @@ import torch
 
 from cosytrt.runtime.stages import ar_graphs
 from cosytrt.runtime.stages.ar_graphs import DecodeGraphs, PrefillGraphs
-from graph_stand_in import DirectCall
+from graph_stand_in import DirectCall, prefilled_rows
 
 ATOL = 1e-5
 
@@ -112,8 +112,8 @@ def test_graph_sampling_on_cuda_equals_sampling_the_logits(golden_lm):
     graph set over the same KV slots); the token streams equal a runner without the sampler in its graphs."""
     import copy
 
-    from cosytrt.runtime.models.sampling import SamplingParams, TokenPolicy, pack_rows, select_packed
-    from cosytrt.runtime.stages.ar_runner import PrefillRow, TorchARRunner
+    from cosytrt.runtime.models.sampling import pack_rows, select_packed
+    from cosytrt.runtime.stages.ar_runner import TorchARRunner
 
     cfg = golden_lm.config
     streams = {}
@@ -124,18 +124,7 @@ def test_graph_sampling_on_cuda_equals_sampling_the_logits(golden_lm):
         if mode == "taken on later":
             runner.enable_graph_sampling()
             assert runner.sampled_graphs is not runner.decode_graphs
-        g = torch.Generator().manual_seed(0)
-        policies, slots, pos = [], [], []
-        for i in range(5):
-            slot = runner.allocate()
-            n = 6 + i
-            embeds = torch.randn(n, cfg.qwen.hidden_size, generator=g).to("cuda")
-            with torch.inference_mode():
-                runner.prefill([PrefillRow(slot, embeds)])
-            pol = TokenPolicy(4, SamplingParams(seed=i, greedy=i == 3, max_tokens=200, min_tokens=30),
-                              speech_token_size=cfg.speech_token_size)
-            pol.next_input = i
-            policies.append(pol), slots.append(slot), pos.append(n)
+        policies, slots, pos = prefilled_rows(runner, cfg)
         for step in range(40):
             rows = [0] if step < 10 else [0, 1, 2] if step < 20 else [0, 1, 2, 3, 4]
             rows = [i for i in rows if not policies[i].finished]
