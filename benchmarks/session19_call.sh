@@ -8,12 +8,13 @@
 # saturated (12 req/s mixed, 40 s streams at 2 req/s, 40 s offline at 3 req/s) with 4-8 ms per step of which ~1 ms
 # is kernels. Its first setting captures the multi-step graphs (about K x the 35 s of the sampled graph set; kept
 # for later settings with the same K).
-#   CALL=mixed (first): mixed lengths at 8 and 12 req/s, 24 s of arrivals and 8 s of drain: defaults, 4 and 8
+#   CALL=mixed (first): mixed lengths at 8 and 12 req/s, 24 s of arrivals and 8 s of drain: defaults against 4
 #     steps per call;
 #   CALL=long: 40 s streams at 1 / 2 / 3 req/s, defaults against 4 steps per call (the 40 s saturation target);
 #   CALL=offline: the same 40 s mix offline, the same two settings (the "within 1.5x of offline" half);
 #   CALL=c1: 1 req/s, defaults against 4 steps per call (a token reaches the DiT up to 3 steps later, each step
-#     cheaper: the c1 TTFA target).
+#     cheaper: the c1 TTFA target);
+#   CALL=mixed8: the mixed cells with 8 steps per call (its graphs' capture: another ~2-3 minutes), if time is left.
 #   AB=... replaces the settings. Each call waits up to WAIT_S (default 560 s) for its job; call again with the same
 #   CALL to keep waiting. Fire each call within 30 s of the previous one (the machine's idle release).
 #   usage (repo root on the device): CALL=mixed bash benchmarks/session19_call.sh
@@ -21,12 +22,13 @@
 set -u
 kp=(--kernel-profile-s 1 --budget-s 100000)
 case "${CALL:-mixed}" in
-  mixed)   args=(--rates 8,12 --duration-s 24 --drain-s 8 --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4,ar_decode_steps=8}") ;;
+  mixed)   args=(--rates 8,12 --duration-s 24 --drain-s 8 --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
+  mixed8)  args=(--rates 8,12 --duration-s 24 --drain-s 8 --ab "${AB:-ar_decode_steps=8}") ;;
   long)    args=(--rates 1,2,3 --duration-s 24 --drain-s 8 --lengths 40:0 --stream-fraction 1
                  --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
   offline) args=(--rates 1,2,3,4 --duration-s 24 --drain-s 8 --lengths 40:0 --stream-fraction 0
                  --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
   c1)      args=(--rates 1 --duration-s 24 --drain-s 8 --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
-  *) echo "CALL must be mixed, long, offline or c1"; exit 2 ;;
+  *) echo "CALL must be mixed, long, offline, c1 or mixed8"; exit 2 ;;
 esac
 JOB=${JOB:-${CALL:-mixed}} bash benchmarks/bench_job.sh "${args[@]}" "${kp[@]}"

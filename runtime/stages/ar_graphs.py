@@ -69,7 +69,9 @@ class DecodeGraphs:
                     lambda t_, s_, p_: decode(t_, s_, p_, kv_len=kv), sampler, t, s, p, rows)
             else:
                 fn = lambda t, s, p, rows, kv=kv: _sampled(decode(t, s, p, kv_len=kv), rows, sampler)  # noqa: E731
-            cache = GraphCache(fn, self.device)
+            # a multi-step graph's decode is the single-step graphs' compiled function, already warm: one warm-up
+            # run before its capture (each runs K steps; the capture of a set took K x 35 s with two, run 48)
+            cache = GraphCache(fn, self.device, warmup=1 if steps > 1 else 2)
             for B in sorted(self.batches, reverse=True):
                 t = torch.zeros(B, dtype=torch.long, device=self.device)
                 s = torch.full((B,), scratch_slot, dtype=torch.long, device=self.device)
