@@ -70,7 +70,8 @@ class DecodeGraphs:
             else:
                 fn = lambda t, s, p, rows, kv=kv: _sampled(decode(t, s, p, kv_len=kv), rows, sampler)  # noqa: E731
             # a multi-step graph's decode is the single-step graphs' compiled function, already warm: one warm-up
-            # run before its capture (each runs K steps; the capture of a set took K x 35 s with two, run 48)
+            # run before its capture, not two (each runs K steps; the sampled single-step set took 35 s to capture
+            # in run 50's set-up, a K-step set is expected near K times that)
             cache = GraphCache(fn, self.device, warmup=1 if steps > 1 else 2)
             for B in sorted(self.batches, reverse=True):
                 t = torch.zeros(B, dtype=torch.long, device=self.device)
