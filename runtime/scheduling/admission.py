@@ -12,7 +12,9 @@ take further slots.
 
 Refusals are RejectedError subclasses, so callers map them without knowing the limits: `QueueFullError` (every slot
 held and `max_waiting` callers already waiting, or `on_full="reject"`: refused at once), `AdmissionTimeoutError` (no
-slot freed within `timeout_s`). Thread-safe; one instance may serve several event loops and threads."""
+slot freed within `timeout_s`), `OverloadedError` (load shedding: the `overload` hook — set by a scheduler with
+`SchedulerConfig.shed_lag_s`, `Lifecycle.overload_reason` — names a reason, and a caller that may be shed is refused
+at once, before it takes a slot or a place in the queue). Thread-safe; one instance may serve several event loops and threads."""
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +31,10 @@ class QueueFullError(RejectedError):
 
 class AdmissionTimeoutError(RejectedError):
     """No slot became free within the admission timeout."""
+
+
+class OverloadedError(RejectedError):
+    """Refused at once: the runtime is overloaded (a live stream is behind its listener, `shed_lag_s`)."""
 
 
 class Ticket:
@@ -63,7 +69,10 @@ class AdmissionControl:
         self._lock = threading.Lock()
         self.in_flight = 0
         self._waiters: deque[_Waiter] = deque()
-        self.counts = dict(admitted=0, queue_full=0, timed_out=0)
+        self.counts = dict(admitted=0, queue_full=0, timed_out=0, shed=0)
+        # load shedding: a callable returning why the runtime is overloaded now (or None), asked by `admit` /
+        # `admit_async` for callers that may be shed (set by the scheduler's Lifecycle; None: never shed)
+        self.overload = None
         self.max_in_flight, self.max_waiting, self.timeout_s, self.on_full = 1, None, 30.0, "wait"
         self.configure(max_in_flight=max_in_flight, max_waiting=max_waiting, timeout_s=timeout_s, on_full=on_full)
 
@@ -147,8 +156,21 @@ class AdmissionControl:
         waiter.ticket.waited = time.perf_counter() - waiter.t0
         return waiter.ticket
 
-    def admit(self, what: str = "request", timeout: float | None = None) -> Ticket:
-        """A ticket, waiting (this thread) up to `timeout` (default `timeout_s`) seconds for one."""
+    def _check_overload(self, what: str) -> None:
+        """OverloadedError when the `overload` hook names a reason (asked outside this control's lock)."""
+        check = self.overload
+        reason = check() if check is not None else None
+        if reason:
+            with self._lock:
+                self.counts["shed"] += 1
+            raise OverloadedError(f"{what}: {reason}")
+
+    def admit(self, what: str = "request", timeout: float | None = None, shed: bool = True) -> Ticket:
+        """A ticket, waiting (this thread) up to `timeout` (default `timeout_s`) seconds for one. `shed`: this caller
+        may be refused by load shedding (not: a later part of work already admitted, e.g. a conversation's next
+        sentence)."""
+        if shed:
+            self._check_overload(what)
         event = threading.Event()
         with self._lock:
             got = self._enter_locked(what, event.set)
@@ -166,9 +188,11 @@ class AdmissionControl:
         with self._lock:
             return self._free_ticket_locked()
 
-    async def admit_async(self, what: str = "request", timeout: float | None = None) -> Ticket:
+    async def admit_async(self, what: str = "request", timeout: float | None = None, shed: bool = True) -> Ticket:
         """`admit` for a coroutine: waits on the event loop (no thread held). Cancelling it while it waits leaves
         the queue (or gives back a ticket granted meanwhile)."""
+        if shed:
+            self._check_overload(what)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 

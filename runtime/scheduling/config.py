@@ -108,6 +108,15 @@ class SchedulerConfig:
     # near their length limit and calls that do not fit the graphs take single steps. Off (1) by default: not yet
     # run on a GPU
     ar_decode_steps: int = 1
+    # > 0: load shedding. A new request is refused at once (`admission.OverloadedError`; HTTP 503 "overloaded" with
+    # Retry-After) while some live stream is more than this many seconds behind its listener — its playback slack
+    # below -shed_lag_s: an underrun that deep, or a first audio awaited that long (`Lifecycle.worst_stream_lag`,
+    # stats()["stream_lag_s"], /metrics cosytrt_stream_lag_seconds). Past saturation every admitted stream falls
+    # behind (run 51: 219 of 293 streams underran at 12 req/s); shedding keeps the admitted ones playing and tells
+    # the rest to retry. A request under a lease (a later segment of an admitted HTTP request) or following another
+    # (`after`: a conversation's next sentence) is never shed. Refusals: stats()["shed"]. Off (0) by default: not
+    # yet measured on a GPU (`benchmarks/session19_call.sh`, CALL=shed)
+    shed_lag_s: float = 0.0
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
     ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)
@@ -141,7 +150,7 @@ class SchedulerConfig:
         if self.ar_max_len is not None and (not isinstance(self.ar_max_len, int) or self.ar_max_len < 1):
             raise InputError(f"SchedulerConfig.ar_max_len must be a positive int or None, got {self.ar_max_len!r}")
         for name in ("submit_timeout_s", "dit_max_wait_ms", "hift_max_wait_ms", "ar_first_audio_hold_ms",
-                     "ar_pace_lead_s"):
+                     "ar_pace_lead_s", "shed_lag_s"):
             if getattr(self, name) < 0:
                 raise InputError(f"SchedulerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if not any(self.flow_prefix_cache is v for v in (None, True, False)):

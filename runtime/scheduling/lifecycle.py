@@ -12,6 +12,7 @@ from ...engines.errors import InputError, RejectedError
 from .admission import AdmissionControl, Ticket
 from .config import SchedulerConfig
 from .handle import RequestHandle
+from .policies import playback_slack
 from ..stages.request import Request, RequestMetrics
 from .state import RequestState
 
@@ -36,6 +37,8 @@ class Lifecycle:
         self.closing = False
         self.dead: str | None = None  # why a worker thread died (the scheduler is then unhealthy)
         self.counts = dict(completed=0, failed=0, cancelled=0, rejected=0)
+        # load shedding (shed_lag_s): the admission control asks this lifecycle whether the runtime is overloaded
+        self.admission.overload = self.overload_reason if config.shed_lag_s > 0 else None
 
     def admit(self, req: Request, inputs=None, lease: Ticket | None = None, after=None) -> RequestState:
         """A new request's state (and handle) once admission grants a slot; RejectedError when closed, full
@@ -51,8 +54,8 @@ class Lifecycle:
             raise RejectedError(f"{what}: the scheduler is closed")
         ticket = None
         if lease is None:
-            try:
-                ticket = self.admission.admit(what)
+            try:  # a conversation's next sentence (`after`) is not shed
+                ticket = self.admission.admit(what, shed=after is None)
             except RejectedError:
                 with self.lock:
                     self.counts["rejected"] += 1
@@ -71,6 +74,25 @@ class Lifecycle:
             if ticket is not None:
                 self.tickets[id(r.handle)] = ticket
         return r
+
+    def worst_stream_lag(self, now: float | None = None) -> float:
+        """How far the live stream furthest behind its listener is, in seconds (0 when none is behind): minus its
+        playback slack (`policies.playback_slack`: before its first chunk, how long its listener has waited for
+        it; after, the audio it still owes the time played)."""
+        now = time.perf_counter() if now is None else now
+        with self.lock:
+            streams = [r.metrics for r in self.live.values() if r.metrics.stream]
+        return max([0.0] + [-playback_slack(m, now) for m in streams])
+
+    def overload_reason(self) -> str | None:
+        """Load shedding (`SchedulerConfig.shed_lag_s` > 0; the admission control's `overload` hook): why a new
+        request should be refused now — a live stream more than shed_lag_s behind its listener — or None."""
+        limit = self.config.shed_lag_s
+        lag = self.worst_stream_lag() if limit > 0 else 0.0
+        if lag > limit > 0:
+            return (f"the runtime is overloaded: a stream in flight is {lag:.2f} s behind its listener "
+                    f"(shed_lag_s {limit:g}); retry later")
+        return None
 
     def get(self, handle: RequestHandle) -> RequestState | None:
         return self.live.get(id(handle))

@@ -133,6 +133,8 @@ def collect_stats(lifecycle: Lifecycle, frontend: FrontendPool, clock: StageCloc
     with lc.lock:
         st = SchedulerStats(in_flight=lc.in_flight, closing=lc.closing, **lc.counts)
     st.admission = lc.admission.snapshot()
+    st.shed = st.admission.get("shed", 0)  # the admission control's (the server's refusals too)
+    st.stream_lag_s = lc.worst_stream_lag()
     st.queues = QueueDepths(frontend=frontend.pending)
     if ar is not None:
         st.queues.ar_waiting, st.queues.ar_running = len(ar.waiting), len(ar.running)

@@ -91,6 +91,8 @@ class SchedulerStats:
     failed: int = 0
     cancelled: int = 0
     rejected: int = 0
+    shed: int = 0                   # refused by load shedding (SchedulerConfig.shed_lag_s; admission's count)
+    stream_lag_s: float = 0.0       # the live stream furthest behind its listener, seconds (Lifecycle.worst_stream_lag)
     admission: dict = field(default_factory=dict)   # the admission control's slots, waiters, limits, counts
     queues: QueueDepths = field(default_factory=QueueDepths)
     ar_runner: dict = field(default_factory=dict)   # the runner's own numbers (slots, graph replays, ...)
@@ -106,7 +108,8 @@ class SchedulerStats:
 
     def to_dict(self) -> dict:
         out = {"in_flight": self.in_flight, "closing": self.closing, "completed": self.completed,
-               "failed": self.failed, "cancelled": self.cancelled, "rejected": self.rejected,
+               "failed": self.failed, "cancelled": self.cancelled, "rejected": self.rejected, "shed": self.shed,
+               "stream_lag_s": round(self.stream_lag_s, 3),
                "admission": self.admission,
                "queues": dataclasses.asdict(self.queues), "ar": {**self.ar_runner, **dataclasses.asdict(self.ar)},
                "dit": dataclasses.asdict(self.dit), "hift": dataclasses.asdict(self.hift)}

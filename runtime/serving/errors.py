@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from ...engines.errors import CosytrtError, RejectedError, RequestTooLongError
-from ..scheduling.admission import AdmissionTimeoutError, QueueFullError
+from ..scheduling.admission import AdmissionTimeoutError, OverloadedError, QueueFullError
 from .voices import VoiceExistsError, VoiceLimitError, VoiceNotFoundError
 
 log = logging.getLogger("cosytrt.server")
@@ -50,6 +50,8 @@ def from_runtime_error(e: BaseException, param: str | None = None) -> APIError:
         return APIError(429, str(e), code="too_many_requests", headers={"Retry-After": "1"})
     if isinstance(e, AdmissionTimeoutError):
         return APIError(503, str(e), code="queue_timeout", headers={"Retry-After": "1"})
+    if isinstance(e, OverloadedError):  # load shedding (shed_lag_s): the streams in flight are behind
+        return APIError(503, str(e), code="overloaded", headers={"Retry-After": "2"})
     if isinstance(e, RejectedError):
         return APIError(429, f"the runtime is at capacity: {e}", code="overloaded", headers={"Retry-After": "1"})
     if isinstance(e, CosytrtError):

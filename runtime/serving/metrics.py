@@ -63,6 +63,7 @@ def runtime_view(stats: dict | None) -> dict:
     host = next((d["host_s"] for d in dicts if isinstance(d.get("host_s"), dict)), {})
     pool = dit.get("flow_cache") if isinstance(dit.get("flow_cache"), dict) else {}
     return {"in_flight": _number(sched.get("in_flight")), "queues": sched.get("queues", {}), "counters": counters,
+            "shed": _number(sched.get("shed")), "stream_lag_s": _number(sched.get("stream_lag_s")),
             "dit_frames": {k: _number(dit.get(f"frames_{k}")) for k in ("computed", "reused")},
             "cache_fallbacks": _number(dit.get("cache_fallbacks")), "busy_s": busy,
             "host_s": {(stage, kind): _number(h.get(f"{kind}_s")) for stage, h in host.items() if isinstance(h, dict)
@@ -221,6 +222,14 @@ class ServerMetrics:
                  "stream far enough ahead of its listener) and first-audio holds")
             for k, x in view["ar_waits_s"].items():
                 lines.append(f"cosytrt_ar_wait_seconds_total{_labels(kind=k)} {x or 0.0!r}")
+        if view["stream_lag_s"] is not None:
+            head("cosytrt_stream_lag_seconds", "gauge", "How far the live stream furthest behind its listener is "
+                 "(an underrun that deep, or a first audio awaited that long); 0: none behind")
+            lines.append(f"cosytrt_stream_lag_seconds {view['stream_lag_s']!r}")
+        if view["shed"] is not None:
+            head("cosytrt_requests_shed_total", "counter", "Requests refused by load shedding (shed_lag_s: a live "
+                 "stream was behind its listener)")
+            lines.append(f"cosytrt_requests_shed_total {view['shed']!r}")
         head("cosytrt_stage_busy_seconds_total", "counter", "Seconds each runtime stage spent running batches")
         for k, x in sorted(view["busy_s"].items()):
             if _number(x) is not None:

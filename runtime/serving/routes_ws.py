@@ -124,8 +124,8 @@ def add_ws_routes(app, state) -> None:
         try:
             try:
                 params = parse_speech_request({**base, "input": s.text}, settings)
-                if ticket is None:
-                    ticket = await state.admit("websocket sentence")
+                if ticket is None:  # a session's later sentences are not shed (its listener is mid-conversation)
+                    ticket = await state.admit("websocket sentence", shed=after is None)
                 speaker = await resolve_speaker(state, params)
                 options = {"speaker": speaker, **params.options, **state.lease(ticket)}
                 if params.speed != 1.0:

@@ -99,11 +99,11 @@ class ServerState:
         self._limits_before = self.admission.configure(max_in_flight=s.max_in_flight, max_waiting=s.max_queue,
                                                        timeout_s=s.queue_timeout_s, on_full="wait")
 
-    async def admit(self, what: str) -> Ticket:
+    async def admit(self, what: str, shed: bool = True) -> Ticket:
         """A ticket from the runtime's admission control; its refusals as OpenAI-shaped errors (429 busy, 503 no
-        slot in time)."""
+        slot in time or overloaded). `shed` False: not refused by load shedding (a conversation's next sentence)."""
         try:
-            ticket = await self.admission.admit_async(what)
+            ticket = await self.admission.admit_async(what, shed=shed)
         except Exception as e:  # noqa: BLE001 - RejectedError subclasses
             raise from_runtime_error(e) from None
         self.tickets.add(ticket)

@@ -30,7 +30,8 @@ import torch
 from .common import jsonable, log, make_pipeline, random_models, scheduler_config, start_tts
 from .gil_probe import GilProbe
 from .gpu_util import GpuUtilProbe
-from .playback import FAILED, NOT_SUBMITTED, OK, UNFINISHED, RequestRecord, saturated, summarize
+from ...runtime.scheduling.admission import OverloadedError
+from .playback import FAILED, NOT_SUBMITTED, OK, SHED, UNFINISHED, RequestRecord, saturated, summarize
 from .workload import Arrival, OpenLoopSpec, generate
 
 TEXT = "a" * 40
@@ -217,8 +218,9 @@ def cached_hops_delta(before: dict, after: dict) -> dict | None:
 
 def _record(a: Arrival, h, t0: float, sample_rate: int, error: str | None, cut: bool) -> RequestRecord:
     rec = RequestRecord(a.t, a.audio_s, a.stream)
-    if h is None:
-        rec.status, rec.error = NOT_SUBMITTED if error is None else FAILED, error
+    if h is None:  # refused at submit: by load shedding (shed_lag_s), or another refusal / error
+        rec.status = NOT_SUBMITTED if error is None else SHED if error.startswith(OverloadedError.__name__) else FAILED
+        rec.error = error
         return rec
     sizes = []
     try:
@@ -561,7 +563,7 @@ def _rate_sweep(bench, out, tts, label, spec, rates, drain_s, speaker) -> None:
             f"{cell['achieved_audio_s_per_s']:.1f} audio s/s; TTFA p50 {_fmt(t_['p50'])} p95 "
             f"{_fmt(t_['p95'])} p99 {_fmt(t_['p99'])} s; underruns {cell['underrun_requests']} of "
             f"{cell['streams']} streams ({cell['stall_s']:.1f} s stalled); {cell['unfinished']} unfinished, "
-            f"{cell['failed']} failed; busy " + ", ".join(f"{k} {v:.2f}" for k, v in cell["busy"].items())
+            f"{cell['failed']} failed" + (f", {cell['shed']} shed" if cell.get("shed") else "") + "; busy " + ", ".join(f"{k} {v:.2f}" for k, v in cell["busy"].items())
             + f"; GIL wait p50 {_fmt(cell['gil_wait_ms']['p50'], '.2f')} p95 "
               f"{_fmt(cell['gil_wait_ms']['p95'], '.2f')} ms"
             + (f"; GPU util mean {cell['gpu_util_pct']['mean']} %" if cell["gpu_util_pct"]["n"] else "")

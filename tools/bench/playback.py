@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-OK, FAILED, UNFINISHED, NOT_SUBMITTED = "ok", "failed", "unfinished", "not_submitted"
+OK, FAILED, UNFINISHED, NOT_SUBMITTED, SHED = "ok", "failed", "unfinished", "not_submitted", "shed"
 
 
 def underruns(arrivals: Sequence[float], durations: Sequence[float], tolerance_s: float = 0.0) -> tuple[int, float]:
@@ -53,7 +53,8 @@ class RequestRecord:
     stream: bool
     chunk_t: list = field(default_factory=list)  # when each chunk reached the caller's handle
     chunk_s: list = field(default_factory=list)  # audio seconds of each chunk
-    status: str = OK                     # ok / failed / unfinished (cut at the end of the cell) / not_submitted
+    status: str = OK                     # ok / failed / unfinished (cut at the end of the cell) / not_submitted /
+    #                                      shed (refused at submit by load shedding: no audio owed, no TTFA)
     error: str | None = None
     marks: dict = field(default_factory=dict)  # RequestMetrics.marks: seconds after submit (see ttfa_parts)
     ttfa_s: float | None = None          # RequestMetrics.ttfa: first chunk, seconds after submit
@@ -97,7 +98,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, end_t: float,
     """
     streams = [r for r in records if r.stream]
     offline = [r for r in records if not r.stream]
-    counts = {s: sum(1 for r in records if r.status == s) for s in (OK, FAILED, UNFINISHED, NOT_SUBMITTED)}
+    counts = {s: sum(1 for r in records if r.status == s) for s in (OK, FAILED, UNFINISHED, NOT_SUBMITTED, SHED)}
 
     def first_audio(rs, last: bool):
         vals, censored = [], 0
@@ -127,7 +128,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, end_t: float,
             "completed": counts[OK], "failed": counts[FAILED], "unfinished": counts[UNFINISHED],
             "unfinished_ahead": len(ahead),
             "undelivered_ahead_s": sum(max(0.0, r.audio_s - sum(r.chunk_s)) for r in ahead),
-            "not_submitted": counts[NOT_SUBMITTED],
+            "not_submitted": counts[NOT_SUBMITTED], "shed": counts[SHED],
+            "shed_audio_s": sum(r.audio_s for r in records if r.status == SHED),
             "ttfa": {**distribution(ttfa), "censored": ttfa_censored},
             "ttfa_parts": ttfa_parts(records),
             "offline_latency": {**distribution(latency), "censored": latency_censored},
@@ -148,13 +150,15 @@ def saturated(cell: dict, throughput_ratio: float = 0.9, ttfa_p95_s: float = 5.0
     `ttfa_p95_s`. (The window's own achieved audio s/s is not a test: it trails offered by the lag from arrival to
     audio even when every request keeps up — about 20 % for 8 s streams in a 10 s window.)
     Streams cut while their listener still had audio to play (`unfinished_ahead`: paced, not behind) count neither
-    as unfinished nor with their audio not yet due (`undelivered_ahead_s`) in the offered audio."""
+    as unfinished nor with their audio not yet due (`undelivered_ahead_s`) in the offered audio; requests refused by
+    load shedding (`shed`) owe no audio."""
     behind = (cell.get("unfinished") or 0) - (cell.get("unfinished_ahead") or 0)
     if behind > 0:
         return f"{behind} of {cell.get('requests')} requests unfinished after the drain"
     off, dur = cell.get("offered_audio_s_per_s"), cell.get("duration_s")
     got, wall = cell.get("delivered_audio_s_per_s"), cell.get("wall_s")
-    due = off * dur - (cell.get("undelivered_ahead_s") or 0.0) if off and dur else None
+    due = off * dur - (cell.get("undelivered_ahead_s") or 0.0) - (cell.get("shed_audio_s") or 0.0) if off and dur \
+        else None
     if due and got is not None and wall and got * wall < throughput_ratio * due:
         return f"delivered {got * wall:.1f} < {throughput_ratio:g} x offered {due:.1f} audio s"
     p95 = (cell.get("ttfa") or {}).get("p95")

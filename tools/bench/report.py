@@ -289,7 +289,7 @@ def open_loop_tables(res: dict) -> str:
                              f"{c['streams']}/{c['offline']}", t.get("p50"), t.get("p95"), t.get("p99"),
                              c.get("inter_chunk_p95"), f"{c['underrun_requests']} of {c['streams']}",
                              c.get("underrun_fraction"), c.get("stall_s"), lat.get("p95"),
-                             _unfinished(c), c.get("failed"), c.get("saturated") or ""])
+                             _unfinished(c), _failed(c), c.get("saturated") or ""])
         busy, frames = c.get("busy") or {}, c.get("dit_frames") or {}
         res_rows.append(label + [busy.get(s) for s in ("ar", "dit", "hift")]
                         + [((c.get("buckets") or {}).get(sm) or {}).get("hit_rate") for sm in sms]
@@ -299,7 +299,7 @@ def open_loop_tables(res: dict) -> str:
     parts = [head + "\n\n" + _md(
         ["setting", "req/s", "offered audio s/s", "achieved", "delivered (with drain)", "streams/offline", "TTFA p50 s",
          "TTFA p95 s", "TTFA p99 s", "inter-chunk p95 s", "streams with underrun", "underrun fraction", "stall s",
-         "offline latency p95 s", "unfinished", "failed", "saturated"], rows)]
+         "offline latency p95 s", "unfinished", "failed (shed)", "saturated"], rows)]
     if res_rows:
         parts.append("**Open loop: stage busy fraction, bucket hit rate per stage/mode, eager fallbacks, DiT frames**"
                      "\n\n" + _md(["setting", "req/s", "AR busy", "DiT busy", "HiFT busy"]
@@ -395,6 +395,11 @@ def _kernel_row(kp: dict) -> list:
 def _top(counts: dict, k: int) -> str:
     """The k most frequent keys of `counts` as 'key (n)', most frequent first."""
     return ", ".join(f"{key} ({n})" for key, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:k])
+
+
+def _failed(c: dict):
+    """Failed requests of a cell, and those refused by load shedding (`shed_lag_s`) when there were any."""
+    return f"{c.get('failed')} ({c['shed']} shed)" if c.get("shed") else c.get("failed")
 
 
 def _host_row(host: dict) -> list:
