@@ -13,7 +13,8 @@
 #   CALL=long: 40 s streams at 1 / 2 / 3 req/s, defaults against 4 steps per call (the 40 s saturation target);
 #   CALL=offline: the same 40 s mix offline, the same two settings (the "within 1.5x of offline" half);
 #   CALL=c1: 1 req/s, defaults against 4 steps per call (a token reaches the DiT up to 3 steps later, each step
-#     cheaper: the c1 TTFA target);
+#     cheaper: the c1 TTFA target), and with the first-audio hold (the first DiT job took 33 ms in run 52 against
+#     ~18 ms of DiT steps alone in run 5: the AR's kernels beside it?);
 #   CALL=mixed8: the mixed cells with 8 steps per call (its graphs' capture: another ~2-3 minutes), if time is left;
 #   CALL=shed: load shedding past saturation (12 and 16 req/s mixed): defaults against shed_lag_s 1 and 0.5 (new:
 #     refuse new requests while a live stream is that far behind its listener; the cells count shed requests apart);
@@ -36,7 +37,8 @@ case "${CALL:-mixed}" in
                  --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
   offline) args=(--rates 1,2,3,4 --duration-s 24 --drain-s 8 --lengths 40:0 --stream-fraction 0
                  --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
-  c1)      args=(--rates 1 --duration-s 24 --drain-s 8 --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
+  c1)      args=(--rates 1 --duration-s 24 --drain-s 8
+                 --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4,ar_decode_steps=4+ar_first_audio_hold_ms=30}") ;;
   *) echo "CALL must be mixed, long, offline, c1, mixed8, shed or hift"; exit 2 ;;
 esac
 JOB=${JOB:-${CALL:-mixed}} bash benchmarks/bench_job.sh "${args[@]}" "${kp[@]}"
