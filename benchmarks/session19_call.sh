@@ -18,6 +18,9 @@
 #   CALL=mixed8: the mixed cells with 8 steps per call (its graphs' capture: another ~2-3 minutes), if time is left;
 #   CALL=shed: load shedding past saturation (12 and 16 req/s mixed): defaults against shed_lag_s 1 and 0.5 (new:
 #     refuse new requests while a live stream is that far behind its listener; the cells count shed requests apart);
+#   CALL=arstep: the AR step alone (tools/bench/ar_step, tiny LM in its CUDA graphs) with and without a thread
+#     contending for the interpreter lock (--gil-load 1): single steps, in-graph sampling, 4 steps per call — run it
+#     before CALL=mixed starts the bench process or after the last job (never beside the process's cells);
 #   CALL=hift: the vocoder on its own stream (hift_own_stream, written in session 14, never run on a GPU) at 8 / 12
 #     req/s: in run 51 the AR thread sat idle 8-12 % of the 12 req/s cell while first hops waited 2.8 s (p95) for
 #     the DiT, whose thread waited for its GPU work 45 % of the time — and the HiFT's fp32 convolutions run on that
@@ -27,6 +30,14 @@
 #   usage (repo root on the device): CALL=mixed bash benchmarks/session19_call.sh
 #   carry: dist .whl compile_cache benchmarks/COMMIT (the first call; later calls need only the repo)
 set -u
+if [ "${CALL:-}" = arstep ]; then
+  source benchmarks/device_setup.sh --install || exit 1
+  for load in 0 1; do
+    (cd /tmp && python3 -m cosytrt.tools.bench.ar_step --device cuda --batches 1,8,32 --steps 100 --repeats 3 \
+      --gil-load $load) 2>&1 | tail -6 | tee -a "$OUT/ar_step.md"
+  done
+  exit 0
+fi
 kp=(--kernel-profile-s 1 --budget-s 100000)
 case "${CALL:-mixed}" in
   mixed)   args=(--rates 8,12 --duration-s 24 --drain-s 8 --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;

@@ -128,6 +128,16 @@ def test_ar_step_bench_table_runs():
 
     (row,) = table(batches=(2,), steps=2, repeats=1)
     assert row["batch"] == 2 and row["fixed_us"] > 0 and row["tiny_us"] > 0 and row["fixed_ops"] > 10
+    assert row["tiny_x4_us"] > 0 and row["tiny_x4_calls"] > 0
+    import threading
+
+    from cosytrt.tools.bench.ar_step import GilLoad
+
+    (row,) = table(batches=(2,), steps=2, repeats=1, gil_threads=1, gil_hold_us=100, gil_gap_us=100)
+    assert row["fixed_us"] > 0
+    assert not any(t.name.startswith("cosytrt-bench-gil-load") for t in threading.enumerate())  # stopped
+    with GilLoad(0):
+        pass
 
 
 def test_first_audio_hold_conditions():

@@ -10,6 +10,10 @@ requests, default sampling parameters, one seed per row, with two runners:
   the whole step; `tiny sampled`: the same with `ar_graph_sampling` (on CUDA the sampling inside the decode graphs;
   on the CPU the same fixed-shape sampler, eagerly); `tiny x4`: `ar_decode_steps=4` (four steps per runner call,
   sampled on the device; on CUDA in multi-step decode graphs), its µs divided by 4: per token step.
+`--gil-load N`: N threads beside it that each run Python for `--gil-hold-us` and then sleep `--gil-gap-us` (the
+interpreter lock held and released as the DiT and vocoder threads of a loaded server do): every host operation of
+the AR step that gives up the lock may wait for it (runs 47 and 50: under load the AR's step took 5-8 ms around ~1 ms
+of kernels); `4 steps per call` pays that once per four tokens.
 Prints microseconds per step (median of `repeats` blocks of `steps` steps), for `fixed` the aten ops per step that
 are not views (about the kernel launches of a GPU step), and for `tiny` the part spent outside `runner.decode` (on
 CUDA that includes waiting for the GPU: the decode is only launched). On CUDA every step ends in the sampling's host
@@ -169,7 +173,45 @@ def ops_per_step(worker, steps: int = 20) -> float:
 MULTI_STEPS = 4
 
 
-def table(batches=(1, 8, 32), steps: int = 100, repeats: int = 5, device: str = "cpu") -> list[dict]:
+class GilLoad:
+    """`with GilLoad(n, hold_us, gap_us):` n daemon threads, each alternating `hold_us` of pure-Python work (the
+    interpreter lock held) with a `gap_us` sleep (released); stopped and joined on exit. n = 0: nothing."""
+
+    def __init__(self, n: int, hold_us: float = 500.0, gap_us: float = 500.0):
+        import threading
+
+        self.n, self.hold, self.gap = n, hold_us / 1e6, gap_us / 1e6
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, name=f"cosytrt-bench-gil-load-{i}", daemon=True)
+                        for i in range(n)]
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            end = time.perf_counter() + self.hold
+            x = 0
+            while time.perf_counter() < end:
+                x += 1
+            time.sleep(self.gap)
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+def table(batches=(1, 8, 32), steps: int = 100, repeats: int = 5, device: str = "cpu", gil_threads: int = 0,
+          gil_hold_us: float = 500.0, gil_gap_us: float = 500.0) -> list[dict]:
+    """One row per batch (see the module docstring); with `gil_threads` > 0 every timing runs under `GilLoad`."""
+    with GilLoad(gil_threads, gil_hold_us, gil_gap_us):
+        return _table(batches, steps, repeats, device)
+
+
+def _table(batches, steps: int, repeats: int, device: str) -> list[dict]:
     rows = []
     for b in batches:
         fixed = worker_for(FixedRunner(b, device=device), b, device=device)
@@ -202,10 +244,17 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--device", default="cpu", help="cpu, or cuda: the same loop on the GPU (each step ends in the "
                    "sampling's host sync, so µs = host time + what the GPU adds; tiny LM in decode graphs)")
+    p.add_argument("--gil-load", type=int, default=0, help="threads contending for the interpreter lock beside it")
+    p.add_argument("--gil-hold-us", type=float, default=500.0)
+    p.add_argument("--gil-gap-us", type=float, default=500.0)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    rows = table(tuple(int(x) for x in a.batches.split(",")), a.steps, a.repeats, a.device)
-    print(f"AR worker decode step, {a.device}, torch {torch.__version__}, {a.threads} thread(s); µs per step (median)")
+    rows = table(tuple(int(x) for x in a.batches.split(",")), a.steps, a.repeats, a.device, a.gil_load,
+                 a.gil_hold_us, a.gil_gap_us)
+    load = (f"; {a.gil_load} thread(s) holding the interpreter lock {a.gil_hold_us:g} µs every "
+            f"{a.gil_hold_us + a.gil_gap_us:g} µs" if a.gil_load else "")
+    print(f"AR worker decode step, {a.device}, torch {torch.__version__}, {a.threads} thread(s){load}; µs per step "
+          "(median)")
     print("| batch | fixed logits: worker host µs | its aten ops (not views) | tiny LM: whole step µs "
           "| tiny LM: outside runner.decode µs | its aten ops | tiny LM, sampling in the runner: whole step µs "
           "| outside runner.decode µs | its aten ops | tiny LM, 4 steps per call: µs per step | outside µs | ops |")
