@@ -370,9 +370,10 @@ def test_reconfigure_switches_decode_steps_over_the_same_runner(one_torch_thread
 def test_ar_decode_steps_must_be_a_positive_int():
     from cosytrt.engines.errors import InputError
 
-    for bad in (0, -1, 2.0, True):
+    for bad in (0, -1, 2.0, True, 33):
         with pytest.raises(InputError, match="ar_decode_steps"):
             SchedulerConfig(ar_decode_steps=bad)
+    assert SchedulerConfig(ar_decode_steps=32).ar_decode_steps == 32
 
 
 # ---------------------------------------------------------------- on a GPU: the captured multi-step graphs

@@ -63,9 +63,10 @@ def test_new_requests_are_shed_while_a_stream_is_behind():
     assert lc0.admission.counts["shed"] == 0 and lc0.admission.overload is None
 
 
-def test_shed_lag_must_not_be_negative():
-    with pytest.raises(InputError, match="shed_lag_s"):
-        SchedulerConfig(shed_lag_s=-1.0)
+def test_shed_lag_must_be_a_finite_number_not_below_zero():
+    for bad in (-1.0, float("nan"), float("inf"), "1", True):
+        with pytest.raises(InputError, match="shed_lag_s"):
+            SchedulerConfig(shed_lag_s=bad)
 
 
 def test_scheduler_sheds_and_reports_the_lag(one_torch_thread, tiny_tts):

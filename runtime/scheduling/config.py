@@ -1,9 +1,12 @@
 """SchedulerConfig: the knobs of admission, batching per stage and the batching policies."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ...engines.errors import InputError
+
+MAX_DECODE_STEPS = 32  # ar_decode_steps: LM steps one multi-step graph holds, at most
 
 @dataclass
 class SchedulerConfig:
@@ -144,6 +147,13 @@ class SchedulerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InputError(f"SchedulerConfig.{name} must be a positive int, got {v!r}")
+        if self.ar_decode_steps > MAX_DECODE_STEPS:  # each multi-step graph holds that many LM steps
+            raise InputError(f"SchedulerConfig.ar_decode_steps must be at most {MAX_DECODE_STEPS}, got "
+                             f"{self.ar_decode_steps!r}")
+        if not isinstance(self.shed_lag_s, (int, float)) or isinstance(self.shed_lag_s, bool) \
+                or not math.isfinite(self.shed_lag_s):
+            raise InputError(f"SchedulerConfig.shed_lag_s must be a finite number of seconds (0: off), got "
+                             f"{self.shed_lag_s!r}")
         w = self.max_waiting
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
             raise InputError(f"SchedulerConfig.max_waiting must be None or an int >= 0, got {w!r}")
