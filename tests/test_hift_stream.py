@@ -173,6 +173,34 @@ def test_bucketed_stream_decoder_is_exact(hift, mel):
     assert all(t in (32, 48, 64, 96, 128) for _, t in calls)
 
 
+def test_bucketed_stream_windows_split_over_buckets(hift, mel):
+    """More streams than the largest bucket holds (or a row count no bucket fits within the padding-waste limit):
+    their windows run split over buckets (BucketTable.plan: 2 + 1 here), not eagerly, with the eager samples —
+    non-final and final windows alike — and the parts are counted as split, none as a fallback."""
+    from cosytrt.engines.buckets import Bucket, BucketTable, ShapeStats
+    from cosytrt.runtime.stages.bucketed import BucketedStreamDecoder
+
+    lengths = (32, 48, 64, 96, 128, 192)
+    table = BucketTable([Bucket("hift", "stream", b, t) for b in (1, 2) for t in lengths], 1.5)
+    stats = ShapeStats()
+    calls = []
+
+    def run(bucket, m, s):
+        calls.append(bucket.batch)
+        return hift.decode(m, s, finalize=False)
+
+    dec = BucketedStreamDecoder(hift, run, table, stats, lambda m, s: hift.decode(m, s, finalize=True))
+    starts = (0, 10, 20)
+    refs = [HiFTStream(hift) for _ in starts]
+    outs = [HiFTStream(hift, decoder=dec) for _ in starts]
+    for a, b, fin in ((0, 40, False), (40, 90, False), (90, 150, True)):
+        r = push_batch(refs, [mel[:, :, s + a:s + b] for s in starts], [fin] * 3)
+        o = push_batch(outs, [mel[:, :, s + a:s + b] for s in starts], [fin] * 3)
+        assert all(x.shape == y.shape and float((x - y).abs().max()) <= 1e-5 for x, y in zip(r, o))
+    st = stats.summary()["stages"]["hift/stream"]
+    assert st["fallbacks"] == 0 and st["split_parts"] >= 6 and sorted(set(calls)) == [1, 2]
+
+
 def test_bucketed_final_windows_are_exact(hift, mel):
     """With a tail runner, final windows run in the non-final buckets (right-padded by >= 4 zero frames) plus a final
     decode of the last decode_left_context() + 1 frames: the same samples as the eager stream, counted as hits at

@@ -191,15 +191,30 @@ class BucketedStreamDecoder:
         t0 = time.perf_counter()
         need = n + self.hift.conv_pre_look_right if finalize else n
         if finalize and self.tail is None:
-            bucket, reason = None, "final window (own iSTFT edge)"
+            plan, reason = [(b, None)], "final window (own iSTFT edge)"
         elif finalize and n <= self.tail_frames:
-            bucket, reason = None, "final window no longer than the tail window"
-        else:
-            bucket = self.table.select(b, need)
-            reason = None if bucket is not None else self.table.miss_reason(b, need)
+            plan, reason = [(b, None)], "final window no longer than the tail window"
+        else:  # one bucket, or the rows (independent streams) split over several (BucketTable.plan), else eager
+            plan = self.table.plan(b, need)
+            reason = self.table.miss_reason(b, need) if plan[0][1] is None else None
+        if len(plan) == 1:
+            return self._window(mel, source, finalize, plan[0][1], need, reason, t0, split=False)
+        outs, r0 = [], 0
+        for k, bucket in plan:  # e.g. 10 streams' windows with buckets of up to 8 rows: 8 + 2, not all eager
+            sl = slice(r0, r0 + k)
+            outs.append(self._window(mel[sl], source[sl], finalize, bucket, need,
+                                     None if bucket is not None else self.table.miss_reason(k, need),
+                                     time.perf_counter(), split=True))
+            r0 += k
+        return torch.cat(outs, dim=0)
+
+    def _window(self, mel, source, finalize: bool, bucket, need: int, reason, t0: float, split: bool):
+        """The windows of `mel` [b, 80, n] in `bucket`, or eagerly (bucket None, for `reason`)."""
+        b, _, n = mel.shape
         if bucket is None:
             out = self.hift.decode(mel, source, finalize)
-            self.stats.record("hift", "stream", b, need, None, time.perf_counter() - t0, reason=reason)
+            self.stats.record("hift", "stream", b, need, None, time.perf_counter() - t0, reason=reason,
+                              split_part=split)
             if not finalize:
                 log_fallback_once("hift/stream", "a window shape no bucket covers within the padding-waste limit")
             return out
@@ -217,5 +232,5 @@ class BucketedStreamDecoder:
             w = self.tail_frames
             tail = self.tail(mel[:, :, n - w:], source[:, :, (n - w) * spf:])[:, -spf:]
             out = torch.cat([head, tail.to(head.dtype)], dim=1)
-        self.stats.record("hift", "stream", b, need, bucket, time.perf_counter() - t0)
+        self.stats.record("hift", "stream", b, need, bucket, time.perf_counter() - t0, split_part=split)
         return out
