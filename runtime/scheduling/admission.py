@@ -14,7 +14,8 @@ Refusals are RejectedError subclasses, so callers map them without knowing the l
 held and `max_waiting` callers already waiting, or `on_full="reject"`: refused at once), `AdmissionTimeoutError` (no
 slot freed within `timeout_s`), `OverloadedError` (load shedding: the `overload` hook — set by a scheduler with
 `SchedulerConfig.shed_lag_s`, `Lifecycle.overload_reason` — names a reason, and a caller that may be shed is refused
-at once, before it takes a slot or a place in the queue). Thread-safe; one instance may serve several event loops and threads."""
+at once, before it takes a slot or a place in the queue). Thread-safe; one instance may serve several event loops
+and threads."""
 from __future__ import annotations
 
 import asyncio

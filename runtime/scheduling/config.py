@@ -103,11 +103,11 @@ class SchedulerConfig:
     # (each row's own uniforms, drawn in the same order; a row that stops mid-call drops its later ids; tests in
     # tests/test_ar_decode_steps.py, the graphs on an H100 too, run 54) — exactly so with `batch_invariant`; without
     # it a call's steps attend the KV rung its last step needs, which may be longer than a single step's, an effect
-    # of the same kind as batching (the rung follows the batch's longest row). Why: under load the AR thread's host work per step, not the GPU, set the AR's
-    # pace (runs 47 and 50: ~0.85 ms of kernels in 5-8 ms per step, the AR ~90 % busy at saturation, the 40 s
-    # streams and offline jobs AR-bound at 61-93 audio s/s). Costs: a token reaches the DiT up to K-1 steps later;
-    # a row that stops mid-call computes the rest of the call; a request waiting for admission waits up to K steps;
-    # K times the decode graphs' capture. Rows the device sampler does not fit (another RAS window or top_k), rows
+    # of the same kind as batching (the rung follows the batch's longest row). Why: under load the AR thread's host
+    # work per step, not the GPU, set the AR's pace (runs 47 and 51-53: ~0.85 ms of kernels in 4-8 ms per step; the
+    # 40 s streams and offline jobs AR-bound at 61-93 audio s/s, the AR 96-99 % busy). Costs: a token reaches the
+    # DiT up to K-1 steps later; a row that stops mid-call computes the rest of the call; a request waiting for
+    # admission waits up to K steps; K times the decode graphs' capture. Rows the device sampler does not fit (another RAS window or top_k), rows
     # near their length limit and calls that do not fit the graphs take single steps. Off (1) by default: not yet
     # run on a GPU
     ar_decode_steps: int = 1

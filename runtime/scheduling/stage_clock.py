@@ -9,8 +9,9 @@ stages can sum to more than 1.
 
 Beside it, every span's host side (`host_s()`): the worker thread's wall seconds inside its spans and its CPU seconds
 there (`time.thread_time`). Wall minus CPU is time the thread was blocked inside its own batched work — waiting for
-the interpreter lock, or descheduled — since a CUDA wait for the GPU spins (CPU time) on these machines: under load the
-AR's host time per step, not the GPU, set its pace (BENCHMARKS.md runs 47 and 50), and this splits that host time.
+the interpreter lock, or descheduled — since a CUDA wait for the GPU spins (CPU time) on these machines: under load
+the AR's host time per step, not the GPU, set its pace (BENCHMARKS.md runs 47 and 51-53), and this splits that host
+time.
 """
 from __future__ import annotations
 

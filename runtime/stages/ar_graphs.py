@@ -11,7 +11,7 @@ instead of the sampler's ~35 kernel launches beside the DiT and vocoder threads.
 With `steps` = K > 1 a graph holds K decode steps, each sampled on the device and fed its own ids as the next step's
 tokens (`decode_steps`; `run_steps`): the AR thread's per-step host work — the inputs' upload, the replay, the
 read-back and its wait — is paid once per K tokens (`SchedulerConfig.ar_decode_steps`). Under load that host work,
-not the GPU, set the AR's pace (BENCHMARKS.md runs 47 and 50: ~0.85 ms of kernels in a 5-8 ms step).
+not the GPU, set the AR's pace (BENCHMARKS.md runs 47 and 51-53: ~0.85 ms of kernels in a 4-8 ms step).
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class DecodeGraphs:
                 fn = lambda t, s, p, rows, kv=kv: _sampled(decode(t, s, p, kv_len=kv), rows, sampler)  # noqa: E731
             # a multi-step graph's decode is the single-step graphs' compiled function, already warm: one warm-up
             # run before its capture, not two (each runs K steps; the sampled single-step set took 35 s to capture
-            # in run 50's set-up, a K-step set is expected near K times that)
+            # in run 50's set-up, H200, a K-step set is expected near K times that)
             cache = GraphCache(fn, self.device, warmup=1 if steps > 1 else 2)
             for B in sorted(self.batches, reverse=True):
                 t = torch.zeros(B, dtype=torch.long, device=self.device)

@@ -563,7 +563,8 @@ def _rate_sweep(bench, out, tts, label, spec, rates, drain_s, speaker) -> None:
             f"{cell['achieved_audio_s_per_s']:.1f} audio s/s; TTFA p50 {_fmt(t_['p50'])} p95 "
             f"{_fmt(t_['p95'])} p99 {_fmt(t_['p99'])} s; underruns {cell['underrun_requests']} of "
             f"{cell['streams']} streams ({cell['stall_s']:.1f} s stalled); {cell['unfinished']} unfinished, "
-            f"{cell['failed']} failed" + (f", {cell['shed']} shed" if cell.get("shed") else "") + "; busy " + ", ".join(f"{k} {v:.2f}" for k, v in cell["busy"].items())
+            f"{cell['failed']} failed" + (f", {cell['shed']} shed" if cell.get("shed") else "") + "; busy "
+            + ", ".join(f"{k} {v:.2f}" for k, v in cell["busy"].items())
             + f"; GIL wait p50 {_fmt(cell['gil_wait_ms']['p50'], '.2f')} p95 "
               f"{_fmt(cell['gil_wait_ms']['p95'], '.2f')} ms"
             + (f"; GPU util mean {cell['gpu_util_pct']['mean']} %" if cell["gpu_util_pct"]["n"] else "")
