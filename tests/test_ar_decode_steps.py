@@ -291,14 +291,21 @@ def test_worker_multi_step_gives_the_single_step_tokens(steps):
 
 
 def test_worker_multi_step_falls_back_without_drawing_twice():
-    """A row with another RAS window: every step is single (nothing drawn ahead) with the same tokens; a failing
-    multi-step call gives its uniforms back and the rows go on in single steps with the tokens they would have got;
-    rows too close to the slot's end take single steps."""
-    rows = ROWS[:2] + [dict(min_tokens=2, max_tokens=60, win_size=5)]   # the last to finish
-    ref, _, _, _ = _run(1, rows)
+    """Rows the device sampler does not hold (another RAS window, a top_k above its 25) take single steps — as many
+    per iteration as the others' call makes, so they keep pace — while the others go on in multi-step calls, every
+    row with the tokens single steps give it (nothing drawn ahead for them); when no row of the batch fits, every
+    step is single. A failing multi-step call gives its uniforms back and the rows go on in single steps with the
+    tokens they would have got; rows too close to the slot's end take single steps."""
+    rows = ROWS[:2] + [dict(min_tokens=2, max_tokens=60, win_size=5), dict(min_tokens=2, max_tokens=45, top_k=50)]
+    ref, w1, _, _ = _run(1, rows)
     got, w, runner, _ = _run(4, rows)
-    assert runner.calls == 0 and w.counters.multi_step_calls == 0
+    assert runner.calls > 0 and w.counters.multi_step_calls == runner.calls
     assert [r.tokens for r in got] == [r.tokens for r in ref]
+    assert w.counters.decode_rows == w1.counters.decode_rows      # every row sampled as often as in single steps
+    odd = [dict(min_tokens=2, max_tokens=30, win_size=5), dict(min_tokens=2, max_tokens=30, top_k=50)]
+    ref, _, _, _ = _run(1, odd)
+    got, w, runner, _ = _run(4, odd)
+    assert runner.calls == 0 and [r.tokens for r in got] == [r.tokens for r in ref]
 
     ref, _, _, _ = _run(1)
     got, w, runner, _ = _run(4, setup=lambda w, runner: setattr(runner, "fail_next", True))

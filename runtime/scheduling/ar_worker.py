@@ -225,8 +225,34 @@ class ARWorker:
 
     def _decode(self) -> None:
         rows = list(self.running)
-        if self.steps_per_call > 1 and self._decode_steps(rows):
-            return
+        if self.steps_per_call > 1:
+            many, few = self._split_for_steps(rows)
+            if many and self._decode_steps(many):
+                # the rows the device sampler does not hold keep pace in single steps (one request's top_k 50 must
+                # not take every other row off multi-step calls)
+                for _ in range(self.steps_per_call):
+                    few = [r for r in few if r.slot is not None and not r.policy.finished]
+                    if not few:
+                        break
+                    self._decode_rows(few)
+                return
+        self._decode_rows(rows)
+
+    def _split_for_steps(self, rows: list[RequestState]) -> tuple[list[RequestState], list[RequestState]]:
+        """(rows a multi-step call can take, the others): a row whose RAS window is the device sampler's width, whose
+        top_k is at most the sampler's and which is not at its length limit. The first group's calls still need its
+        largest top_k to be the sampler's (`StaticSampler.fits_steps`, checked by `_decode_steps`)."""
+        sampler = self.runner.step_sampler
+        many, few = [], []
+        for r in rows:
+            p = r.policy
+            ok = (not p.finished and p.num_sampled < p.max_len and p.params.win_size == sampler.width
+                  and p.params.top_k <= sampler.top_k)
+            (many if ok else few).append(r)
+        return many, few
+
+    def _decode_rows(self, rows: list[RequestState]) -> None:
+        """One decode step of `rows` (one runner call) and its sampling."""
         t0 = time.perf_counter()
 
         def inputs(rs):  # a decode call's tokens, slots, positions

@@ -107,9 +107,10 @@ class SchedulerConfig:
     # work per step, not the GPU, set the AR's pace (runs 47 and 51-53: ~0.85 ms of kernels in 4-8 ms per step; the
     # 40 s streams and offline jobs AR-bound at 61-93 audio s/s, the AR 96-99 % busy). Costs: a token reaches the
     # DiT up to K-1 steps later; a row that stops mid-call computes the rest of the call; a request waiting for
-    # admission waits up to K steps; K times the decode graphs' capture. Rows the device sampler does not fit (another RAS window or top_k), rows
-    # near their length limit and calls that do not fit the graphs take single steps. Off (1) by default: not yet
-    # run on a GPU
+    # admission waits up to K steps; K times the decode graphs' capture. Rows the device sampler does not hold
+    # (another RAS window, a top_k above 25) take K single steps beside the others' call; rows near their length
+    # limit and calls that do not fit the graphs take single steps. Off (1) by default: not yet measured under load
+    # on a GPU
     ar_decode_steps: int = 1
     # > 0: load shedding. A new request is refused at once (`admission.OverloadedError`; HTTP 503 "overloaded" with
     # Retry-After) while some live stream is more than this many seconds behind its listener — its playback slack
