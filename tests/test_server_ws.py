@@ -125,6 +125,34 @@ def test_sentence_refused_by_admission_is_an_error_event(tmp_path):
             held.release()
 
 
+def test_first_sentence_shed_is_an_overloaded_error_event_and_later_ones_are_not_shed(tmp_path):
+    """Load shedding (the admission control's overload hook, set by a scheduler with shed_lag_s): a session's first
+    sentence is refused with an `overloaded` (503) error event; a sentence that follows one already admitted in the
+    session is not shed."""
+    fake = FakeTTS()
+    with serving(tmp_path, fake) as (app, c):
+        admission = app.state.server.admission
+        admission.overload = lambda: "the runtime is overloaded: test"
+        try:
+            with c.websocket_connect(PATH) as ws:
+                ws.send_json(CONFIG)
+                say(ws, "Hi.")
+                err = events(ws, "error")[-1][1]
+                assert err["error"]["code"] == "overloaded" and err["error"]["status"] == 503
+            admission.overload = None
+            with configured(c) as ws:
+                ws.send_json({"type": "input.text", "text": "First one. "})
+                events(ws, "audio.start")
+                admission.overload = lambda: "the runtime is overloaded: test"
+                ws.send_json({"type": "input.text", "text": "Second one."})
+                ws.send_json({"type": "input.done"})
+                got = events(ws, "session.done")
+                assert not any(t == "error" for t, _ in got)
+                assert sum(1 for t, _ in got if t == "audio.done") >= 1
+        finally:
+            admission.overload = None
+
+
 def test_cancel_stops_the_sentence_and_the_session_goes_on(tmp_path):
     """Barge-in: input.cancel while a sentence streams cancels its runtime request (and the one synthesised ahead),
     drops the unfinished text, answers input.cancelled, and the session takes new text with the next index."""
