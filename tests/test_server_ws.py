@@ -111,16 +111,21 @@ def test_handshake_checks_key_and_origin(tmp_path):
             assert events(ws, "session.configured")
 
 
+def first_sentence_error(c) -> tuple:
+    """A new session's first sentence refused: (its error event's code, status)."""
+    with c.websocket_connect(PATH) as ws:
+        ws.send_json(CONFIG)
+        say(ws, "Hi.")
+        err = events(ws, "error")[-1][1]["error"]
+    return err["code"], err["status"]
+
+
 def test_sentence_refused_by_admission_is_an_error_event(tmp_path):
     fake = FakeTTS()
     with serving(tmp_path, fake, max_in_flight=1, max_queue=0) as (app, c):
         held = app.state.server.admission.admit("someone else")
         try:
-            with c.websocket_connect(PATH) as ws:
-                ws.send_json(CONFIG)
-                say(ws, "Hi.")
-                err = events(ws, "error")[-1][1]
-                assert err["error"]["code"] == "too_many_requests" and err["error"]["status"] == 429
+            assert first_sentence_error(c) == ("too_many_requests", 429)
         finally:
             held.release()
 
@@ -134,11 +139,7 @@ def test_first_sentence_shed_is_an_overloaded_error_event_and_later_ones_are_not
         admission = app.state.server.admission
         admission.overload = lambda: "the runtime is overloaded: test"
         try:
-            with c.websocket_connect(PATH) as ws:
-                ws.send_json(CONFIG)
-                say(ws, "Hi.")
-                err = events(ws, "error")[-1][1]
-                assert err["error"]["code"] == "overloaded" and err["error"]["status"] == 503
+            assert first_sentence_error(c) == ("overloaded", 503)
             admission.overload = None
             with configured(c) as ws:
                 ws.send_json({"type": "input.text", "text": "First one. "})
