@@ -81,6 +81,7 @@ def test_static_sampler_fits_steps_checks_before_drawing():
     assert not s.fits_steps([_policy(0), _policy(1, win_size=5)])       # another RAS window
     assert not s.fits_steps([_policy(0, top_k=5)])                       # the batch's top_k is not the sampler's
     assert not s.fits_steps([])
+    assert s.holds(_policy(0, top_k=5)) and not s.holds(_policy(0, top_k=50)) and not s.holds(_policy(0, win_size=5))
     assert s.example_rows(4, steps=3).shape == (3, 4, 7 + s.width)
 
 

@@ -29,8 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--compile-scope", default=None, choices=list(COMPILE_CHOICES),
                    help="with --compile: the DiT and LM compiled as whole graphs (default) or one block / layer "
                         "reused by all (regional: a shorter compile; on an H100 the same open-loop throughput as "
-                        "whole), or the LM only (ar: the DiT / HiFT as eager modules in CUDA graphs: 16-19 %% less throughput "
-                        "near saturation, BENCHMARKS.md runs 42-43)")
+                        "whole), or the LM only (ar: the DiT / HiFT as eager modules in CUDA graphs: 16-19 %% less "
+                        "throughput near saturation, BENCHMARKS.md runs 42-43)")
     p.add_argument("--compile-cache", default=None, metavar="FILE",
                    help="with --compile: reuse / write torch.compile's artifacts in FILE (fast restarts)")
     p.add_argument("--api-key-file", default=None, metavar="FILE",

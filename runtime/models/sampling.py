@@ -476,12 +476,18 @@ class StaticSampler:
     def fits(self, packed: PackedRows) -> bool:
         return packed.stop == self.stop and packed.max_top_k == self.top_k and packed.width <= self.width
 
+    def holds(self, policy: TokenPolicy) -> bool:
+        """Can this row sample in a multi-step decode call here: its stop ids, its top_k at most the static one and
+        its RAS window exactly the static width (the device shifts each step's id into the window; a narrower one
+        would keep ids it should drop)."""
+        return (policy.speech_token_size == self.stop and policy.params.win_size == self.width
+                and policy.params.top_k <= self.top_k)
+
     def fits_steps(self, policies: list[TokenPolicy]) -> bool:
         """Can these rows sample a multi-step decode call here (`ar_graphs.decode_steps`), checked before anything is
-        drawn: `fits`, and every row's RAS window exactly the static width (the device shifts each step's id into
-        the window; a narrower one would keep ids it should drop)."""
-        return bool(policies) and all(p.speech_token_size == self.stop and p.params.win_size == self.width
-                                      for p in policies) and max(p.params.top_k for p in policies) == self.top_k
+        drawn: `fits` — every row `holds`, the batch's largest top_k the static one."""
+        return bool(policies) and all(self.holds(p) for p in policies) \
+            and max(p.params.top_k for p in policies) == self.top_k
 
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """ids [B] (long) of `logits` [B, V] with the host values `rows` [B, 7 + width] (float32)."""

@@ -239,15 +239,14 @@ class ARWorker:
         self._decode_rows(rows)
 
     def _split_for_steps(self, rows: list[RequestState]) -> tuple[list[RequestState], list[RequestState]]:
-        """(rows a multi-step call can take, the others): a row whose RAS window is the device sampler's width, whose
-        top_k is at most the sampler's and which is not at its length limit. The first group's calls still need its
-        largest top_k to be the sampler's (`StaticSampler.fits_steps`, checked by `_decode_steps`)."""
+        """(rows a multi-step call can take, the others): a row the device sampler `holds` that is not at its length
+        limit (`sample_batch` finishes such a row without a draw). The first group's calls still need its largest
+        top_k to be the sampler's (`StaticSampler.fits_steps`, checked by `_decode_steps`)."""
         sampler = self.runner.step_sampler
         many, few = [], []
         for r in rows:
             p = r.policy
-            ok = (not p.finished and p.num_sampled < p.max_len and p.params.win_size == sampler.width
-                  and p.params.top_k <= sampler.top_k)
+            ok = not p.finished and p.num_sampled < p.max_len and sampler.holds(p)
             (many if ok else few).append(r)
         return many, few
 
@@ -278,23 +277,23 @@ class ARWorker:
         self.counters.decode(len(rows))
         self.step_s += STEP_EMA * (time.perf_counter() - t0 - self.step_s)
 
-    def _book_time(self, rows: list[RequestState], t0: float, steps: int) -> None:
-        """A multi-step call's seconds: each row's share to its AR time, per step to the step-time estimate."""
+    def _charge(self, rows: list[RequestState], t0: float) -> float:
+        """The seconds since `t0`, each row charged its share as AR time."""
         dt = time.perf_counter() - t0
         for r in rows:
             r.metrics.t_ar += dt / len(rows)
-        self.step_s += STEP_EMA * (dt / steps - self.step_s)
+        return dt
 
     def _decode_steps(self, rows: list[RequestState]) -> bool:
-        """`steps_per_call` decode steps for `rows` in one runner call (`ar_decode_steps`), or False (nothing drawn,
-        nothing run: the single step takes them) when a row could not take them: at its length limit, a policy the
-        device sampler does not fit (another RAS window or top_k), no room in the KV slots or graphs for the steps,
-        or the call failed (its uniforms given back first). The K steps' ids are booked step by step as single steps
-        book them (`accept`, the sink per token): a row that stops mid-call drops out, the ids after it are unused."""
+        """`steps_per_call` decode steps for `rows` (from `_split_for_steps`) in one runner call (`ar_decode_steps`),
+        or False (nothing drawn, nothing run: the single step takes them) when they could not take them: a batch
+        the device sampler does not fit (its largest top_k not the sampler's), no room in the KV slots or graphs
+        for the steps, or the call failed (its uniforms given back first). The K steps' ids are booked step by step
+        as single steps book them (`accept`, the sink per token): a row that stops mid-call drops out, the ids after
+        it are unused."""
         runner, k = self.runner, self.steps_per_call
         policies = [r.policy for r in rows]
-        if (any(p.finished or p.num_sampled >= p.max_len for p in policies)
-                or not runner.step_sampler.fits_steps(policies)
+        if (not runner.step_sampler.fits_steps(policies)
                 or not runner.can_decode_steps(len(rows), max(r.pos for r in rows) + 1)):
             return False
         t0 = time.perf_counter()
@@ -321,7 +320,7 @@ class ARWorker:
             live = {i for i in live if id(rows[i]) in still}
             self.counters.decode(len(pairs))
         self.counters.multi_step_calls += 1
-        self._book_time(rows, t0, k)
+        self.step_s += STEP_EMA * (self._charge(rows, t0) / k - self.step_s)
         return True
 
     def _pack(self, rows: list[RequestState]) -> PackedRows | None:
@@ -369,9 +368,7 @@ class ARWorker:
             except Exception:
                 steps = self._per_row(zip(rows, logits), lambda r, lg: r.policy.step(lg))
         self._emit(steps)
-        share = (time.perf_counter() - t0) / len(rows)
-        for r in rows:
-            r.metrics.t_ar += share
+        self._charge(rows, t0)
 
     def _emit(self, steps: list) -> None:
         """The sampled (row, (token or None, done)) pairs: append the tokens, free the slots of finished rows, hand

@@ -41,7 +41,8 @@ def _nested_dicts(d: dict, depth: int = 3):
 def runtime_view(stats: dict | None) -> dict:
     """What /metrics takes from `tts.metrics()`: the scheduler's in-flight count and queues, the AR's decode steps /
     rows and holds, and bucket hits / pads / eager fallbacks (explicit `bucket_hits` / `bucket_pads` /
-    `eager_fallbacks` keys, a number or {stage: number}, else derived from a ShapeStats summary: pads = bucketed calls with padding waste > 1, over its kept samples)."""
+    `eager_fallbacks` keys, a number or {stage: number}, else derived from a ShapeStats summary: pads = bucketed
+    calls with padding waste > 1, over its kept samples)."""
     dicts = list(_nested_dicts(stats or {}))
     sched = next((d for d in dicts if "in_flight" in d and isinstance(d.get("queues"), dict)), {})
     shapes = next((d for d in dicts if {"hits", "fallbacks"} <= set(d) and isinstance(d.get("stages"), dict)), None)

@@ -12,8 +12,8 @@ requests, default sampling parameters, one seed per row, with two runners:
   sampled on the device; on CUDA in multi-step decode graphs), its µs divided by 4: per token step.
 `--gil-load N`: N threads beside it that each run Python for `--gil-hold-us` and then sleep `--gil-gap-us` (the
 interpreter lock held and released as the DiT and vocoder threads of a loaded server do): every host operation of
-the AR step that gives up the lock may wait for it (runs 47 and 51-53: under load the AR's step took 5-8 ms around ~1 ms
-of kernels); `4 steps per call` pays that once per four tokens.
+the AR step that gives up the lock may wait for it (runs 47 and 51-53: under load the AR's step took 4-8 ms around
+~1 ms of kernels); `4 steps per call` pays that once per four tokens.
 Prints microseconds per step (median of `repeats` blocks of `steps` steps), for `fixed` the aten ops per step that
 are not views (about the kernel launches of a GPU step), and for `tiny` the part spent outside `runner.decode` (on
 CUDA that includes waiting for the GPU: the decode is only launched). On CUDA every step ends in the sampling's host

@@ -63,8 +63,8 @@ def thread_names(threads) -> dict[int, str]:
 
 def summarize_trace(trace: dict, threads: dict[int, str] | None = None, window_s: float | None = None) -> dict:
     """The summary of a Chrome trace from `torch.profiler` (see the module doc). `threads`: trace tid -> name
-    (`thread_names`: the launching threads' names; ids not in it show as `tid N`). `window_s`: the profiled wall time (default:
-    first kernel start to last kernel end)."""
+    (`thread_names`: the launching threads' names; ids not in it show as `tid N`). `window_s`: the profiled wall
+    time (default: first kernel start to last kernel end)."""
     threads = threads or {}
     events = trace.get("traceEvents") or []
     launcher: dict[int, int] = {}  # correlation -> launching thread's tid

@@ -313,8 +313,8 @@ def open_loop_tables(res: dict) -> str:
     if host_rows:
         parts.append("**Open loop: the worker threads' host time inside their batches** (`StageClock.host_s`: wall "
                      "and CPU seconds of each thread inside its spans as shares of the cell; blocked = (wall - CPU) / "
-                     "wall: waiting for the interpreter lock or descheduled — a CUDA wait spins, so it counts as CPU; "
-                     "the AR per decode step)\n\n"
+                     "wall: waiting for the interpreter lock or descheduled — a CUDA wait spins, so it counts as "
+                     "CPU; the AR per decode step)\n\n"
                      + _md(["setting", "req/s", "AR wall / CPU share", "AR blocked", "AR wall / CPU ms per step",
                             "DiT wall / CPU share", "DiT blocked", "HiFT wall / CPU share", "HiFT blocked"], host_rows))
     from .playback import TTFA_PARTS
