@@ -531,3 +531,39 @@ def test_prefix_of_a_queued_final_is_freed_before_it_runs():
     assert w.dit_counters.prefixes_freed_early == 1
     w._free_prefixes_of_finals()  # already closed: not again
     assert waiting_final.stream.flow_cache.closes == 1 and w.dit_counters.prefixes_freed_early == 1
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_dit_fence_keeps_steps_ahead_in_flight(monkeypatch, ahead):
+    """`_fence` (after each step-level DiT call, on CUDA): the host waits for the step launched `dit_steps_ahead`
+    calls earlier, oldest first, so at most that many launched steps are not yet seen complete."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from cosytrt.runtime.scheduling import token2wav_worker as tw
+
+    waited = []
+
+    class Event:
+        count = 0
+
+        def __init__(self):
+            Event.count += 1
+            self.n = Event.count
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            waited.append(self.n)
+
+    monkeypatch.setattr(tw.torch.cuda, "Event", Event)
+    w = tw.Token2WavWorker.__new__(tw.Token2WavWorker)
+    w._cuda, w._in_flight, w.config = True, deque(), SchedulerConfig(dit_steps_ahead=ahead)
+    for i in range(6):
+        w._fence()
+        assert len(w._in_flight) == min(i + 1, ahead)
+    assert waited == list(range(1, 7 - ahead))
+    for bad in (0, -1, 1.5):
+        with pytest.raises(Exception, match="dit_steps_ahead"):
+            SchedulerConfig(dit_steps_ahead=bad)

@@ -59,6 +59,12 @@ class SchedulerConfig:
     # already launched (run 31: vocoder + copy 21-32 ms p50 of the time to first audio). Off by default: not yet run
     # on the GPU
     hift_own_stream: bool = False
+    # on CUDA, with dit_step_level: DiT steps the DiT thread may have launched and not yet seen complete (it plans the
+    # next step while they run; `Token2WavWorker._fence`). 1: one step ahead. More lets the thread run further ahead
+    # of the GPU when its host work per step varies (run 51: the DiT thread waited for its GPU work 43-45 % of the
+    # 8-12 req/s cells while the GPU had a kernel running 43-46 % of the time), at the cost of a newly ready first
+    # hop queueing behind that many launched steps. Ordering only (the same audio). Not yet run on the GPU
+    dit_steps_ahead: int = 1
     # the decode step's sampling (stop masks, RAS) captured in the decode CUDA graphs after the LM step
     # (`models.sampling.StaticSampler`): a step is one replay and one read of the ids, ~35 fewer kernel launches and
     # their Python on the AR thread. Exact (the same ids: tests/test_sampling_exact.py, test_ar_graphs.py, on an H100
@@ -144,7 +150,7 @@ class SchedulerConfig:
         if self.on_full not in ("wait", "reject"):
             raise InputError(f"SchedulerConfig.on_full must be 'wait' or 'reject', got {self.on_full!r}")
         for name in ("max_in_flight", "ar_max_batch", "ar_max_prefill_tokens", "dit_max_requests", "hift_max_batch",
-                     "hift_max_frames", "frontend_workers", "ar_decode_steps"):
+                     "hift_max_frames", "frontend_workers", "ar_decode_steps", "dit_steps_ahead"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InputError(f"SchedulerConfig.{name} must be a positive int, got {v!r}")

@@ -64,7 +64,7 @@ class Token2WavWorker:
         # step-level DiT: id(job) -> (job, its solver state: CachedSolve or FlowSteps) mid-solve
         self.active: dict[int, tuple[DitJob, object]] = {}
         self._hops = None        # the DiT thread's eager cached-hop runner, without cached-hop graphs (`_hop_runner`)
-        self._in_flight = None   # CUDA event of the last DiT step launched (`_fence`)
+        self._in_flight: deque = deque()  # CUDA events of the DiT steps launched and not yet waited for (`_fence`)
         self.hift_cond = threading.Condition()
         self.hift_queue: list[HiftJob] = []
         self.transfers: deque = deque()  # CUDA: (r, host, event, final, t_launch, rows), FIFO
@@ -366,16 +366,17 @@ class Token2WavWorker:
         return self._hops
 
     def _fence(self) -> None:
-        """CUDA: let the host run one DiT step ahead of the GPU (it plans the next step while this one runs), never
-        more (a newly ready hop must not queue behind many launched steps). The mel of a finished row goes to the
-        HiFT thread before its last step has completed on the GPU: HiFT runs on the same stream, after it."""
+        """CUDA: let the host run `dit_steps_ahead` DiT steps ahead of the GPU (it plans the next step while the
+        launched ones run), never more (a newly ready hop must not queue behind many launched steps). The mel of a
+        finished row goes to the HiFT thread before its last step has completed on the GPU: HiFT runs on the same
+        stream, after it (or waits for it by event: `hift_own_stream`)."""
         if not self._cuda:
             return
         ev = torch.cuda.Event()
         ev.record()
-        prev, self._in_flight = self._in_flight, ev
-        if prev is not None:
-            prev.synchronize()
+        self._in_flight.append(ev)
+        while len(self._in_flight) > self.config.dit_steps_ahead:
+            self._in_flight.popleft().synchronize()
 
     def _dit_done(self, results: list[tuple[DitJob, torch.Tensor]], share: float) -> None:
         """Finished DiT jobs: their new mel to the HiFT queue."""
