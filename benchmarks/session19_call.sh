@@ -25,7 +25,7 @@
 #     req/s: in run 51 the AR thread sat idle 8-12 % of the 12 req/s cell while first hops waited 2.8 s (p95) for
 #     the DiT, whose thread waited for its GPU work 45 % of the time — and the HiFT's fp32 convolutions run on that
 #     same stream, between the DiT's steps.
-#   AB=... replaces the settings, RATES=... the rates of CALL=long / offline. Each call waits up to WAIT_S (default
+#   AB=... replaces the settings, RATES=... the rates of CALL=mixed / long / offline. Each call waits up to WAIT_S (default
 #   560 s) for its job; call again with the same
 #   CALL to keep waiting. Fire each call within 30 s of the previous one (the machine's idle release).
 #   usage (repo root on the device): CALL=mixed bash benchmarks/session19_call.sh
@@ -41,7 +41,7 @@ if [ "${CALL:-}" = arstep ]; then
 fi
 kp=(--kernel-profile-s 1 --budget-s 100000)
 case "${CALL:-mixed}" in
-  mixed)   args=(--rates 8,12 --duration-s 24 --drain-s 8 --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
+  mixed)   args=(--rates "${RATES:-8,12}" --duration-s 24 --drain-s 8 --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
   mixed8)  args=(--rates 8,12 --duration-s 24 --drain-s 8 --ab "${AB:-ar_decode_steps=8}") ;;
   hift)    args=(--rates 8,12 --duration-s 24 --drain-s 8 --ab "${AB:-hift_own_stream=0,hift_own_stream=1}") ;;
   shed)    args=(--rates 12,16 --duration-s 24 --drain-s 8 --ab "${AB:-shed_lag_s=0,shed_lag_s=1,shed_lag_s=0.5}") ;;
