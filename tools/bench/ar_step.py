@@ -102,16 +102,36 @@ class _TimedRunner:
         return out
 
 
-def tiny_runner(max_batch: int, max_len: int = 1024, device: str = "cpu", graph_sampling: bool = False):
-    """TorchARRunner over the tiny LM (fp32); on CUDA with its decode graphs."""
+def tiny_runner(max_batch: int, max_len: int = 1024, device: str = "cpu", graph_sampling: bool = False,
+                model: str = "tiny"):
+    """TorchARRunner over the tiny LM (fp32); on CUDA with its decode graphs. `model="full"`: the full-size LM
+    (seeded random weights, bf16, built once per process), its decode graphs for this batch only and one prefill
+    graph (the set-up of the scheduler's whole ladders is not what is measured here)."""
+    from ...runtime.stages.ar_runner import TorchARRunner
+
+    if model == "full":
+        llm = _full_lm(device)
+        return TorchARRunner(llm, max_batch, max_len, device, cuda_graphs=device.startswith("cuda"),
+                             graph_sampling=graph_sampling, graph_batches=(), prefill_graph_batches=(1,),
+                             prefill_graph_lengths=(64,))
     from ...runtime.models.config import tiny_config
     from ...runtime.models.loading import build_modules
-    from ...runtime.stages.ar_runner import TorchARRunner
 
     torch.manual_seed(0)
     llm = build_modules(tiny_config(), device=device)[0].eval()
     return TorchARRunner(llm, max_batch, max_len, device, cuda_graphs=device.startswith("cuda"),
                          graph_sampling=graph_sampling)
+
+
+_FULL_LM: dict = {}
+
+
+def _full_lm(device: str):
+    if device not in _FULL_LM:
+        from .common import full_models
+
+        _FULL_LM[device] = full_models(device, torch.bfloat16)[1]
+    return _FULL_LM[device]
 
 
 def _reraise(r, e: BaseException) -> None:
@@ -205,13 +225,16 @@ class GilLoad:
 
 
 def table(batches=(1, 8, 32), steps: int = 100, repeats: int = 5, device: str = "cpu", gil_threads: int = 0,
-          gil_hold_us: float = 500.0, gil_gap_us: float = 500.0) -> list[dict]:
-    """One row per batch (see the module docstring); with `gil_threads` > 0 every timing runs under `GilLoad`."""
+          gil_hold_us: float = 500.0, gil_gap_us: float = 500.0, model: str = "tiny") -> list[dict]:
+    """One row per batch (see the module docstring); with `gil_threads` > 0 every timing runs under `GilLoad`;
+    `model`: the LM of the `tiny` columns (tiny, or full: the full-size LM, bf16)."""
+    if model == "full":
+        _full_lm(device)  # built before the load starts
     with GilLoad(gil_threads, gil_hold_us, gil_gap_us):
-        return _table(batches, steps, repeats, device)
+        return _table(batches, steps, repeats, device, model)
 
 
-def _table(batches, steps: int, repeats: int, device: str) -> list[dict]:
+def _table(batches, steps: int, repeats: int, device: str, model: str = "tiny") -> list[dict]:
     rows = []
     for b in batches:
         fixed = worker_for(FixedRunner(b, device=device), b, device=device)
@@ -219,12 +242,12 @@ def _table(batches, steps: int, repeats: int, device: str) -> list[dict]:
         ops = ops_per_step(fixed)
         row = {"batch": b, "fixed_us": fixed_us, "fixed_ops": ops}
         for name, sampled in (("tiny", False), ("tiny_sampled", True)):
-            timed = _TimedRunner(tiny_runner(b, device=device, graph_sampling=sampled))
+            timed = _TimedRunner(tiny_runner(b, device=device, graph_sampling=sampled, model=model))
             w = worker_for(timed, b, device=device)
             row[f"{name}_us"], row[f"{name}_outside_decode_us"] = time_steps(w, max(10, steps // 2), repeats, timed)
             row[f"{name}_ops"] = ops_per_step(w)
         k = MULTI_STEPS  # four steps per call: each timed call is k token steps (within the runner's 1024 positions)
-        runner = tiny_runner(b, device=device, graph_sampling=True)
+        runner = tiny_runner(b, device=device, graph_sampling=True, model=model)
         runner.enable_decode_steps(k)
         timed = _TimedRunner(runner)
         w = worker_for(timed, b, device=device, decode_steps=k)
@@ -244,20 +267,22 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--device", default="cpu", help="cpu, or cuda: the same loop on the GPU (each step ends in the "
                    "sampling's host sync, so µs = host time + what the GPU adds; tiny LM in decode graphs)")
+    p.add_argument("--model", default="tiny", choices=["tiny", "full"], help="the LM of the LM columns: tiny "
+                   "(fp32), or full: the full-size architecture, seeded random weights, bf16")
     p.add_argument("--gil-load", type=int, default=0, help="threads contending for the interpreter lock beside it")
     p.add_argument("--gil-hold-us", type=float, default=500.0)
     p.add_argument("--gil-gap-us", type=float, default=500.0)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     rows = table(tuple(int(x) for x in a.batches.split(",")), a.steps, a.repeats, a.device, a.gil_load,
-                 a.gil_hold_us, a.gil_gap_us)
+                 a.gil_hold_us, a.gil_gap_us, a.model)
     load = (f"; {a.gil_load} thread(s) holding the interpreter lock {a.gil_hold_us:g} µs every "
             f"{a.gil_hold_us + a.gil_gap_us:g} µs" if a.gil_load else "")
-    print(f"AR worker decode step, {a.device}, torch {torch.__version__}, {a.threads} thread(s){load}; µs per step "
-          "(median)")
-    print("| batch | fixed logits: worker host µs | its aten ops (not views) | tiny LM: whole step µs "
-          "| tiny LM: outside runner.decode µs | its aten ops | tiny LM, sampling in the runner: whole step µs "
-          "| outside runner.decode µs | its aten ops | tiny LM, 4 steps per call: µs per step | outside µs | ops |")
+    print(f"AR worker decode step, {a.device}, torch {torch.__version__}, {a.threads} thread(s){load}; LM columns: "
+          f"{a.model} LM; µs per step (median)")
+    print("| batch | fixed logits: worker host µs | its aten ops (not views) | LM: whole step µs "
+          "| LM: outside runner.decode µs | its aten ops | LM, sampling in the runner: whole step µs "
+          "| outside runner.decode µs | its aten ops | LM, 4 steps per call: µs per step | outside µs | ops |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['fixed_us']:.0f} | {r['fixed_ops']:.0f} | {r['tiny_us']:.0f} "
