@@ -25,9 +25,9 @@
 #     req/s: in run 51 the AR thread sat idle 8-12 % of the 12 req/s cell while first hops waited 2.8 s (p95) for
 #     the DiT, whose thread waited for its GPU work 45 % of the time — and the HiFT's fp32 convolutions run on that
 #     same stream, between the DiT's steps.
-#   AB=... replaces the settings, RATES=... the rates of CALL=mixed / long / offline. Each call waits up to WAIT_S (default
-#   560 s) for its job; call again with the same
-#   CALL to keep waiting. Fire each call within 30 s of the previous one (the machine's idle release).
+#   AB=... replaces the settings, RATES=... the rates (e.g. RATES=12). Each call waits up to WAIT_S (default 560 s)
+#   for its job; call again with the same CALL to keep waiting. Fire each call within 30 s of the previous one (the
+#   machine's idle release).
 #   usage (repo root on the device): CALL=mixed bash benchmarks/session19_call.sh
 #   carry: dist .whl compile_cache benchmarks/COMMIT (the first call; later calls need only the repo)
 set -u
@@ -41,15 +41,18 @@ if [ "${CALL:-}" = arstep ]; then
 fi
 kp=(--kernel-profile-s 1 --budget-s 100000)
 case "${CALL:-mixed}" in
-  mixed)   args=(--rates "${RATES:-8,12}" --duration-s 24 --drain-s 8 --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
-  mixed8)  args=(--rates 8,12 --duration-s 24 --drain-s 8 --ab "${AB:-ar_decode_steps=8}") ;;
-  hift)    args=(--rates 8,12 --duration-s 24 --drain-s 8 --ab "${AB:-hift_own_stream=0,hift_own_stream=1}") ;;
-  shed)    args=(--rates 12,16 --duration-s 24 --drain-s 8 --ab "${AB:-shed_lag_s=0,shed_lag_s=1,shed_lag_s=0.5}") ;;
+  mixed)   args=(--rates "${RATES:-8,12}" --duration-s 24 --drain-s 8
+                 --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
+  mixed8)  args=(--rates "${RATES:-8,12}" --duration-s 24 --drain-s 8 --ab "${AB:-ar_decode_steps=8}") ;;
+  hift)    args=(--rates "${RATES:-8,12}" --duration-s 24 --drain-s 8
+                 --ab "${AB:-hift_own_stream=0,hift_own_stream=1}") ;;
+  shed)    args=(--rates "${RATES:-12,16}" --duration-s 24 --drain-s 8
+                 --ab "${AB:-shed_lag_s=0,shed_lag_s=1,shed_lag_s=0.5}") ;;
   long)    args=(--rates "${RATES:-1,2,3}" --duration-s 24 --drain-s 8 --lengths 40:0 --stream-fraction 1
                  --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
   offline) args=(--rates "${RATES:-1,2,3,4}" --duration-s 24 --drain-s 8 --lengths 40:0 --stream-fraction 0
                  --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
-  c1)      args=(--rates 1 --duration-s 24 --drain-s 8
+  c1)      args=(--rates "${RATES:-1}" --duration-s 24 --drain-s 8
                  --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4,ar_decode_steps=4+ar_first_audio_hold_ms=30}") ;;
   *) echo "CALL must be mixed, long, offline, c1, mixed8, shed or hift"; exit 2 ;;
 esac

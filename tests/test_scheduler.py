@@ -564,6 +564,8 @@ def test_dit_fence_keeps_steps_ahead_in_flight(monkeypatch, ahead):
         w._fence()
         assert len(w._in_flight) == min(i + 1, ahead)
     assert waited == list(range(1, 7 - ahead))
+    from cosytrt.engines.errors import InputError
+
     for bad in (0, -1, 1.5):
-        with pytest.raises(Exception, match="dit_steps_ahead"):
+        with pytest.raises(InputError, match="dit_steps_ahead"):
             SchedulerConfig(dit_steps_ahead=bad)

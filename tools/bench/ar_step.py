@@ -102,11 +102,11 @@ class _TimedRunner:
         return out
 
 
-def tiny_runner(max_batch: int, max_len: int = 1024, device: str = "cpu", graph_sampling: bool = False,
-                model: str = "tiny", compile: bool = False):
-    """TorchARRunner over the tiny LM (fp32); on CUDA with its decode graphs. `model="full"`: the full-size LM
-    (seeded random weights, bf16, built once per process), its decode graphs for this batch only and one prefill
-    graph (the set-up of the scheduler's whole ladders is not what is measured here)."""
+def lm_runner(max_batch: int, max_len: int = 1024, device: str = "cpu", graph_sampling: bool = False,
+              model: str = "tiny", compile: bool = False):
+    """TorchARRunner over the tiny LM (fp32; `model="tiny"`); on CUDA with its decode graphs. `model="full"`: the
+    full-size LM (seeded random weights, bf16, built once per process), its decode graphs for this batch only and
+    one prefill graph (the set-up of the scheduler's whole ladders is not what is measured here)."""
     from ...runtime.stages.ar_runner import TorchARRunner
 
     if model == "full":
@@ -246,13 +246,13 @@ def _table(batches, steps: int, repeats: int, device: str, model: str = "tiny", 
         ops = ops_per_step(fixed)
         row = {"batch": b, "fixed_us": fixed_us, "fixed_ops": ops}
         for name, sampled in (("tiny", False), ("tiny_sampled", True)):
-            timed = _TimedRunner(tiny_runner(b, device=device, graph_sampling=sampled, model=model,
+            timed = _TimedRunner(lm_runner(b, device=device, graph_sampling=sampled, model=model,
                                              compile=compile))
             w = worker_for(timed, b, device=device)
             row[f"{name}_us"], row[f"{name}_outside_decode_us"] = time_steps(w, max(10, steps // 2), repeats, timed)
             row[f"{name}_ops"] = NO_OPS if compile else ops_per_step(w)
         k = MULTI_STEPS  # four steps per call: each timed call is k token steps (within the runner's 1024 positions)
-        runner = tiny_runner(b, device=device, graph_sampling=True, model=model, compile=compile)
+        runner = lm_runner(b, device=device, graph_sampling=True, model=model, compile=compile)
         runner.enable_decode_steps(k)
         timed = _TimedRunner(runner)
         w = worker_for(timed, b, device=device, decode_steps=k)
