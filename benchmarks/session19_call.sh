@@ -25,6 +25,10 @@
 #     req/s: in run 51 the AR thread sat idle 8-12 % of the 12 req/s cell while first hops waited 2.8 s (p95) for
 #     the DiT, whose thread waited for its GPU work 45 % of the time — and the HiFT's fp32 convolutions run on that
 #     same stream, between the DiT's steps.
+#   CALL=attn: the compiled full-size LM's step alone (tools/bench/ar_step --model full --compile) with the fused
+#     SDPA decode attention against the split-KV Triton kernels (ar_decode_attention, new in session 20) — before
+#     CALL=mixed starts the bench process (the GPU memory); a cold compile of the LM took over 200 s in run 57, so
+#     each implementation gets up to 290 s: IMPLS="split_kv" in a second call if the first ran out;
 #   AB=... replaces the settings, RATES=... the rates (e.g. RATES=12). Each call waits up to WAIT_S (default 560 s)
 #   for its job; call again with the same CALL to keep waiting. Fire each call within 30 s of the previous one (the
 #   machine's idle release).
@@ -36,6 +40,15 @@ if [ "${CALL:-}" = arstep ]; then
   for load in 0 1; do
     (cd /tmp && python3 -m cosytrt.tools.bench.ar_step --device cuda --batches 1,8,32 --steps 100 --repeats 3 \
       --gil-load $load) 2>&1 | tail -6 | tee -a "$OUT/ar_step.md"
+  done
+  exit 0
+fi
+if [ "${CALL:-}" = attn ]; then
+  source benchmarks/device_setup.sh --install || exit 1
+  for impl in ${IMPLS:-sdpa split_kv}; do
+    (cd /tmp && timeout 290 python3 -m cosytrt.tools.bench.ar_step --device cuda --model full --compile \
+      --batches "${BATCHES:-1,16}" --steps 100 --repeats 3 --decode-attention $impl) 2>&1 | grep -v Warn \
+      | tail -7 | tee -a "$OUT/ar_step_attn.md"
   done
   exit 0
 fi
@@ -54,6 +67,6 @@ case "${CALL:-mixed}" in
                  --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
   c1)      args=(--rates "${RATES:-1}" --duration-s 24 --drain-s 8
                  --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4,ar_decode_steps=4+ar_first_audio_hold_ms=30}") ;;
-  *) echo "CALL must be mixed, long, offline, c1, mixed8, shed or hift"; exit 2 ;;
+  *) echo "CALL must be mixed, long, offline, c1, mixed8, shed, hift, arstep or attn"; exit 2 ;;
 esac
 JOB=${JOB:-${CALL:-mixed}} bash benchmarks/bench_job.sh "${args[@]}" "${kp[@]}"

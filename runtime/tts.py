@@ -56,6 +56,8 @@ class TTS:
         llm = getattr(getattr(pipeline, "models", None), "llm", None)
         if llm is not None and hasattr(llm, "batch_invariant"):
             llm.batch_invariant = self.scheduler_config.batch_invariant
+        if llm is not None and hasattr(llm, "decode_attention_impl"):
+            llm.decode_attention_impl = self.scheduler_config.ar_decode_attention
         # the one admission control of this TTS: its scheduler admits through it, and so does a server over it
         self.admission = AdmissionControl.from_config(self.scheduler_config)
         self._scheduler: Scheduler | None = None

@@ -23,6 +23,7 @@ from .config import LLMConfig, QwenConfig
 from ...engines.cuda_graphs import upload
 from ...engines.errors import InputError
 from . import batch_invariant as _bi
+from . import decode_attention_triton as _split_kv
 from .rope import apply_rope, rope_cos_sin
 from .versions import tensor_version
 
@@ -119,6 +120,10 @@ def _keep_checkpoint_keys(module: nn.Module, fused: str, parts: tuple[str, ...])
 # REDUCE_ATTENTION_MAX_ROWS is the default of `CosyVoice3LM.reduce_attention_max_rows` (per LM instance; `decode`
 # takes an override per call, e.g. 0 for SDPA at every batch). It is read, never assigned, at run time.
 REDUCE_ATTENTION_MAX_ROWS = 2
+# The decode step's attention (`CosyVoice3LM.decode_attention_impl`): "sdpa" (the default: SDPA, or the reduce form
+# above under compile), or "split_kv": split-KV Triton kernels at every batch (decode_attention_triton.py: parallel
+# over fixed key splits, each row read up to its own length; CUDA with Triton, the torch reference elsewhere).
+DECODE_ATTENTION_IMPLS = ("sdpa", "split_kv")
 
 
 class Attention(nn.Module):
@@ -133,6 +138,7 @@ class Attention(nn.Module):
                                      nn.Linear(cfg.hidden_size, kv_size, bias=True)])
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.kv_cache: KVCache | None = None
+        self.decode_impl = "sdpa"  # one of DECODE_ATTENTION_IMPLS, set through CosyVoice3LM.decode_attention_impl
         _keep_checkpoint_keys(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
 
     def _expand_kv(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +173,7 @@ class Attention(nn.Module):
                 # repeating K/V per query head (same result, no [B, heads, n, hd] copies).
                 group = self.num_heads // self.num_kv_heads
                 out = decode_attention(q.reshape(b, self.num_kv_heads, group, self.head_dim), k, v, mask,
-                                       reduce_max_rows)
+                                       reduce_max_rows, positions if self.decode_impl == "split_kv" else None)
                 return self.o_proj(out.reshape(b, 1, self.num_heads * self.head_dim))
         k, v = self._expand_kv(k), self._expand_kv(v)
         with sdpa_kernel(PREFILL_SDPA_BACKENDS):
@@ -190,9 +196,13 @@ PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENT
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     reduce_max_rows: int = REDUCE_ATTENTION_MAX_ROWS) -> torch.Tensor:
+                     reduce_max_rows: int = REDUCE_ATTENTION_MAX_ROWS,
+                     split_kv_positions: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, kvh, G, hd] (G query heads per kv head), k / v [B, kvh, n, hd], mask [B, 1, 1, n] (True = attend).
-    Under torch.compile, batches of at most `reduce_max_rows` rows take the multiply-and-sum form (see above)."""
+    Under torch.compile, batches of at most `reduce_max_rows` rows take the multiply-and-sum form (see above).
+    `split_kv_positions` [B] (the mask's positions: row b attends keys 0..position): the split-KV op instead."""
+    if split_kv_positions is not None:
+        return _split_kv.split_kv_decode_attention(q, k, v, split_kv_positions)
     if torch.compiler.is_compiling() and q.shape[0] <= reduce_max_rows:
         scores = (q.float()[:, :, :, None, :] * k.float()[:, :, None, :, :]).sum(-1) * q.shape[-1] ** -0.5
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)        # [B, kvh, G, n]
@@ -262,6 +272,19 @@ class CosyVoice3LM(nn.Module):
         # (`decode_attention`); `decode(..., reduce_attention_max_rows=)` overrides it for one call (the micro bench
         # compiles a second decode with 0: SDPA at every batch).
         self.reduce_attention_max_rows = REDUCE_ATTENTION_MAX_ROWS
+
+    @property
+    def decode_attention_impl(self) -> str:
+        """The decode step's attention kernels, one of DECODE_ATTENTION_IMPLS (set it before compiling or
+        capturing decode calls; the scheduler sets it from `SchedulerConfig.ar_decode_attention`)."""
+        return self.backbone.layers[0].self_attn.decode_impl if len(self.backbone.layers) else "sdpa"
+
+    @decode_attention_impl.setter
+    def decode_attention_impl(self, impl: str) -> None:
+        if impl not in DECODE_ATTENTION_IMPLS:
+            raise InputError(f"decode_attention_impl must be one of {', '.join(DECODE_ATTENTION_IMPLS)}, got {impl!r}")
+        for layer in self.backbone.layers:
+            layer.self_attn.decode_impl = impl
 
     # ------------------------------------------------------------------ weights
 

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 from ...engines.errors import InputError
+from ..models.llm import DECODE_ATTENTION_IMPLS
 
 MAX_DECODE_STEPS = 32  # ar_decode_steps: LM steps one multi-step graph holds, at most
 
@@ -127,6 +128,13 @@ class SchedulerConfig:
     # (`after`: a conversation's next sentence) is never shed. Refusals: stats()["shed"]. Off (0) by default: not
     # yet measured on a GPU (`benchmarks/session19_call.sh`, CALL=shed)
     shed_lag_s: float = 0.0
+    # The LM decode step's attention (`CosyVoice3LM.decode_attention_impl`): "sdpa" (fused SDPA; the reduce form for
+    # the smallest batches under compile) or "split_kv" (models/decode_attention_triton.py: split-KV Triton kernels,
+    # each row read up to its own length, parallel over fixed key splits; CUDA needs Triton). Why: at 12 req/s of
+    # mixed streams the AR's fused SDPA was the heaviest kernel of the process (run 56, ~0.7 ms of a ~1.8 ms step's
+    # kernels): one block per (row, kv head) walks the whole padded KV rung. Values agree within bf16 rounding (fp32
+    # softmax). "sdpa" by default: not yet measured on a GPU
+    ar_decode_attention: str = "sdpa"
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
     ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)
@@ -178,6 +186,9 @@ class SchedulerConfig:
             raise InputError(f"SchedulerConfig.flow_cache_budget_bytes must be None or an int >= 0, got {b!r}")
         if self.max_padding_waste < 1:
             raise InputError(f"SchedulerConfig.max_padding_waste must be >= 1, got {self.max_padding_waste!r}")
+        if self.ar_decode_attention not in DECODE_ATTENTION_IMPLS:
+            raise InputError(f"SchedulerConfig.ar_decode_attention must be one of {', '.join(DECODE_ATTENTION_IMPLS)}, "
+                             f"got {self.ar_decode_attention!r}")
 
 
 def config_overrides(items, what: str = "scheduler setting", reserved: dict | None = None) -> dict:

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from ...engines.errors import InputError
 from ..stages.ar_runner import ARRunner, TorchARRunner, default_max_len
 from ..stages.backends import StageBackends
 from .admission import AdmissionControl, Ticket
@@ -44,7 +45,7 @@ __all__ = ["Scheduler", "SchedulerConfig", "RequestHandle", "POLICIES", "AR_RUNN
 
 
 # the SchedulerConfig fields make_ar_runner reads: schedulers over one AR runner must agree on them
-AR_RUNNER_FIELDS = ("ar_graph_batches", "ar_max_batch", "ar_max_len", "ar_max_prefill_tokens",
+AR_RUNNER_FIELDS = ("ar_decode_attention", "ar_graph_batches", "ar_max_batch", "ar_max_len", "ar_max_prefill_tokens",
                     "ar_prefill_graph_batches", "ar_prefill_graph_lengths", "batch_invariant", "compile", "cuda_graphs")
 
 
@@ -67,6 +68,13 @@ def make_ar_runner(models, config: SchedulerConfig, device, engine_set=None) -> 
             return TrtllmARRunner.from_engine_set(engine_set.folder, engine_set.manifest, cfg.ar_max_batch,
                                                   cfg.ar_max_len or default_max_len(models), device)
     models.llm.batch_invariant = cfg.batch_invariant  # before any compile / graph capture of its calls
+    if cfg.ar_decode_attention == "split_kv" and torch.device(device).type == "cuda":
+        from ..models import decode_attention_triton
+
+        if not decode_attention_triton.available():
+            raise InputError("SchedulerConfig.ar_decode_attention='split_kv' needs Triton on CUDA, and it is not "
+                             "installed: use 'sdpa'")
+    models.llm.decode_attention_impl = cfg.ar_decode_attention
     runner = TorchARRunner(models.llm, cfg.ar_max_batch, cfg.ar_max_len or default_max_len(models), device,
                            cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, graph_batches=cfg.ar_graph_batches,
                            prefill_graph_batches=cfg.ar_prefill_graph_batches,

@@ -103,14 +103,16 @@ class _TimedRunner:
 
 
 def lm_runner(max_batch: int, max_len: int = 1024, device: str = "cpu", graph_sampling: bool = False,
-              model: str = "tiny", compile: bool = False):
+              model: str = "tiny", compile: bool = False, decode_attention: str = "sdpa"):
     """TorchARRunner over the tiny LM (fp32; `model="tiny"`); on CUDA with its decode graphs. `model="full"`: the
     full-size LM (seeded random weights, bf16, built once per process), its decode graphs for this batch only and
-    one prefill graph (the set-up of the scheduler's whole ladders is not what is measured here)."""
+    one prefill graph (the set-up of the scheduler's whole ladders is not what is measured here).
+    `decode_attention`: the LM's `decode_attention_impl` (sdpa, or split_kv)."""
     from ...runtime.stages.ar_runner import TorchARRunner
 
     if model == "full":
         llm = _full_lm(device)
+        llm.decode_attention_impl = decode_attention
         return TorchARRunner(llm, max_batch, max_len, device, cuda_graphs=device.startswith("cuda"),
                              graph_sampling=graph_sampling, graph_batches=(), prefill_graph_batches=(1,),
                              prefill_graph_lengths=(64,), compile=compile)
@@ -119,6 +121,7 @@ def lm_runner(max_batch: int, max_len: int = 1024, device: str = "cpu", graph_sa
 
     torch.manual_seed(0)
     llm = build_modules(tiny_config(), device=device)[0].eval()
+    llm.decode_attention_impl = decode_attention
     return TorchARRunner(llm, max_batch, max_len, device, cuda_graphs=device.startswith("cuda"),
                          graph_sampling=graph_sampling, compile=compile)
 
@@ -227,18 +230,19 @@ class GilLoad:
 
 def table(batches=(1, 8, 32), steps: int = 100, repeats: int = 5, device: str = "cpu", gil_threads: int = 0,
           gil_hold_us: float = 500.0, gil_gap_us: float = 500.0, model: str = "tiny",
-          compile: bool = False) -> list[dict]:
+          compile: bool = False, decode_attention: str = "sdpa") -> list[dict]:
     """One row per batch (see the module docstring); with `gil_threads` > 0 every timing runs under `GilLoad`;
     `model`: the LM of the `tiny` columns (tiny, or full: the full-size LM, bf16); `compile`: its decode step
     torch.compile'd as the compiled / graphs_ar variants do (each runner compiles as it is built: under the load when
-    there is one, a longer set-up; timed after its warm-up steps)."""
+    there is one, a longer set-up; timed after its warm-up steps); `decode_attention`: the LM's decode attention."""
     if model == "full":
         _full_lm(device)  # built before the load starts
     with GilLoad(gil_threads, gil_hold_us, gil_gap_us):
-        return _table(batches, steps, repeats, device, model, compile)
+        return _table(batches, steps, repeats, device, model, compile, decode_attention)
 
 
-def _table(batches, steps: int, repeats: int, device: str, model: str = "tiny", compile: bool = False) -> list[dict]:
+def _table(batches, steps: int, repeats: int, device: str, model: str = "tiny", compile: bool = False,
+           decode_attention: str = "sdpa") -> list[dict]:
     rows = []
     for b in batches:
         fixed = worker_for(FixedRunner(b, device=device), b, device=device)
@@ -247,12 +251,13 @@ def _table(batches, steps: int, repeats: int, device: str, model: str = "tiny", 
         row = {"batch": b, "fixed_us": fixed_us, "fixed_ops": ops}
         for name, sampled in (("tiny", False), ("tiny_sampled", True)):
             timed = _TimedRunner(lm_runner(b, device=device, graph_sampling=sampled, model=model,
-                                             compile=compile))
+                                             compile=compile, decode_attention=decode_attention))
             w = worker_for(timed, b, device=device)
             row[f"{name}_us"], row[f"{name}_outside_decode_us"] = time_steps(w, max(10, steps // 2), repeats, timed)
             row[f"{name}_ops"] = NO_OPS if compile else ops_per_step(w)
         k = MULTI_STEPS  # four steps per call: each timed call is k token steps (within the runner's 1024 positions)
-        runner = lm_runner(b, device=device, graph_sampling=True, model=model, compile=compile)
+        runner = lm_runner(b, device=device, graph_sampling=True, model=model, compile=compile,
+                           decode_attention=decode_attention)
         runner.enable_decode_steps(k)
         timed = _TimedRunner(runner)
         w = worker_for(timed, b, device=device, decode_steps=k)
@@ -276,17 +281,20 @@ def main(argv=None) -> None:
                    "(fp32), or full: the full-size architecture, seeded random weights, bf16")
     p.add_argument("--compile", action="store_true", help="the LM's decode step torch.compile'd (as the compiled "
                    "and graphs_ar variants)")
+    p.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "split_kv"], help="the LM's decode "
+                   "attention (CosyVoice3LM.decode_attention_impl; split_kv: the split-KV Triton kernels)")
     p.add_argument("--gil-load", type=int, default=0, help="threads contending for the interpreter lock beside it")
     p.add_argument("--gil-hold-us", type=float, default=500.0)
     p.add_argument("--gil-gap-us", type=float, default=500.0)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     rows = table(tuple(int(x) for x in a.batches.split(",")), a.steps, a.repeats, a.device, a.gil_load,
-                 a.gil_hold_us, a.gil_gap_us, a.model, a.compile)
+                 a.gil_hold_us, a.gil_gap_us, a.model, a.compile, a.decode_attention)
     load = (f"; {a.gil_load} thread(s) holding the interpreter lock {a.gil_hold_us:g} µs every "
             f"{a.gil_hold_us + a.gil_gap_us:g} µs" if a.gil_load else "")
     print(f"AR worker decode step, {a.device}, torch {torch.__version__}, {a.threads} thread(s){load}; LM columns: "
-          f"{a.model} LM{' (compiled)' if a.compile else ''}; µs per step (median)")
+          f"{a.model} LM{' (compiled)' if a.compile else ''}, {a.decode_attention} decode attention; "
+          "µs per step (median)")
     print("| batch | fixed logits: worker host µs | its aten ops (not views) | LM: whole step µs "
           "| LM: outside runner.decode µs | its aten ops | LM, sampling in the runner: whole step µs "
           "| outside runner.decode µs | its aten ops | LM, 4 steps per call: µs per step | outside µs | ops |")

@@ -1,0 +1,167 @@
+"""Split-KV ("flash-decoding") attention for the LM's decode step, two Triton kernels (CUDA), behind
+`CosyVoice3LM.decode_attention = "split_kv"` (`SchedulerConfig.ar_decode_attention`).
+
+Why (issue #18, BENCHMARKS run 56): at 12 req/s of mixed streams on an H100 the heaviest kernel of the whole process
+was the AR's decode attention (cuDNN's fused SDPA, ~165 ms of every 2 s), ~0.7 ms of the AR's ~1.8 ms of kernels per
+step. A decode step has one query per row: the fused kernel is built for long queries and gets one block per (row,
+kv head) — 32 blocks for 16 rows on a 132-SM GPU, each walking the whole padded KV rung under the mask — so it is
+latency-bound far above what reading K and V costs (~3 µs a layer at 16 rows and 1024 keys).
+
+Here the keys are cut into fixed splits of SPLIT positions. Kernel 1 runs one program per (split, kv head, row): its G
+query heads against that split's keys up to the row's own last position (no mask tensor, nothing past the row's
+length is read), an online softmax in fp32, and writes the split's (max, sum, unnormalised output). Kernel 2, one
+program per (kv head, row), merges the row's splits left to right. Work and parallelism follow each row's own length;
+the splits sit at fixed absolute key positions, so a row's value does not depend on the other rows of the call nor on
+the padded KV rung (the same reduction order alone or batched).
+
+Numerics: fp32 scores, softmax and accumulation from the cache's dtype (the fused kernels round P to bf16 before the
+PV product): values agree with SDPA within bf16 rounding, not bit for bit. The kernels are defined on first use (not at
+import), so TRITON_INTERPRET=1 set by a test first runs them on CPU tensors (tests/test_decode_attention_triton.py).
+Off by default until a GPU run has measured it.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+SPLIT = 64   # key positions per split (kernel 1 program)
+BLOCK = 16   # keys per inner loop step (registers: GP x BLOCK x head_dim fp32 products per program)
+
+
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def runs_on(t: torch.Tensor) -> bool:
+    """Whether the kernels run for this tensor: CUDA with Triton, or any device under Triton's interpreter."""
+    return available() and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(Q, K, V, POS, M, L, ACC, g_real, n_splits, scale,
+                     sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                     HD: tl.constexpr, GP: tl.constexpr, SPL: tl.constexpr, BLK: tl.constexpr):
+        s_id = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, HD)
+        j = tl.arange(0, BLK)
+        gm = g < g_real
+        q = tl.load(Q + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=gm[:, None],
+                    other=0.0).to(tl.float32) * scale
+        end = tl.load(POS + b) + 1                       # keys 0..position of this row
+        lo = s_id * SPL
+        hi = tl.minimum(lo + SPL, end)
+        m = tl.full([GP], float("-inf"), tl.float32)
+        total = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, HD], tl.float32)
+        for start in range(lo, hi, BLK):
+            jj = start + j
+            jm = jj < hi
+            k = tl.load(K + b * sk_b + h * sk_h + jj[:, None] * sk_n + d[None, :], mask=jm[:, None],
+                        other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                          # [GP, BLK]
+            s = tl.where(jm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)                                                  # first block: exp(-inf) = 0
+            p = tl.exp(s - m_new[:, None])
+            total = total * alpha + tl.sum(p, axis=1)
+            v = tl.load(V + b * sv_b + h * sv_h + jj[:, None] * sv_n + d[None, :], mask=jm[:, None],
+                        other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)   # [GP, HD]
+            m = m_new
+        base = (b * tl.num_programs(1) + h) * n_splits + s_id                          # [B, kvh, splits] order
+        tl.store(M + base * GP + g, m)
+        tl.store(L + base * GP + g, total)
+        tl.store(ACC + (base * GP + g[:, None]) * HD + d[None, :], acc)
+
+    @triton.jit
+    def merge_kernel(POS, M, L, ACC, O, g_real, n_splits, so_b, so_h, so_g,
+                     HD: tl.constexpr, GP: tl.constexpr, SPL: tl.constexpr):
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, HD)
+        used = (tl.load(POS + b) + SPL) // SPL            # the splits holding keys 0..position: ceil((pos + 1) / SPL)
+        row = (b * tl.num_programs(0) + h) * n_splits
+        m = tl.full([GP], float("-inf"), tl.float32)
+        total = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, HD], tl.float32)
+        for s_id in range(0, used):
+            base = row + s_id
+            m_s = tl.load(M + base * GP + g)
+            m_new = tl.maximum(m, m_s)
+            a_old = tl.exp(m - m_new)
+            a_s = tl.exp(m_s - m_new)
+            total = total * a_old + tl.load(L + base * GP + g) * a_s
+            acc = acc * a_old[:, None] + tl.load(ACC + (base * GP + g[:, None]) * HD + d[None, :]) * a_s[:, None]
+            m = m_new
+        out = acc / total[:, None]
+        tl.store(O + b * so_b + h * so_h + g[:, None] * so_g + d[None, :], out.to(O.dtype.element_ty),
+                 mask=(g < g_real)[:, None])
+
+    return split_kernel, merge_kernel
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The op's value in plain torch (fp32): q [B, kvh, G, hd], k / v [B, kvh, n, hd], row b attends keys
+    0..positions[b]. The CPU path when the kernels do not run."""
+    n = k.shape[2]
+    keep = torch.arange(n, device=k.device)[None, :] <= positions.to(k.device)[:, None]        # [B, n]
+    scores = torch.einsum("bhgd,bhnd->bhgn", q.float(), k.float()) * q.shape[-1] ** -0.5
+    probs = torch.softmax(scores.masked_fill(~keep[:, None, None, :], float("-inf")), dim=-1)
+    return torch.einsum("bhgn,bhnd->bhgd", probs, v.float()).to(q.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """q [B, kvh, G, hd] (G query heads per kv head), k / v [B, kvh, n, hd] (any strides with a unit last one, e.g.
+    a view of the slot cache), positions [B] (row b attends keys 0..positions[b], each < n) -> [B, kvh, G, hd]. The
+    head dim must be a power of two."""
+    b, kvh, g, hd = q.shape
+    n = k.shape[2]
+    if hd & (hd - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"split-KV decode attention: head dim {hd} must be a power of two with unit stride")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    gp = max(2, 1 << (g - 1).bit_length())
+    splits = -(-n // SPLIT)
+    m = torch.empty((b, kvh, splits, gp), dtype=torch.float32, device=q.device)
+    lse = torch.empty_like(m)
+    acc = torch.empty((b, kvh, splits, gp, hd), dtype=torch.float32, device=q.device)
+    pos = positions.to(device=q.device, dtype=torch.int64).contiguous()
+    split_kernel, merge_kernel = _kernels()
+    split_kernel[(splits, kvh, b)](
+        q, k, v, pos, m, lse, acc, g, splits, 1.0 / math.sqrt(hd),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), HD=hd, GP=gp, SPL=SPLIT, BLK=BLOCK, num_warps=4)
+    merge_kernel[(kvh, b)](pos, m, lse, acc, out, g, splits, out.stride(0), out.stride(1), out.stride(2),
+                           HD=hd, GP=gp, SPL=SPLIT, num_warps=4)
+    return out
+
+
+@torch.library.custom_op("cosytrt::split_kv_decode_attention", mutates_args=())
+def split_kv_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+                              ) -> torch.Tensor:
+    """`attention` as an op torch.compile keeps opaque (the kernels where they run, else `reference`)."""
+    if runs_on(q):
+        return attention(q, k, v, positions)
+    return reference(q, k, v, positions)
+
+
+@split_kv_decode_attention.register_fake
+def _(q, k, v, positions):
+    return q.new_empty(q.shape)

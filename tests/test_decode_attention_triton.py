@@ -1,0 +1,159 @@
+"""The split-KV decode attention (runtime/models/decode_attention_triton.py, `CosyVoice3LM.decode_attention_impl =
+"split_kv"`): its kernels run on CPU through Triton's interpreter (skipped where Triton is not installed: the CPU
+torch wheel does not bring it, so CI checks the torch reference and the LM wiring only). Same values as the masked
+softmax (fp32 rounding: online vs two-pass softmax), a row's bits the same alone, beside other rows and at a longer
+KV rung; the tiny LM's decode logits with the op equal the SDPA ones; torch.compile keeps the op opaque."""
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first defined (on first use)
+
+from cosytrt.engines.errors import InputError  # noqa: E402
+from cosytrt.runtime.models import decode_attention_triton as dat  # noqa: E402
+from cosytrt.runtime.models.config import tiny_config  # noqa: E402
+from cosytrt.runtime.models.llm import decode_attention  # noqa: E402
+from cosytrt.runtime.models.loading import build_modules  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not dat.available(), reason="Triton is not installed (the CPU torch wheel does "
+                                  "not bring it): the kernels run on a GPU machine or through the interpreter")
+KVH, G, HD = 2, 7, 16
+
+
+def _case(b, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, KVH, G, HD, generator=g), torch.randn(b, KVH, n, HD, generator=g),
+            torch.randn(b, KVH, n, HD, generator=g))
+
+
+def _masked_sdpa(q, k, v, positions):
+    mask = (torch.arange(k.shape[2])[None, :] <= positions[:, None])[:, None, None, :]
+    return decode_attention(q, k, v, mask, reduce_max_rows=0)
+
+
+def test_reference_equals_masked_sdpa():
+    q, k, v = _case(3, 150)
+    pos = torch.tensor([0, 63, 149])
+    torch.testing.assert_close(dat.reference(q, k, v, pos), _masked_sdpa(q, k, v, pos), rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+def test_kernels_equal_masked_softmax_across_splits():
+    q, k, v = _case(5, 150, seed=1)   # 3 splits of 64: rows ending inside the first, on a split edge, in the last
+    pos = torch.tensor([0, 63, 64, 100, 149])
+    out = dat.attention(q, k, v, pos)
+    torch.testing.assert_close(out, _masked_sdpa(q, k, v, pos), rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+def test_kernels_read_strided_cache_views():
+    g = torch.Generator().manual_seed(2)
+    cache_k = torch.randn(6, KVH, 256, HD, generator=g)   # [slots, kvh, max_len, hd]: the decode reads a view
+    cache_v = torch.randn(6, KVH, 256, HD, generator=g)
+    q = torch.randn(4, KVH, G, HD, generator=g)
+    k, v = cache_k[:4, :, :130], cache_v[:4, :, :130]
+    pos = torch.tensor([5, 129, 70, 64])
+    torch.testing.assert_close(dat.attention(q, k, v, pos), dat.reference(q, k, v, pos), rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+def test_row_bits_do_not_depend_on_neighbours_or_rung():
+    q, k, v = _case(6, 256, seed=3)
+    pos = torch.tensor([10, 200, 99, 255, 64, 130])
+    full = dat.attention(q, k, v, pos)
+    alone = dat.attention(q[2:3], k[2:3, :, :128], v[2:3, :, :128], pos[2:3])   # a shorter rung, alone
+    assert torch.equal(full[2], alone[0])
+    pair = dat.attention(q[[2, 3]], k[[2, 3]], v[[2, 3]], pos[[2, 3]])
+    assert torch.equal(pair[0], alone[0])
+
+
+@needs_triton
+def test_op_runs_the_kernels_under_the_interpreter(monkeypatch):
+    q, k, v = _case(2, 70, seed=4)
+    pos = torch.tensor([69, 3])
+    assert torch.equal(dat.split_kv_decode_attention(q, k, v, pos), dat.attention(q, k, v, pos))
+
+
+def _tiny_lm():
+    torch.manual_seed(0)
+    llm = build_modules(tiny_config())[0].eval()
+    llm.setup_cache(4, 128)
+    return llm
+
+
+def _decode_logits(llm, impl, steps=3):
+    """Prefill 3 rows of different lengths, then `steps` decode steps; the logits of each step."""
+    llm.decode_attention_impl = impl
+    g = torch.Generator().manual_seed(5)
+    h = llm.config.qwen.hidden_size
+    lengths = [5, 17, 9]
+    with torch.inference_mode():
+        emb = torch.randn(3, max(lengths), h, generator=g)
+        llm.prefill(emb, torch.tensor(lengths), torch.tensor([0, 1, 2]))
+        out, pos = [], torch.tensor(lengths)
+        for _ in range(steps):
+            out.append(llm.decode(torch.tensor([7, 8, 9]), torch.tensor([0, 1, 2]), pos, kv_len=64))
+            pos = pos + 1
+    return out
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_lm_decode_with_split_kv_equals_sdpa(monkeypatch, kernels):
+    if kernels and not dat.available():
+        pytest.skip("Triton is not installed: the torch reference path only")
+    if not kernels:
+        monkeypatch.setattr(dat, "runs_on", lambda t: False)
+    llm = _tiny_lm()
+    ref = _decode_logits(llm, "sdpa")
+    llm = _tiny_lm()
+    got = _decode_logits(llm, "split_kv")
+    assert llm.decode_attention_impl == "split_kv"
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_impl_names_bad_values():
+    llm = _tiny_lm()
+    with pytest.raises(InputError, match="decode_attention_impl must be one of sdpa, split_kv"):
+        llm.decode_attention_impl = "flash"
+    assert llm.decode_attention_impl == "sdpa"
+
+
+def test_compile_keeps_the_op_opaque(monkeypatch):
+    monkeypatch.setattr(dat, "runs_on", lambda t: False)
+    q, k, v = _case(2, 40, seed=6)
+    pos = torch.tensor([39, 12])
+    fn = torch.compile(lambda q, k, v, p: dat.split_kv_decode_attention(q, k, v, p) * 2, backend="aot_eager",
+                       fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v, pos), dat.reference(q, k, v, pos) * 2)
+
+
+def test_scheduler_config_names_a_bad_decode_attention():
+    from cosytrt.runtime.scheduling.config import SchedulerConfig, config_overrides
+
+    with pytest.raises(InputError, match="ar_decode_attention must be one of sdpa, split_kv"):
+        SchedulerConfig(ar_decode_attention="flash")
+    assert config_overrides(["ar_decode_attention=split_kv"]) == {"ar_decode_attention": "split_kv"}
+
+
+def test_scheduler_with_split_kv_gives_the_same_tokens_on_cpu(monkeypatch):
+    """The tiny model through the scheduler with the split-KV op (torch reference on the CPU: the kernels' values
+    are checked above) gives each request the tokens of the SDPA decode (the same seed)."""
+    from cosytrt.runtime.scheduling.config import SchedulerConfig
+    from cosytrt.runtime.tts import TTS
+
+    monkeypatch.setattr(dat, "runs_on", lambda t: False)
+    tokens = {}
+    for impl in ("sdpa", "split_kv"):
+        tts = TTS.load("tiny", scheduler=SchedulerConfig(ar_decode_attention=impl))
+        try:
+            hs = [tts.submit(text, seed=3) for text in ("hello there", "a longer sentence to speak")]
+            for h in hs:
+                h.result(timeout=120)
+            tokens[impl] = [h.tokens for h in hs]
+            assert all(tokens[impl])
+            assert tts.pipeline.models.llm.decode_attention_impl == impl
+        finally:
+            tts.close()
+    assert tokens["sdpa"] == tokens["split_kv"]
