@@ -13,6 +13,7 @@ from cosytrt.engines.errors import RejectedError, RequestTooLongError
 from cosytrt.runtime.stages.request import default_voice_wav, prepare_inputs
 from cosytrt.runtime.models.sampling import generate
 from cosytrt.runtime.scheduling.scheduler import RequestHandle, Scheduler, SchedulerConfig
+from cosytrt.runtime.scheduling.stage_clock import StageClock
 from cosytrt.runtime.tts import TTS, make_request
 
 SPF = 480  # samples per mel frame
@@ -560,10 +561,12 @@ def test_dit_fence_keeps_steps_ahead_in_flight(monkeypatch, ahead):
     monkeypatch.setattr(tw.torch.cuda, "Event", Event)
     w = tw.Token2WavWorker.__new__(tw.Token2WavWorker)
     w._cuda, w._in_flight, w.config = True, deque(), SchedulerConfig(dit_steps_ahead=ahead)
+    w.clock = StageClock(cuda=False)
     for i in range(6):
         w._fence()
         assert len(w._in_flight) == min(i + 1, ahead)
     assert waited == list(range(1, 7 - ahead))
+    assert w.clock.waits_s()["dit_fence"]["count"] == 6 - ahead  # each wait counted (stats()["waits_s"])
     from cosytrt.engines.errors import InputError
 
     for bad in (0, -1, 1.5):

@@ -91,3 +91,43 @@ def test_open_loop_host_delta_and_its_table():
     assert d["dit"]["blocked"] == 0.0 and "wall_ms_per_step" not in d["dit"]
     assert host_delta({}, {}, 10.0, 5) == {}
     assert _host_row(d) == ["0.20 / 0.10", "50 %", "5.00 / 2.50", "0.20 / 0.20", "0 %", "—", "—"]
+
+
+def test_waits_count_wall_cpu_and_number():
+    """`wait(name)`: a worker thread's wait outside its spans (the DiT fence, idle waits): wall and CPU seconds and
+    how many, apart from the spans' busy and host seconds."""
+    clock = StageClock(cuda=False)
+    for _ in range(2):
+        with clock.wait("dit_idle"):
+            time.sleep(0.02)
+    w = clock.waits_s()
+    assert w["dit_idle"]["count"] == 2 and w["dit_idle"]["wall_s"] >= 0.04 and w["dit_idle"]["cpu_s"] < 0.02
+    assert clock.busy_s() == {} and clock.host_s() == {}
+
+
+def test_open_loop_waits_delta_and_its_table():
+    from cosytrt.tools.bench.open_loop import _waits_line, waits_delta
+    from cosytrt.tools.bench.report import _waits_row
+
+    before = {"waits_s": {"dit_fence": {"wall_s": 1.0, "cpu_s": 1.0, "count": 10}}}
+    after = {"waits_s": {"dit_fence": {"wall_s": 4.0, "cpu_s": 3.5, "count": 40},
+                         "dit_idle": {"wall_s": 2.0, "cpu_s": 0.0, "count": 5}}}
+    d = waits_delta(before, after, 10.0)
+    assert d["dit_fence"] == pytest.approx({"wall_share": 0.3, "cpu_share": 0.25, "count": 30})
+    assert d["dit_idle"]["wall_share"] == pytest.approx(0.2)
+    assert _waits_line(d) == "; waits dit_fence 0.30, dit_idle 0.20" and _waits_line({}) == ""
+    host = {"dit": {"wall_share": 0.21}}
+    assert _waits_row(host, d) == ["0.21", "0.30", "0.20", "—", "—"]
+
+
+def test_scheduler_reports_the_dit_and_hift_threads_idle_waits():
+    """On the CPU the worker threads wait for work between requests: stats()["waits_s"] counts those waits."""
+    from cosytrt.runtime.tts import TTS
+
+    tts = TTS.load("tiny")
+    try:
+        tts.submit("hello there", seed=1).result(timeout=120)
+        waits = tts._scheduler.stats()["waits_s"]
+    finally:
+        tts.close()
+    assert waits["dit_idle"]["count"] >= 1 and waits["hift_idle"]["count"] >= 1

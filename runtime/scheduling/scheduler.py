@@ -159,6 +159,7 @@ def collect_stats(lifecycle: Lifecycle, frontend: FrontendPool, clock: StageCloc
     st.compiles_since_start = 0 if compiles_at_start is None else compile_count() - compiles_at_start
     st.busy_s = clock.busy_s()  # CUDA: GPU time of each stage's batches; CPU: wall time
     st.host_s = clock.host_s()  # the worker threads' wall / CPU seconds inside those batches
+    st.waits_s = clock.waits_s()  # and their waits outside them (DiT fence, idle DiT / HiFT threads)
     return st
 
 

@@ -31,6 +31,7 @@ class StageClock:
         self._spans: dict[str, int] = {}
         self._pending: dict[str, deque] = {}   # stage -> (start, end) CUDA events, in recording order
         self._host: dict[str, list[float]] = {}  # stage -> [wall s, thread CPU s] inside its spans
+        self._waits: dict[str, list[float]] = {}  # wait name -> [wall s, thread CPU s, count]
 
     @contextmanager
     def span(self, stage: str):
@@ -52,6 +53,26 @@ class StageClock:
             with self._lock:
                 self._pending.setdefault(stage, deque()).append((start, end))
                 self._settle(stage)  # a server that never asks must not collect events without bound
+
+    @contextmanager
+    def wait(self, name: str):
+        """A worker thread's wait outside its spans (e.g. "dit_fence", "dit_idle"): its wall and CPU seconds (a CUDA
+        wait spins: CPU) and how many, in `waits_s()`."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            with self._lock:
+                w = self._waits.setdefault(name, [0.0, 0.0, 0])
+                w[0] += wall
+                w[1] += cpu
+                w[2] += 1
+
+    def waits_s(self) -> dict[str, dict[str, float]]:
+        """Per wait name: wall and CPU seconds and the number of waits so far."""
+        with self._lock:
+            return {n: {"wall_s": w[0], "cpu_s": w[1], "count": w[2]} for n, w in self._waits.items()}
 
     def _add_host(self, stage: str, t0: float, c0: float) -> None:
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0

@@ -103,6 +103,7 @@ class SchedulerStats:
     compiles_since_start: int = 0                   # torch.compile graphs compiled while serving (expected 0)
     busy_s: dict = field(default_factory=dict)      # busy seconds per stage (stage_clock)
     host_s: dict = field(default_factory=dict)      # per stage: its thread's wall / CPU seconds in its spans
+    waits_s: dict = field(default_factory=dict)     # per wait (StageClock.wait): wall / CPU seconds, count
     flow_cache: dict = field(default_factory=dict)  # the flow prefix cache pool's numbers (stages/flow_cache.py)
     setup_s: dict = field(default_factory=dict)     # seconds of the scheduler's start, by part (Scheduler.__init__)
 
@@ -125,5 +126,6 @@ class SchedulerStats:
         out["compiles_since_start"] = self.compiles_since_start
         out["busy_s"] = self.busy_s
         out["host_s"] = self.host_s
+        out["waits_s"] = self.waits_s
         out["setup_s"] = self.setup_s
         return out

@@ -192,7 +192,8 @@ class Token2WavWorker:
                     self._mark_last_hops(group)
                     self.dit_busy = True
                     return how, group
-                self.dit_cond.wait(wait)
+                with self.clock.wait("dit_idle"):
+                    self.dit_cond.wait(wait)
 
     def _mark_last_hops(self, group: list[DitJob]) -> None:
         """(DiT thread, under dit_cond.) A streaming hop that starts now while its request's final is queued with no
@@ -260,7 +261,9 @@ class Token2WavWorker:
                 j.r.metrics.mark("dit_start", t0)
         with self.clock.span("dit"):
             results = run_rows(self._flow_call, group, self._fail_job)
-        self._sync()
+        if self._cuda:
+            with self.clock.wait("dit_fence"):
+                self._sync()
         if results:
             self._dit_done(results, (time.perf_counter() - t0) / len(group))
         self.dit_counters.add(len(group))
@@ -375,8 +378,10 @@ class Token2WavWorker:
         ev = torch.cuda.Event()
         ev.record()
         self._in_flight.append(ev)
-        while len(self._in_flight) > self.config.dit_steps_ahead:
-            self._in_flight.popleft().synchronize()
+        if len(self._in_flight) > self.config.dit_steps_ahead:
+            with self.clock.wait("dit_fence"):
+                while len(self._in_flight) > self.config.dit_steps_ahead:
+                    self._in_flight.popleft().synchronize()
 
     def _dit_done(self, results: list[tuple[DitJob, torch.Tensor]], share: float) -> None:
         """Finished DiT jobs: their new mel to the HiFT queue."""
@@ -438,7 +443,8 @@ class Token2WavWorker:
                     return jobs
                 if self.transfers:  # CUDA copies in flight: poll their events
                     wait = 0.0005 if wait is None else min(wait, 0.0005)
-                self.hift_cond.wait(wait)
+                with self.clock.wait("hift_idle"):
+                    self.hift_cond.wait(wait)
 
     def _run_hift(self, jobs: list[HiftJob]) -> None:
         if self._hift_stream is not None:  # the mels come from the DiT's stream: wait for exactly their steps

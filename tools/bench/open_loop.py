@@ -156,6 +156,7 @@ def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
         ar["sampled_share"] = None if ar["sampled_graph_replays"] is None else \
             ar["sampled_graph_replays"] / ar["decode_steps"]
     return {"busy": busy, "host": host_delta(before, after, wall_s, ar.get("decode_steps")),
+            "waits": waits_delta(before, after, wall_s),
             "buckets": buckets if sa else None, "ar_steps": ar,
             "fallbacks": sum(b["fallbacks"] for b in buckets.values()) if sa else None,
             "fallback_reasons": reasons, "fallback_shapes": fallback_shapes, "dit_frames": frames, "dit_calls": kinds,
@@ -179,6 +180,28 @@ def host_delta(before: dict, after: dict, wall_s: float, decode_steps: int | Non
             row.update(wall_ms_per_step=wall / decode_steps * 1e3, cpu_ms_per_step=cpu / decode_steps * 1e3)
         out[stage] = row
     return out
+
+
+def waits_delta(before: dict, after: dict, wall_s: float) -> dict:
+    """Per wait of the worker threads outside their spans (`StageClock.wait`: dit_fence, dit_idle, hift_idle): its
+    wall seconds as a share of the cell, its CPU share (a CUDA wait spins) and how many waits."""
+    wa, wb = after.get("waits_s") or {}, before.get("waits_s") or {}
+    out = {}
+    for name, w in sorted(wa.items()):
+        prev = wb.get(name) or {}
+        wall = w.get("wall_s", 0.0) - prev.get("wall_s", 0.0)
+        if wall <= 0 or wall_s <= 0:
+            continue
+        out[name] = {"wall_share": wall / wall_s, "cpu_share": (w.get("cpu_s", 0.0) - prev.get("cpu_s", 0.0)) / wall_s,
+                     "count": w.get("count", 0) - prev.get("count", 0)}
+    return out
+
+
+def _waits_line(waits: dict | None) -> str:
+    """The log line's part for the threads' waits outside their spans (shares of the cell)."""
+    if not waits:
+        return ""
+    return "; waits " + ", ".join(f"{k} {v['wall_share']:.2f}" for k, v in waits.items())
 
 
 def _host_line(host: dict | None, multi_step_calls: int | None) -> str:
@@ -573,6 +596,7 @@ def _rate_sweep(bench, out, tts, label, spec, rates, drain_s, speaker) -> None:
             + (f"; AR {cell['ar_steps']['rows_per_step']:.2f} rows/step, {100 * cell['ar_steps']['sampled_share']:.0f} "
                "% sampled in graph" if (cell.get("ar_steps") or {}).get("sampled_share") is not None else "")
             + _host_line(cell.get("host"), (cell.get("ar_steps") or {}).get("multi_step_calls"))
+            + _waits_line(cell.get("waits"))
             + (f"; WARNING: {cell['compiles']} graph(s) compiled during the cell" if cell["compiles"] else ""))
         kp = cell.get("kernel_profile")
         if kp:

@@ -317,6 +317,15 @@ def open_loop_tables(res: dict) -> str:
                      "CPU; the AR per decode step)\n\n"
                      + _md(["setting", "req/s", "AR wall / CPU share", "AR blocked", "AR wall / CPU ms per step",
                             "DiT wall / CPU share", "DiT blocked", "HiFT wall / CPU share", "HiFT blocked"], host_rows))
+    wait_rows = [[c.get("setting"), c.get("rate")] + _waits_row(c.get("host") or {}, c["waits"]) for c in cells
+                 if "error" not in c and c.get("waits")]
+    if wait_rows:
+        parts.append("**Open loop: where the DiT and HiFT threads' time goes** (shares of the cell's wall time: inside "
+                     "their spans (`StageClock.host_s`, launching and bookkeeping); the DiT fence = waiting for its "
+                     "launched steps to complete on the GPU (`dit_steps_ahead`; a spin); idle = waiting for work; the "
+                     "rest of the thread's time is picking work and handing it on outside both)\n\n"
+                     + _md(["setting", "req/s", "DiT in spans", "DiT fence", "DiT idle", "HiFT in spans",
+                            "HiFT idle"], wait_rows))
     from .playback import TTFA_PARTS
 
     ttfa_rows = [[c.get("setting"), c.get("rate")]
@@ -414,6 +423,15 @@ def _host_row(host: dict) -> list:
             out.append(f"{h['wall_ms_per_step']:.2f} / {h['cpu_ms_per_step']:.2f}" if "wall_ms_per_step" in h
                        else "—")
     return out
+
+
+def _waits_row(host: dict, waits: dict) -> list:
+    def share(d, key):
+        v = (d.get(key) or {}).get("wall_share")
+        return "—" if v is None else f"{v:.2f}"
+
+    return [share(host, "dit"), share(waits, "dit_fence"), share(waits, "dit_idle"), share(host, "hift"),
+            share(waits, "hift_idle")]
 
 
 def _hop_row(h: dict) -> list:
