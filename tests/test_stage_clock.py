@@ -131,3 +131,13 @@ def test_scheduler_reports_the_dit_and_hift_threads_idle_waits():
     finally:
         tts.close()
     assert waits["dit_idle"]["count"] >= 1 and waits["hift_idle"]["count"] >= 1
+
+
+def test_open_loop_table_part_only_for_cells_that_have_the_key():
+    from cosytrt.tools.bench.report import _open_loop_table
+
+    cells = [{"setting": "a", "rate": 12, "waits": {"dit_idle": {"wall_share": 0.5}}}, {"setting": "b", "rate": 8},
+             {"setting": "c", "rate": 4, "error": "x", "waits": {}}]
+    part = _open_loop_table(cells, "waits", lambda c: ["0.50"], "**T**", ["DiT idle"])
+    assert part == ["**T**\n\n| setting | req/s | DiT idle |\n|---|---|---|\n| a | 12 | 0.50 |"]
+    assert _open_loop_table(cells[1:], "waits", lambda c: [], "**T**", []) == []

@@ -308,14 +308,14 @@ def open_loop_tables(res: dict) -> str:
                                       "peak GB", "GIL wait p50 / p95 ms", "GPU util mean / p50 %",
                                       "AR rows/step, sampled in graph (held / paced s)",
                                       "alloc retries / cudaFree"], res_rows))
-    parts += _cell_table(
+    parts += _open_loop_table(
         cells, "host", lambda c: _host_row(c["host"]),
         "**Open loop: the worker threads' host time inside their batches** (`StageClock.host_s`: wall and CPU seconds "
         "of each thread inside its spans as shares of the cell; blocked = (wall - CPU) / wall: waiting for the "
         "interpreter lock or descheduled — a CUDA wait spins, so it counts as CPU; the AR per decode step)",
         ["AR wall / CPU share", "AR blocked", "AR wall / CPU ms per step", "DiT wall / CPU share", "DiT blocked",
          "HiFT wall / CPU share", "HiFT blocked"])
-    parts += _cell_table(
+    parts += _open_loop_table(
         cells, "waits", lambda c: _waits_row(c.get("host") or {}, c["waits"]),
         "**Open loop: where the DiT and HiFT threads' time goes** (shares of the cell's wall time: inside their spans "
         "(`StageClock.host_s`, launching and bookkeeping); the DiT fence = waiting for its launched steps to complete "
@@ -421,7 +421,7 @@ def _host_row(host: dict) -> list:
     return out
 
 
-def _cell_table(cells: list, key: str, row, title: str, columns: list) -> list[str]:
+def _open_loop_table(cells: list, key: str, row, title: str, columns: list) -> list[str]:
     """[one markdown part]: `title` over a table of the cells that have `key` (setting, req/s, then `row(cell)`
     under `columns`), or [] when none has it."""
     rows = [[c.get("setting"), c.get("rate")] + row(c) for c in cells if "error" not in c and c.get(key)]
