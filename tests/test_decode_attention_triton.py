@@ -47,6 +47,17 @@ def test_kernels_equal_masked_softmax_across_splits():
 
 
 @needs_triton
+def test_a_position_past_the_view_attends_the_whole_view():
+    """A position >= n (never made by the runner: its rungs cover every row) reads nothing past the view: the kernels
+    attend all n keys, as the mask and the reference do."""
+    q, k, v = _case(2, 100, seed=7)
+    pos = torch.tensor([500, 40])
+    out = dat.attention(q, k, v, pos)
+    torch.testing.assert_close(out, dat.reference(q, k, v, pos), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[0], dat.attention(q[:1], k[:1], v[:1], torch.tensor([99]))[0], rtol=0, atol=0)
+
+
+@needs_triton
 def test_kernels_read_strided_cache_views():
     g = torch.Generator().manual_seed(2)
     cache_k = torch.randn(6, KVH, 256, HD, generator=g)   # [slots, kvh, max_len, hd]: the decode reads a view

@@ -1,5 +1,5 @@
 """Split-KV ("flash-decoding") attention for the LM's decode step, two Triton kernels (CUDA), behind
-`CosyVoice3LM.decode_attention = "split_kv"` (`SchedulerConfig.ar_decode_attention`).
+`CosyVoice3LM.decode_attention_impl = "split_kv"` (`SchedulerConfig.ar_decode_attention`).
 
 Why (issue #18, BENCHMARKS run 56): at 12 req/s of mixed streams on an H100 the heaviest kernel of the whole process
 was the AR's decode attention (cuDNN's fused SDPA, ~165 ms of every 2 s), ~0.7 ms of the AR's ~1.8 ms of kernels per
@@ -50,7 +50,7 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def split_kernel(Q, K, V, POS, M, L, ACC, g_real, n_splits, scale,
+    def split_kernel(Q, K, V, POS, M, L, ACC, g_real, n_keys, n_splits, scale,
                      sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                      HD: tl.constexpr, GP: tl.constexpr, SPL: tl.constexpr, BLK: tl.constexpr):
         s_id = tl.program_id(0)
@@ -62,7 +62,7 @@ def _kernels():
         gm = g < g_real
         q = tl.load(Q + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=gm[:, None],
                     other=0.0).to(tl.float32) * scale
-        end = tl.load(POS + b) + 1                       # keys 0..position of this row
+        end = tl.minimum(tl.load(POS + b) + 1, n_keys)   # keys 0..position of this row (never past the view)
         lo = s_id * SPL
         hi = tl.minimum(lo + SPL, end)
         m = tl.full([GP], float("-inf"), tl.float32)
@@ -89,13 +89,14 @@ def _kernels():
         tl.store(ACC + (base * GP + g[:, None]) * HD + d[None, :], acc)
 
     @triton.jit
-    def merge_kernel(POS, M, L, ACC, O, g_real, n_splits, so_b, so_h, so_g,
+    def merge_kernel(POS, M, L, ACC, O, g_real, n_keys, n_splits, so_b, so_h, so_g,
                      HD: tl.constexpr, GP: tl.constexpr, SPL: tl.constexpr):
         h = tl.program_id(0)
         b = tl.program_id(1)
         g = tl.arange(0, GP)
         d = tl.arange(0, HD)
-        used = (tl.load(POS + b) + SPL) // SPL            # the splits holding keys 0..position: ceil((pos + 1) / SPL)
+        end = tl.minimum(tl.load(POS + b) + 1, n_keys)
+        used = (end + SPL - 1) // SPL                     # the splits holding keys 0..position
         row = (b * tl.num_programs(0) + h) * n_splits
         m = tl.full([GP], float("-inf"), tl.float32)
         total = tl.zeros([GP], tl.float32)
@@ -128,8 +129,8 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """q [B, kvh, G, hd] (G query heads per kv head), k / v [B, kvh, n, hd] (any strides with a unit last one, e.g.
-    a view of the slot cache), positions [B] (row b attends keys 0..positions[b], each < n) -> [B, kvh, G, hd]. The
-    head dim must be a power of two."""
+    a view of the slot cache), positions [B] (row b attends keys 0..positions[b]; a position >= n attends all n, as
+    the mask would) -> [B, kvh, G, hd]. The head dim must be a power of two."""
     b, kvh, g, hd = q.shape
     n = k.shape[2]
     if hd & (hd - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -145,10 +146,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     pos = positions.to(device=q.device, dtype=torch.int64).contiguous()
     split_kernel, merge_kernel = _kernels()
     split_kernel[(splits, kvh, b)](
-        q, k, v, pos, m, lse, acc, g, splits, 1.0 / math.sqrt(hd),
+        q, k, v, pos, m, lse, acc, g, n, splits, 1.0 / math.sqrt(hd),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), HD=hd, GP=gp, SPL=SPLIT, BLK=BLOCK, num_warps=4)
-    merge_kernel[(kvh, b)](pos, m, lse, acc, out, g, splits, out.stride(0), out.stride(1), out.stride(2),
+    merge_kernel[(kvh, b)](pos, m, lse, acc, out, g, n, splits, out.stride(0), out.stride(1), out.stride(2),
                            HD=hd, GP=gp, SPL=SPLIT, num_warps=4)
     return out
 
