@@ -140,6 +140,23 @@ def test_ar_step_bench_table_runs():
         pass
 
 
+def test_gpu_load_checks_its_arguments_and_is_a_no_op_at_zero():
+    """`GpuLoad` (ar_step --gpu-load): CUDA only, a share in [0, 1); at 0 nothing starts and `on()` is a no-op (the
+    GEMM thread itself needs a GPU)."""
+    import pytest
+
+    from cosytrt.tools.bench.ar_step import GpuLoad
+
+    with pytest.raises(ValueError, match="needs --device cuda"):
+        GpuLoad(0.5, "cpu")
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\)"):
+        GpuLoad(1.0, "cuda")
+    with GpuLoad(0.0, "cpu") as load:
+        with load.on():
+            pass
+    assert load.thread is None and load.launches == 0
+
+
 def test_first_audio_hold_conditions():
     """`ARWorker._hold_for_first_audio`: holds (True, after a short wait) only while a running stream whose first DiT
     job was made waits for its first audio, within the hold's time after that job, no stream still needs tokens for

@@ -14,6 +14,8 @@ requests, default sampling parameters, one seed per row, with two runners:
 interpreter lock held and released as the DiT and vocoder threads of a loaded server do): every host operation of
 the AR step that gives up the lock may wait for it (runs 47 and 51-53: under load the AR's step took 4-8 ms around
 ~1 ms of kernels); `4 steps per call` pays that once per four tokens.
+`--gpu-load F` (CUDA): a thread keeping the GPU busy about F of the time with DiT-sized GEMMs on a stream of its own
+during the timed steps — the AR's cost of sharing the GPU, apart from that of sharing the lock.
 Prints microseconds per step (median of `repeats` blocks of `steps` steps), for `fixed` the aten ops per step that
 are not views (about the kernel launches of a GPU step), and for `tiny` the part spent outside `runner.decode` (on
 CUDA that includes waiting for the GPU: the decode is only launched). On CUDA every step ends in the sampling's host
@@ -22,6 +24,7 @@ sync, so a `fixed` step is host time plus the sampling kernels. A measuring tool
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from types import SimpleNamespace
@@ -160,10 +163,12 @@ def worker_for(runner, batch: int, start_pos: int = 64, device: str = "cpu", dec
     return w
 
 
-def time_steps(worker, steps: int, repeats: int, timed: _TimedRunner | None = None) -> tuple[float, float]:
-    """(median µs per step, median µs per step outside runner.decode) over `repeats` blocks of `steps` steps."""
+def time_steps(worker, steps: int, repeats: int, timed: _TimedRunner | None = None,
+               load: "GpuLoad | None" = None) -> tuple[float, float]:
+    """(median µs per step, median µs per step outside runner.decode) over `repeats` blocks of `steps` steps (beside
+    `load`'s GPU work when given)."""
     per, outside = [], []
-    with torch.inference_mode():
+    with torch.inference_mode(), (load.on() if load is not None else contextlib.nullcontext()):
         for _ in range(5):
             worker._decode()
         for _ in range(repeats):
@@ -228,32 +233,122 @@ class GilLoad:
             t.join()
 
 
+class GpuLoad:
+    """`with GpuLoad(fraction, device) as load:` a daemon thread on a CUDA stream of its own that, while `load.on()`
+    is in effect, keeps the GPU busy about `fraction` of the time with bf16 GEMMs of the DiT's feed-forward size
+    (4096 x 1024 @ 1024 x 4096), as the DiT and the vocoder keep it busy beside the AR in a loaded server: every
+    10 ms it launches as many GEMMs as fill that share of the period, waits for them (the interpreter lock released)
+    and sleeps the rest. Separates the AR step's cost of sharing the GPU from that of sharing the lock (`GilLoad`).
+    Only on during timed steps: a CUDA-graph capture (the runners' set-up) must not see another thread's waits.
+    fraction 0: nothing."""
+
+    PERIOD_S = 0.010
+    SHAPE = (4096, 1024, 4096)   # (m, k, n): rows x frames of a DiT call, hidden size, feed-forward width
+
+    def __init__(self, fraction: float, device: str = "cpu"):
+        import threading
+
+        if not 0 <= fraction < 1:
+            raise ValueError(f"--gpu-load must be in [0, 1), got {fraction!r}")
+        if fraction and not str(device).startswith("cuda"):
+            raise ValueError("--gpu-load needs --device cuda")
+        self.fraction, self.device = fraction, device
+        self.stop, self.active, self.parked = threading.Event(), threading.Event(), threading.Event()
+        self.parked.set()
+        self.thread = None
+        self.launches = 0
+
+    def __enter__(self):
+        if not self.fraction:
+            return self
+        import threading
+
+        m, k, n = self.SHAPE  # buffers, stream and the GEMM's time, made here (before any capture), not in the thread
+        self.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self.stream):
+            self.a = torch.randn(m, k, device=self.device, dtype=torch.bfloat16)
+            self.b = torch.randn(k, n, device=self.device, dtype=torch.bfloat16)
+            self.c = torch.empty(m, n, device=self.device, dtype=torch.bfloat16)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(3):
+                torch.mm(self.a, self.b, out=self.c)
+            start.record()
+            for _ in range(20):
+                torch.mm(self.a, self.b, out=self.c)
+            end.record()
+            end.synchronize()
+            self.done = torch.cuda.Event()
+        self.count = max(1, round(self.fraction * self.PERIOD_S / (start.elapsed_time(end) / 1e3 / 20)))
+        self.thread = threading.Thread(target=self._run, name="cosytrt-bench-gpu-load", daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        with torch.cuda.stream(self.stream), torch.inference_mode():
+            while not self.stop.is_set():
+                if not self.active.is_set():
+                    self.parked.set()
+                    self.active.wait(0.05)
+                    continue
+                self.parked.clear()
+                t0 = time.perf_counter()
+                for _ in range(self.count):
+                    torch.mm(self.a, self.b, out=self.c)
+                self.launches += self.count
+                self.done.record()
+                self.done.synchronize()
+                time.sleep(max(0.0, self.PERIOD_S - (time.perf_counter() - t0)))
+        self.parked.set()
+
+    @contextlib.contextmanager
+    def on(self):
+        """The load runs inside this block (a no-op without a load); on exit its last period has completed."""
+        if self.thread is None:
+            yield
+            return
+        self.active.set()
+        try:
+            yield
+        finally:
+            self.active.clear()
+            time.sleep(self.PERIOD_S)  # the thread sees the clear at the end of its period at the latest
+            self.parked.wait()
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.active.set()
+        if self.thread is not None:
+            self.thread.join()
+
+
 def table(batches=(1, 8, 32), steps: int = 100, repeats: int = 5, device: str = "cpu", gil_threads: int = 0,
           gil_hold_us: float = 500.0, gil_gap_us: float = 500.0, model: str = "tiny",
-          compile: bool = False, decode_attention: str = "sdpa") -> list[dict]:
+          compile: bool = False, decode_attention: str = "sdpa", gpu_load: float = 0.0) -> list[dict]:
     """One row per batch (see the module docstring); with `gil_threads` > 0 every timing runs under `GilLoad`;
     `model`: the LM of the `tiny` columns (tiny, or full: the full-size LM, bf16); `compile`: its decode step
     torch.compile'd as the compiled / graphs_ar variants do (each runner compiles as it is built: under the load when
-    there is one, a longer set-up; timed after its warm-up steps); `decode_attention`: the LM's decode attention."""
+    there is one, a longer set-up; timed after its warm-up steps); `decode_attention`: the LM's decode attention;
+    `gpu_load` > 0: every timed block runs beside `GpuLoad` (the GPU busy that share of the time with other work)."""
     if model == "full":
         _full_lm(device)  # built before the load starts
-    with GilLoad(gil_threads, gil_hold_us, gil_gap_us):
-        return _table(batches, steps, repeats, device, model, compile, decode_attention)
+    with GilLoad(gil_threads, gil_hold_us, gil_gap_us), GpuLoad(gpu_load, device) as load:
+        return _table(batches, steps, repeats, device, model, compile, decode_attention, load)
 
 
 def _table(batches, steps: int, repeats: int, device: str, model: str = "tiny", compile: bool = False,
-           decode_attention: str = "sdpa") -> list[dict]:
+           decode_attention: str = "sdpa", load: "GpuLoad | None" = None) -> list[dict]:
     rows = []
     for b in batches:
         fixed = worker_for(FixedRunner(b, device=device), b, device=device)
-        fixed_us, _ = time_steps(fixed, steps, repeats)
+        fixed_us, _ = time_steps(fixed, steps, repeats, load=load)
         ops = ops_per_step(fixed)
         row = {"batch": b, "fixed_us": fixed_us, "fixed_ops": ops}
         for name, sampled in (("tiny", False), ("tiny_sampled", True)):
             timed = _TimedRunner(lm_runner(b, device=device, graph_sampling=sampled, model=model,
                                              compile=compile, decode_attention=decode_attention))
             w = worker_for(timed, b, device=device)
-            row[f"{name}_us"], row[f"{name}_outside_decode_us"] = time_steps(w, max(10, steps // 2), repeats, timed)
+            row[f"{name}_us"], row[f"{name}_outside_decode_us"] = time_steps(w, max(10, steps // 2), repeats, timed,
+                                                                            load)
             row[f"{name}_ops"] = NO_OPS if compile else ops_per_step(w)
         k = MULTI_STEPS  # four steps per call: each timed call is k token steps (within the runner's 1024 positions)
         runner = lm_runner(b, device=device, graph_sampling=True, model=model, compile=compile,
@@ -261,7 +356,7 @@ def _table(batches, steps: int, repeats: int, device: str, model: str = "tiny", 
         runner.enable_decode_steps(k)
         timed = _TimedRunner(runner)
         w = worker_for(timed, b, device=device, decode_steps=k)
-        us, outside = time_steps(w, max(3, steps // (2 * k)), repeats, timed)
+        us, outside = time_steps(w, max(3, steps // (2 * k)), repeats, timed, load)
         row["tiny_x4_us"], row["tiny_x4_outside_decode_us"] = us / k, outside / k
         row["tiny_x4_ops"] = NO_OPS if compile else ops_per_step(w, 5) / k
         row["tiny_x4_calls"] = w.counters.multi_step_calls
@@ -283,15 +378,22 @@ def main(argv=None) -> None:
                    "and graphs_ar variants)")
     p.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "split_kv"], help="the LM's decode "
                    "attention (CosyVoice3LM.decode_attention_impl; split_kv: the split-KV Triton kernels)")
+    p.add_argument("--gpu-load", type=float, default=0.0, help="share of the time (0-1) a thread keeps the GPU busy "
+                   "with DiT-sized bf16 GEMMs on its own stream beside the AR (GpuLoad; CUDA only)")
     p.add_argument("--gil-load", type=int, default=0, help="threads contending for the interpreter lock beside it")
     p.add_argument("--gil-hold-us", type=float, default=500.0)
     p.add_argument("--gil-gap-us", type=float, default=500.0)
     a = p.parse_args(argv)
+    try:
+        GpuLoad(a.gpu_load, a.device)  # its argument checks, as a usage error
+    except ValueError as e:
+        p.error(str(e))
     torch.set_num_threads(a.threads)
     rows = table(tuple(int(x) for x in a.batches.split(",")), a.steps, a.repeats, a.device, a.gil_load,
-                 a.gil_hold_us, a.gil_gap_us, a.model, a.compile, a.decode_attention)
+                 a.gil_hold_us, a.gil_gap_us, a.model, a.compile, a.decode_attention, a.gpu_load)
     load = (f"; {a.gil_load} thread(s) holding the interpreter lock {a.gil_hold_us:g} µs every "
             f"{a.gil_hold_us + a.gil_gap_us:g} µs" if a.gil_load else "")
+    load += f"; the GPU {100 * a.gpu_load:.0f} % busy with DiT-sized GEMMs beside it" if a.gpu_load else ""
     print(f"AR worker decode step, {a.device}, torch {torch.__version__}, {a.threads} thread(s){load}; LM columns: "
           f"{a.model} LM{' (compiled)' if a.compile else ''}, {a.decode_attention} decode attention; "
           "µs per step (median)")
