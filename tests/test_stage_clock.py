@@ -127,7 +127,7 @@ def test_scheduler_reports_the_dit_and_hift_threads_idle_waits():
     tts = TTS.load("tiny")
     try:
         tts.submit("hello there", seed=1).result(timeout=120)
-        waits = tts._scheduler.stats()["waits_s"]
+        waits = tts.metrics()["stages"]["waits_s"]   # the public path (README: Capacity)
     finally:
         tts.close()
     assert waits["dit_idle"]["count"] >= 1 and waits["hift_idle"]["count"] >= 1
