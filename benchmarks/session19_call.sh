@@ -21,7 +21,7 @@
 #   CALL=arstep: the AR step alone (tools/bench/ar_step, tiny LM in its CUDA graphs) with and without a thread
 #     contending for the interpreter lock (--gil-load 1): single steps, in-graph sampling, 4 steps per call — run it
 #     before CALL=mixed starts the bench process or after the last job (never beside the process's cells);
-#   CALL=hift: the vocoder on its own stream (hift_own_stream, written in session 14, never run on a GPU) at 8 / 12
+#   CALL=hift: the vocoder on its own stream (hift_own_stream; runs 42 and 44 at 8 req/s only) at 8 / 12
 #     req/s: in run 51 the AR thread sat idle 8-12 % of the 12 req/s cell while first hops waited 2.8 s (p95) for
 #     the DiT, whose thread waited for its GPU work 45 % of the time — and the HiFT's fp32 convolutions run on that
 #     same stream, between the DiT's steps.

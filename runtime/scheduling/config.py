@@ -57,8 +57,9 @@ class SchedulerConfig:
     fast_gil_switch: bool = False
     # on CUDA: the HiFT worker runs on its own highest-priority stream (waiting only for the DiT step that made each
     # mel, by event) instead of the DiT's stream, so a first chunk's vocoder window does not queue behind the DiT steps
-    # already launched (run 31: vocoder + copy 21-32 ms p50 of the time to first audio). Off by default: not yet run
-    # on the GPU
+    # already launched (run 31: vocoder + copy 21-32 ms p50 of the time to first audio). Off by default: a gain on
+    # graphs_ar at 8 req/s (run 42, one run), none on the compiled variant at 8 req/s (run 44); not yet A/B'd at
+    # 12 req/s, where first hops wait for the stream the DiT and the vocoder share (run 56)
     hift_own_stream: bool = False
     # on CUDA, with dit_step_level: DiT steps the DiT thread may have launched and not yet seen complete (it plans the
     # next step while they run; `Token2WavWorker._fence`). 1: one step ahead. More lets the thread run further ahead
