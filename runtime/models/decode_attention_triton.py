@@ -27,16 +27,10 @@ import os
 
 import torch
 
+from .bi_attention_triton import available  # noqa: F401 - whether Triton imports (also this module's API)
+
 SPLIT = 64   # key positions per split (kernel 1 program)
 BLOCK = 16   # keys per inner loop step (registers: GP x BLOCK x head_dim fp32 products per program)
-
-
-def available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def runs_on(t: torch.Tensor) -> bool:

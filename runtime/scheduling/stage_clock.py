@@ -30,7 +30,7 @@ class StageClock:
         self._busy: dict[str, float] = {}
         self._spans: dict[str, int] = {}
         self._pending: dict[str, deque] = {}   # stage -> (start, end) CUDA events, in recording order
-        self._host: dict[str, list[float]] = {}  # stage -> [wall s, thread CPU s] inside its spans
+        self._host: dict[str, list[float]] = {}  # stage -> [wall s, thread CPU s, spans] inside its spans
         self._waits: dict[str, list[float]] = {}  # wait name -> [wall s, thread CPU s, count]
 
     @contextmanager
@@ -62,12 +62,7 @@ class StageClock:
         try:
             yield
         finally:
-            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-            with self._lock:
-                w = self._waits.setdefault(name, [0.0, 0.0, 0])
-                w[0] += wall
-                w[1] += cpu
-                w[2] += 1
+            self._add_times(self._waits, name, t0, c0)
 
     def waits_s(self) -> dict[str, dict[str, float]]:
         """Per wait name: wall and CPU seconds and the number of waits so far."""
@@ -75,11 +70,16 @@ class StageClock:
             return {n: {"wall_s": w[0], "cpu_s": w[1], "count": w[2]} for n, w in self._waits.items()}
 
     def _add_host(self, stage: str, t0: float, c0: float) -> None:
+        self._add_times(self._host, stage, t0, c0)
+
+    def _add_times(self, table: dict, key: str, t0: float, c0: float) -> None:
+        """`table[key]` (= [wall s, thread CPU s, count]) += the wall and CPU seconds since `t0` / `c0`, and one."""
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         with self._lock:
-            h = self._host.setdefault(stage, [0.0, 0.0])
+            h = table.setdefault(key, [0.0, 0.0, 0])
             h[0] += wall
             h[1] += cpu
+            h[2] += 1
 
     def host_s(self) -> dict[str, dict[str, float]]:
         """Per stage: the wall seconds its worker thread spent inside its spans and the thread's CPU seconds there."""

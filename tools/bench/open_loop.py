@@ -163,18 +163,25 @@ def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
             "cached_hops": cached_hops_delta(before, after)}
 
 
+def _time_deltas(before: dict, after: dict, key: str):
+    """(name, entry after, entry before, wall s, CPU s) for each entry of the `key` dict of two stats snapshots
+    (`host_s` or `waits_s`: name -> {wall_s, cpu_s, ...}) that grew in wall time between them, in name order."""
+    a, b = after.get(key) or {}, before.get(key) or {}
+    for name, h in sorted(a.items()):
+        prev = b.get(name) or {}
+        wall = h.get("wall_s", 0.0) - prev.get("wall_s", 0.0)
+        if wall > 0:
+            yield name, h, prev, wall, h.get("cpu_s", 0.0) - prev.get("cpu_s", 0.0)
+
+
 def host_delta(before: dict, after: dict, wall_s: float, decode_steps: int | None) -> dict:
     """Per stage, the cell's host side of its spans (`StageClock.host_s`): wall and CPU seconds as shares of the cell,
     the blocked share of the span time (wall - CPU: the interpreter lock or the OS), and for the AR the wall and CPU
     milliseconds per decode step."""
-    ha, hb = after.get("host_s") or {}, before.get("host_s") or {}
     out = {}
-    for stage, h in sorted(ha.items()):
-        prev = hb.get(stage) or {}
-        wall = h.get("wall_s", 0.0) - prev.get("wall_s", 0.0)
-        cpu = h.get("cpu_s", 0.0) - prev.get("cpu_s", 0.0)
-        if wall <= 0 or wall_s <= 0:
-            continue
+    if wall_s <= 0:
+        return out
+    for stage, _, _, wall, cpu in _time_deltas(before, after, "host_s"):
         row = {"wall_share": wall / wall_s, "cpu_share": cpu / wall_s, "blocked": max(0.0, wall - cpu) / wall}
         if stage == "ar" and decode_steps:
             row.update(wall_ms_per_step=wall / decode_steps * 1e3, cpu_ms_per_step=cpu / decode_steps * 1e3)
@@ -185,16 +192,11 @@ def host_delta(before: dict, after: dict, wall_s: float, decode_steps: int | Non
 def waits_delta(before: dict, after: dict, wall_s: float) -> dict:
     """Per wait of the worker threads outside their spans (`StageClock.wait`: dit_fence, dit_idle, hift_idle): its
     wall seconds as a share of the cell, its CPU share (a CUDA wait spins) and how many waits."""
-    wa, wb = after.get("waits_s") or {}, before.get("waits_s") or {}
-    out = {}
-    for name, w in sorted(wa.items()):
-        prev = wb.get(name) or {}
-        wall = w.get("wall_s", 0.0) - prev.get("wall_s", 0.0)
-        if wall <= 0 or wall_s <= 0:
-            continue
-        out[name] = {"wall_share": wall / wall_s, "cpu_share": (w.get("cpu_s", 0.0) - prev.get("cpu_s", 0.0)) / wall_s,
-                     "count": w.get("count", 0) - prev.get("count", 0)}
-    return out
+    if wall_s <= 0:
+        return {}
+    return {name: {"wall_share": wall / wall_s, "cpu_share": cpu / wall_s,
+                   "count": w.get("count", 0) - prev.get("count", 0)}
+            for name, w, prev, wall, cpu in _time_deltas(before, after, "waits_s")}
 
 
 def _waits_line(waits: dict | None) -> str:
