@@ -370,6 +370,25 @@ def _cell(setting, rate, offered, achieved, p50, under):
                             "replays": {"1,100,200": 25, "2,200,400": 5}}}
 
 
+def test_a_one_rate_ab_is_drawn_as_bars_a_sweep_as_lines(tmp_path, monkeypatch):
+    """An A/B at one load (runs 59-60: one rate, four settings) would be one dot per setting on the offered-load axis:
+    the plot draws grouped bars per setting instead; a rate sweep keeps its lines."""
+    from cosytrt.tools.bench import report
+
+    drawn = []
+    for name in ("_open_loop_bars", "_open_loop_lines"):
+        real = getattr(report, name)
+        monkeypatch.setattr(report, name, lambda plt, c, s, _r=real, _n=name: drawn.append(_n) or _r(plt, c, s))
+    one_rate = {"open_loop": {"variant": "compiled", "cells": [_cell("hift_own_stream=0", 12, 119.0, 74.0, 0.65, 0.75),
+                                                              _cell("hift_own_stream=1", 12, 119.0, 82.0, 0.74, 0.65)]}}
+    sweep = {"open_loop": {"variant": "compiled", "cells": [_cell("a", 4, 37.0, 36.0, 0.27, 0.0),
+                                                           _cell("a", 8, 75.0, 61.0, 0.92, 0.2)]}}
+    for res in (one_rate, sweep):
+        path = report.open_loop_plot(res, str(tmp_path))
+        assert open(path, "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert drawn == ["_open_loop_bars", "_open_loop_lines"]
+
+
 def test_report_of_a_small_open_loop_json(tmp_path):
     res = {"meta": {"commit": "abc1234", "gpu": "NVIDIA H200", "model": "full"},
            "open_loop": {"variant": "compiled", "rates": [4, 8],
@@ -641,6 +660,7 @@ def test_keep_alive_serves_queued_jobs_over_one_pipeline(tmp_path, one_torch_thr
     res = json.loads((d / "done" / "b_ok" / "results.json").read_text())
     assert res["meta"]["model"] == "tiny"                       # the process's model, not the job's
     ol = res["open_loop"]
+    assert ol["variant"] == "eager"                             # the process's variant (the report's header names it)
     assert ol["job"] == "b_ok" and len(ol["settings"]) == 2 and \
         sorted(s["overrides"]["async_d2h"] for s in ol["settings"]) == [False, True]
     assert ol["cells"] and all(c["rate"] == 2 for c in ol["cells"]) and ol["cells"][0]["completed"] > 0

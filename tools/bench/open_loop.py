@@ -443,7 +443,9 @@ def bench_open_loop(cfg, llm, flow, hift, device, bench, variant: str, specs: li
 def run_settings(bench, out: dict, pipe, variant: str, specs: list[OpenLoopSpec], rates: list[float],
                  drain_s: float, ab: list[str], tts=None):
     """Each A/B setting of `ab` over `pipe`: its scheduler (`start_tts`, over `tts` where it can), then its rate
-    sweeps into `out` ("settings", "cells"). Returns the TTS of the last setting (still open)."""
+    sweeps into `out` ("settings", "cells"; its "variant" too: a keep-alive job's `out` is made without it). Returns
+    the TTS of the last setting (still open)."""
+    out.setdefault("variant", variant)
     base = scheduler_config(variant, max_in_flight=OPEN_LOOP_MAX_IN_FLIGHT)
     settings, skipped = ab_settings(base, ab)
     for msg in skipped:

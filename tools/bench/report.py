@@ -503,6 +503,56 @@ def open_loop_plot(res: dict, out_dir: str) -> str | None:
     import matplotlib.pyplot as plt
 
     settings = list(dict.fromkeys(c.get("setting") for c in cells))
+    if len({c.get("rate") for c in cells}) == 1 and len(settings) > 1:
+        fig, axes = _open_loop_bars(plt, cells, settings)
+    else:
+        fig, axes = _open_loop_lines(plt, cells, settings)
+    fig.suptitle(f"Open loop - {provenance(res)}")
+    handles, labels = [], []
+    for ax in axes:
+        h, lab = ax.get_legend_handles_labels()
+        handles += h
+        labels += lab
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(4, len(labels)),
+               fontsize=8, frameon=False)
+    path = os.path.join(out_dir, "bench_open_loop.png")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _log_seconds_axis(ax) -> None:
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _open_loop_bars(plt, cells: list, settings: list):
+    """One rate, several settings (an A/B at one load): grouped bars per setting, a line per rate would be a dot."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    by = {c.get("setting"): c for c in cells}
+    xs = range(len(settings))
+    for j, (q, color) in enumerate((("p50", "C0"), ("p95", "C1"), ("p99", "C3"))):
+        axes[0].bar([x + (j - 1) * 0.27 for x in xs], [(by[s].get("ttfa") or {}).get(q) or 0 for s in settings],
+                    0.27, color=color, label=f"TTFA {q}")
+    axes[1].bar(xs, [by[s].get("underrun_fraction") or 0 for s in settings], 0.6, color="C4")
+    axes[2].bar(xs, [by[s]["achieved_audio_s_per_s"] for s in settings], 0.6, color="C2", label="achieved")
+    axes[2].axhline(cells[0]["offered_audio_s_per_s"], color="gray", linewidth=0.8, linestyle=":", label="offered")
+    rate = cells[0].get("rate")
+    axes[0].set(yscale="log", ylabel="time to first audio, s (log)", title=f"TTFA (streams), {rate:g} req/s")
+    _log_seconds_axis(axes[0])
+    axes[1].set(ylabel="fraction of streams", title="streams with a playback underrun", ylim=(0, 1.02))
+    axes[2].set(ylabel="audio s/s", title="achieved vs offered")
+    for ax in axes:
+        ax.set_xticks(list(xs), [str(s).replace("+", "+\n") for s in settings], fontsize=7, rotation=20, ha="right")
+    return fig, axes
+
+
+def _open_loop_lines(plt, cells: list, settings: list):
+    """A rate sweep: one line style per setting against offered load."""
     styles = ["-", "--", ":", "-."]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     top = 0.0
@@ -521,27 +571,11 @@ def open_loop_plot(res: dict, out_dir: str) -> str | None:
     axes[2].plot([0, top], [0, top], color="gray", linewidth=0.8, linestyle=":", label="achieved = offered")
     axes[0].set(yscale="log", xlabel="offered load, audio s/s", ylabel="time to first audio, s (log)",
                 title="TTFA (streams)")
-    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
-
-    axes[0].yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    axes[0].yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    axes[0].yaxis.set_minor_formatter(NullFormatter())
+    _log_seconds_axis(axes[0])
     axes[1].set(xlabel="offered load, audio s/s", ylabel="fraction of streams", title="playback underruns",
                 ylim=(-0.02, 1.02))
     axes[2].set(xlabel="offered load, audio s/s", ylabel="audio s/s", title="achieved vs offered")
-    fig.suptitle(f"Open loop - {provenance(res)}")
-    handles, labels = [], []
-    for ax in axes:
-        h, lab = ax.get_legend_handles_labels()
-        handles += h
-        labels += lab
-    fig.tight_layout(rect=(0, 0, 1, 0.94))
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(4, len(labels)),
-               fontsize=8, frameon=False)
-    path = os.path.join(out_dir, "bench_open_loop.png")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return fig, axes
 
 
 def agent_tables(res: dict) -> str:
