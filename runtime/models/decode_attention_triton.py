@@ -17,7 +17,13 @@ the padded KV rung (the same reduction order alone or batched).
 Numerics: fp32 scores, softmax and accumulation from the cache's dtype (the fused kernels round P to bf16 before the
 PV product): values agree with SDPA within bf16 rounding, not bit for bit. The kernels are defined on first use (not at
 import), so TRITON_INTERPRET=1 set by a test first runs them on CPU tensors (tests/test_decode_attention_triton.py).
-Off by default until a GPU run has measured it.
+Measured on an H100 (BENCHMARKS run 58, `benchmarks/split_kv_gpu_check.py`): the values hold (bf16 max error 4e-3
+against the fp32 reference, a row's bits the same alone and beside others), but the pair is slower than the fused SDPA
+except at batch 1 with 1024+ keys: 18 / 45 / 150 µs per layer at batch 1 / 16 / 64 and 256 / 1024 / 1024 keys
+against SDPA's 15 / 28 / 31 µs (the fused kernel's time barely grows with the batch: it was not the latency-bound
+walk assumed above). At 12 req/s the LM with it delivered 71.4 vs 74.0 audio s/s (run 59). Off by default; kept as an
+option (and for batch-1 long-context decode) — the G=7 query heads per program are too few rows for tensor cores, so
+each split's products run on CUDA cores.
 """
 from __future__ import annotations
 
