@@ -7,23 +7,23 @@ step. A decode step has one query per row: the fused kernel is built for long qu
 kv head) — 32 blocks for 16 rows on a 132-SM GPU, each walking the whole padded KV rung under the mask — so it is
 latency-bound far above what reading K and V costs (~3 µs a layer at 16 rows and 1024 keys).
 
-Here the keys are cut into fixed splits of SPLIT positions. Kernel 1 runs one program per (split, kv head, row): its G
-query heads against that split's keys up to the row's own last position (no mask tensor, nothing past the row's
-length is read), an online softmax in fp32, and writes the split's (max, sum, unnormalised output). Kernel 2, one
+Here the keys are cut into fixed splits of SPLIT positions. Kernel 1 runs one program per (split, kv head, row): the
+row's G query heads (padded to 16 rows) against that split's keys as one tile, both products on tensor cores
+(`tl.dot`, fp32 accumulation; the probabilities rounded to the cache's dtype before the PV product, as the fused
+kernels do; fp32 inputs keep IEEE fp32 products), keys past the row's own last position masked and never read, and
+writes the split's (max, sum, unnormalised output). A split wholly past the row's end does nothing. Kernel 2, one
 program per (kv head, row), merges the row's splits left to right. Work and parallelism follow each row's own length;
 the splits sit at fixed absolute key positions, so a row's value does not depend on the other rows of the call nor on
-the padded KV rung (the same reduction order alone or batched).
+the padded KV rung (the same reduction order alone or batched). The kernels are defined on first use (not at import),
+so TRITON_INTERPRET=1 set by a test first runs them on CPU tensors (tests/test_decode_attention_triton.py).
 
-Numerics: fp32 scores, softmax and accumulation from the cache's dtype (the fused kernels round P to bf16 before the
-PV product): values agree with SDPA within bf16 rounding, not bit for bit. The kernels are defined on first use (not at
-import), so TRITON_INTERPRET=1 set by a test first runs them on CPU tensors (tests/test_decode_attention_triton.py).
-Measured on an H100 (BENCHMARKS run 58, `benchmarks/split_kv_gpu_check.py`): the values hold (bf16 max error 4e-3
-against the fp32 reference, a row's bits the same alone and beside others), but the pair is slower than the fused SDPA
-except at batch 1 with 1024+ keys: 18 / 45 / 150 µs per layer at batch 1 / 16 / 64 and 256 / 1024 / 1024 keys
-against SDPA's 15 / 28 / 31 µs (the fused kernel's time barely grows with the batch: it was not the latency-bound
-walk assumed above). At 12 req/s the LM with it delivered 71.4 vs 74.0 audio s/s (run 59). Off by default; kept as an
-option (and for batch-1 long-context decode) — the G=7 query heads per program are too few rows for tensor cores, so
-each split's products run on CUDA cores.
+History: the first version (session 20) walked each split in blocks of 16 keys with an online softmax on CUDA cores
+(broadcast products of 8 padded query rows). On an H100 (BENCHMARKS run 58, `benchmarks/split_kv_gpu_check.py`) its
+values held (bf16 max error 4e-3 against the fp32 reference, a row's bits the same alone and beside others) but it
+was slower than the fused SDPA except at batch 1 with 1024+ keys: 18 / 45 / 150 µs per layer at batch 1 / 16 / 64 and
+256 / 1024 / 1024 keys against SDPA's 15 / 28 / 31 µs, and at 12 req/s the LM with it delivered 71.4 vs 74.0 audio s/s
+(run 59). The fused kernel's time barely grows with the batch, yet it stays ~10x above what reading K and V costs at
+16 rows. This version (one tensor-core tile per split, no inner loop) is not yet measured on a GPU. Off by default.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ import torch
 
 from .bi_attention_triton import available  # noqa: F401 - whether Triton imports (also this module's API)
 
-SPLIT = 64   # key positions per split (kernel 1 program)
-BLOCK = 16   # keys per inner loop step (registers: GP x BLOCK x head_dim fp32 products per program)
+SPLIT = 64   # key positions per split: one program reads them as one tile
+MIN_ROWS = 16  # query rows per program at least (tl.dot's smallest M): G query heads padded up to this
 
 
 def runs_on(t: torch.Tensor) -> bool:
@@ -52,41 +52,32 @@ def _kernels():
     @triton.jit
     def split_kernel(Q, K, V, POS, M, L, ACC, g_real, n_keys, n_splits, scale,
                      sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-                     HD: tl.constexpr, GP: tl.constexpr, SPL: tl.constexpr, BLK: tl.constexpr):
+                     HD: tl.constexpr, GP: tl.constexpr, SPL: tl.constexpr, PREC: tl.constexpr):
         s_id = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.program_id(2)
-        g = tl.arange(0, GP)
-        d = tl.arange(0, HD)
-        j = tl.arange(0, BLK)
-        gm = g < g_real
-        q = tl.load(Q + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=gm[:, None],
-                    other=0.0).to(tl.float32) * scale
         end = tl.minimum(tl.load(POS + b) + 1, n_keys)   # keys 0..position of this row (never past the view)
         lo = s_id * SPL
-        hi = tl.minimum(lo + SPL, end)
-        m = tl.full([GP], float("-inf"), tl.float32)
-        total = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, HD], tl.float32)
-        for start in range(lo, hi, BLK):
-            jj = start + j
-            jm = jj < hi
-            k = tl.load(K + b * sk_b + h * sk_h + jj[:, None] * sk_n + d[None, :], mask=jm[:, None],
-                        other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                          # [GP, BLK]
+        if lo < end:                                     # a split past the row's end: nothing to read or write
+            g = tl.arange(0, GP)
+            d = tl.arange(0, HD)
+            jj = lo + tl.arange(0, SPL)
+            jm = jj < end
+            q = tl.load(Q + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=(g < g_real)[:, None],
+                        other=0.0)                                                    # [GP, HD], cache dtype
+            kt = tl.load(K + b * sk_b + h * sk_h + jj[None, :] * sk_n + d[:, None], mask=jm[None, :],
+                         other=0.0)                                                   # [HD, SPL]
+            s = tl.dot(q, kt, input_precision=PREC) * scale                           # [GP, SPL] fp32
             s = tl.where(jm[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)                                                  # first block: exp(-inf) = 0
-            p = tl.exp(s - m_new[:, None])
-            total = total * alpha + tl.sum(p, axis=1)
+            m = tl.max(s, axis=1)
+            p = tl.exp(s - m[:, None])
             v = tl.load(V + b * sv_b + h * sv_h + jj[:, None] * sv_n + d[None, :], mask=jm[:, None],
-                        other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)   # [GP, HD]
-            m = m_new
-        base = (b * tl.num_programs(1) + h) * n_splits + s_id                          # [B, kvh, splits] order
-        tl.store(M + base * GP + g, m)
-        tl.store(L + base * GP + g, total)
-        tl.store(ACC + (base * GP + g[:, None]) * HD + d[None, :], acc)
+                        other=0.0)                                                    # [SPL, HD]
+            acc = tl.dot(p.to(v.dtype), v, input_precision=PREC)                      # [GP, HD] fp32
+            base = (b * tl.num_programs(1) + h) * n_splits + s_id                      # [B, kvh, splits] order
+            tl.store(M + base * GP + g, m)
+            tl.store(L + base * GP + g, tl.sum(p, axis=1))
+            tl.store(ACC + (base * GP + g[:, None]) * HD + d[None, :], acc)
 
     @triton.jit
     def merge_kernel(POS, M, L, ACC, O, g_real, n_keys, n_splits, so_b, so_h, so_g,
@@ -130,15 +121,15 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """q [B, kvh, G, hd] (G query heads per kv head), k / v [B, kvh, n, hd] (any strides with a unit last one, e.g.
     a view of the slot cache), positions [B] (row b attends keys 0..positions[b]; a position >= n attends all n, as
-    the mask would) -> [B, kvh, G, hd]. The head dim must be a power of two."""
+    the mask would) -> [B, kvh, G, hd]. The head dim must be a power of two, at least 16 (tl.dot's smallest K)."""
     b, kvh, g, hd = q.shape
     n = k.shape[2]
-    if hd & (hd - 1) or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError(f"split-KV decode attention: head dim {hd} must be a power of two with unit stride")
+    if hd & (hd - 1) or hd < 16 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"split-KV decode attention: head dim {hd} must be a power of two >= 16 with unit stride")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    gp = max(2, 1 << (g - 1).bit_length())
+    gp = max(MIN_ROWS, 1 << (g - 1).bit_length())
     splits = -(-n // SPLIT)
     m = torch.empty((b, kvh, splits, gp), dtype=torch.float32, device=q.device)
     lse = torch.empty_like(m)
@@ -148,7 +139,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     split_kernel[(splits, kvh, b)](
         q, k, v, pos, m, lse, acc, g, n, splits, 1.0 / math.sqrt(hd),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), HD=hd, GP=gp, SPL=SPLIT, BLK=BLOCK, num_warps=4)
+        v.stride(0), v.stride(1), v.stride(2), HD=hd, GP=gp, SPL=SPLIT,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     merge_kernel[(kvh, b)](pos, m, lse, acc, out, g, n, splits, out.stride(0), out.stride(1), out.stride(2),
                            HD=hd, GP=gp, SPL=SPLIT, num_warps=4)
     return out

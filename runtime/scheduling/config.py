@@ -140,7 +140,8 @@ class SchedulerConfig:
     # kernels): one block per (row, kv head) walks the whole padded KV rung. Values agree within bf16 rounding (fp32
     # softmax). "sdpa" by default: on an H100 (run 58) the kernels' values matched (bf16 max error 4e-3, rows
     # bit-identical alone and beside others) but one layer's call took 18-297 µs against SDPA's 15-47 µs (faster only
-    # at batch 1 with 1024+ keys); at 12 req/s 71.4 vs 74.0 audio s/s (run 59). Kept as an option, not a default
+    # at batch 1 with 1024+ keys); at 12 req/s 71.4 vs 74.0 audio s/s (run 59). Rewritten since (one tensor-core
+    # tile per split, no inner loop), not yet measured: an option, not a default
     ar_decode_attention: str = "sdpa"
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
