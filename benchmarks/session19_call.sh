@@ -30,7 +30,9 @@
 #     CALL=mixed starts the bench process (the GPU memory); a cold compile of the LM took over 200 s in run 57, so
 #     each implementation gets up to 290 s: IMPLS="split_kv" in a second call if the first ran out; GPU_LOAD=0.5: the
 #     same beside a thread keeping the GPU half busy with DiT-sized GEMMs (ar_step --gpu-load: the AR's cost of
-#     sharing the GPU, apart from the lock's);
+#     sharing the GPU, apart from the lock's); it first runs benchmarks/split_kv_gpu_check.py (the kernels' values
+#     and µs per layer against SDPA, ~30 s); COMPILE=0: the LM uncompiled in its CUDA graphs (seconds, not minutes:
+#     run 61's form);
 #   AB=... replaces the settings, RATES=... the rates (e.g. RATES=12). Each call waits up to WAIT_S (default 560 s)
 #   for its job; call again with the same CALL to keep waiting. Fire each call within 30 s of the previous one (the
 #   machine's idle release).
@@ -47,8 +49,10 @@ if [ "${CALL:-}" = arstep ]; then
 fi
 if [ "${CALL:-}" = attn ]; then
   source benchmarks/device_setup.sh --install || exit 1
+  (cd /tmp && timeout 120 python3 "$OLDPWD/benchmarks/split_kv_gpu_check.py") 2>&1 | tee "$OUT/split_kv_check.md" | tail -14
+  compile=--compile; [ "${COMPILE:-1}" = 0 ] && compile=
   for impl in ${IMPLS:-sdpa split_kv}; do
-    (cd /tmp && timeout 290 python3 -m cosytrt.tools.bench.ar_step --device cuda --model full --compile \
+    (cd /tmp && timeout 290 python3 -m cosytrt.tools.bench.ar_step --device cuda --model full $compile \
       --batches "${BATCHES:-1,16}" --steps 100 --repeats 3 --decode-attention $impl \
       --gpu-load "${GPU_LOAD:-0}") 2>&1 | grep -v Warn \
       | tail -7 | tee -a "$OUT/ar_step_attn.md"
