@@ -63,7 +63,8 @@ def _kernels():
             d = tl.arange(0, HD)
             jj = lo + tl.arange(0, SPL)
             jm = jj < end
-            q = tl.load(Q + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=(g < g_real)[:, None],
+            gm = g < g_real                                  # the real query heads (the rest pad tl.dot's rows)
+            q = tl.load(Q + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=gm[:, None],
                         other=0.0)                                                    # [GP, HD], cache dtype
             kt = tl.load(K + b * sk_b + h * sk_h + jj[None, :] * sk_n + d[:, None], mask=jm[None, :],
                          other=0.0)                                                   # [HD, SPL]
@@ -75,9 +76,9 @@ def _kernels():
                         other=0.0)                                                    # [SPL, HD]
             acc = tl.dot(p.to(v.dtype), v, input_precision=PREC)                      # [GP, HD] fp32
             base = (b * tl.num_programs(1) + h) * n_splits + s_id                      # [B, kvh, splits] order
-            tl.store(M + base * GP + g, m)
-            tl.store(L + base * GP + g, tl.sum(p, axis=1))
-            tl.store(ACC + (base * GP + g[:, None]) * HD + d[None, :], acc)
+            tl.store(M + base * GP + g, m, mask=gm)          # padded rows are never written nor read
+            tl.store(L + base * GP + g, tl.sum(p, axis=1), mask=gm)
+            tl.store(ACC + (base * GP + g[:, None]) * HD + d[None, :], acc, mask=gm[:, None])
 
     @triton.jit
     def merge_kernel(POS, M, L, ACC, O, g_real, n_keys, n_splits, so_b, so_h, so_g,
@@ -85,6 +86,7 @@ def _kernels():
         h = tl.program_id(0)
         b = tl.program_id(1)
         g = tl.arange(0, GP)
+        gm = g < g_real
         d = tl.arange(0, HD)
         end = tl.minimum(tl.load(POS + b) + 1, n_keys)
         used = (end + SPL - 1) // SPL                     # the splits holding keys 0..position
@@ -94,16 +96,17 @@ def _kernels():
         acc = tl.zeros([GP, HD], tl.float32)
         for s_id in range(0, used):
             base = row + s_id
-            m_s = tl.load(M + base * GP + g)
+            m_s = tl.load(M + base * GP + g, mask=gm, other=0.0)
             m_new = tl.maximum(m, m_s)
             a_old = tl.exp(m - m_new)
             a_s = tl.exp(m_s - m_new)
-            total = total * a_old + tl.load(L + base * GP + g) * a_s
-            acc = acc * a_old[:, None] + tl.load(ACC + (base * GP + g[:, None]) * HD + d[None, :]) * a_s[:, None]
+            total = total * a_old + tl.load(L + base * GP + g, mask=gm, other=1.0) * a_s
+            acc = acc * a_old[:, None] + tl.load(ACC + (base * GP + g[:, None]) * HD + d[None, :], mask=gm[:, None],
+                                                 other=0.0) * a_s[:, None]
             m = m_new
         out = acc / total[:, None]
         tl.store(O + b * so_b + h * so_h + g[:, None] * so_g + d[None, :], out.to(O.dtype.element_ty),
-                 mask=(g < g_real)[:, None])
+                 mask=gm[:, None])
 
     return split_kernel, merge_kernel
 
