@@ -58,12 +58,13 @@ class SchedulerConfig:
     # on CUDA: the HiFT worker runs on its own highest-priority stream (waiting only for the DiT step that made each
     # mel, by event; the mel kept from the DiT's allocator by record_stream) instead of the DiT's stream, so a first
     # chunk's vocoder window does not queue behind the DiT steps already launched and the DiT's steps do not queue
-    # behind the vocoder's fp32 convolutions. Ordering only (the same kernels, the same audio). On by default since
-    # runs 58-60 (H100, compiled, mixed streams): at 12 req/s 82.2 vs 74.0 and 81.1 vs 65.5 audio s/s in two runs
-    # with the order swapped (TTFA p95 2.78 vs 3.62 s, 2.72 vs 7.16 s); at 8 req/s 71.6 vs 69.6 (TTFA p95 1.13 vs
-    # 1.11 s); 40 s streams at 2 / 3 req/s 57.0 / 66.0 vs 58.0 / 64.3; 1 req/s TTFA p50 / p95 0.095 / 0.116 vs
-    # 0.092 / 0.105 s (18 streams). Earlier: a gain on graphs_ar at 8 req/s (run 42), none on the compiled variant
-    # at 8 req/s (run 44)
+    # behind the vocoder's fp32 convolutions. Ordering only (the same kernels on the same data, each mel waited for
+    # by event: the same audio; the GPU token / audio check of batch_invariance_gpu.py has not yet run with it —
+    # BENCHMARKS.md, next GPU session). On by default since runs 59-60 (H100, compiled, mixed streams): at 12 req/s
+    # 82.2 vs 74.0 and 81.1 vs 65.5 audio s/s in two runs with the order swapped (TTFA p95 2.78 vs 3.62 s, 2.72 vs
+    # 7.16 s); at 8 req/s 71.6 vs 69.6 (TTFA p95 1.13 vs 1.11 s); 40 s streams at 2 / 3 req/s 57.0 / 66.0 vs 58.0 /
+    # 64.3; 1 req/s TTFA p50 / p95 0.095 / 0.116 vs 0.092 / 0.105 s (18 streams). Earlier: a gain on graphs_ar at
+    # 8 req/s (run 42), none on the compiled variant at 8 req/s (run 44)
     hift_own_stream: bool = True
     # on CUDA, with dit_step_level: DiT steps the DiT thread may have launched and not yet seen complete (it plans the
     # next step while they run; `Token2WavWorker._fence`). 1: one step ahead. More lets the thread run further ahead
