@@ -8,7 +8,7 @@ import torch
 
 from cosytrt.runtime.models.flow import FlowInput
 from cosytrt.runtime.stages.flow_cache import FlowCachePool
-from cosytrt.runtime.stages.flow_hop_calls import CachedGrid, CachedHopGraphs
+from cosytrt.runtime.stages.flow_hop_calls import CachedGrid, CachedHopGraphs, frame_windows
 from cosytrt.runtime.stages.flow_hops import flow_rows
 from cosytrt.runtime.stages.token2wav import LOOKAHEAD
 
@@ -17,6 +17,19 @@ from test_flow_cache import BATCH_TOL, BIG, CACHE_TOL, flow, hop_ends, make_prom
 
 def graphs_for(flow, batch=(1, 4), frames=(64, 128, 256, 512), prefix=(0, 96, 200, 400, 800)):
     return CachedHopGraphs(flow.estimator, CachedGrid(batch, frames, prefix), "cpu", graphs=False)
+
+
+def test_frame_windows_equal_the_gather_it_replaces():
+    """`frame_windows` (the conv tails at a hop's commit points: one index_select over flattened frames) gives the
+    values of the per-element gather it replaced, for CFG-major rows, windows at both ends, and a non-contiguous
+    input (a transposed view, as the DiT's second conv input is)."""
+    g = torch.Generator().manual_seed(0)
+    R, T, dim, k = 3, 40, 8, 30
+    at = torch.tensor([0, 10, T - k])
+    for z in (torch.randn(2 * R, T, dim, generator=g), torch.randn(2 * R, dim, T, generator=g).transpose(1, 2)):
+        idx = (at.unsqueeze(1) + torch.arange(k))
+        want = z.gather(1, torch.cat((idx, idx)).unsqueeze(-1).expand(2 * R, k, dim))
+        assert torch.equal(frame_windows(z, at, k), want)
 
 
 def test_grid_select_and_validation():
