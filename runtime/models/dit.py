@@ -248,23 +248,20 @@ class Attention(nn.Module):
         out = self.to_out[0](out.transpose(1, 2).reshape(B, T, self.heads * self.dim_head))
         return out.masked_fill(~key_valid, 0.0)
 
-    def forward_cached(self, x, attn_mask, key_valid, rope, k_prefix, v_prefix, k_out, v_out):
-        """New frames x [B, T, D] attending to a cached prefix (k_prefix / v_prefix [B, Tp, D], post-RoPE, or None)
-        and to themselves; `attn_mask` [B, 1, T, Tp+T]. This call's post-RoPE K and V [B, T, D] are written to
-        k_out / v_out (what a later hop reads as its prefix)."""
+    def forward_cached(self, x, attn_mask, key_valid, rope, k_all, v_all):
+        """New frames x [B, T, D] attending to a cached prefix and to themselves. k_all / v_all [B, Tp+T, D]: rows
+        0..Tp-1 hold the prefix's post-RoPE keys / values (Tp = 0: no prefix); this call writes its own post-RoPE K
+        and V into rows Tp.. (what a later hop reads as its prefix) and attends over the whole buffer, so the prefix
+        is not copied again into a concatenation per layer and step (torch.compile writes K / V into the slice in
+        place: no copy of the buffer either). `attn_mask` [B, 1, T, Tp+T]."""
         B, T, _ = x.shape
         cos, sin = rope
         q = apply_rotary(self.to_q(x), cos, sin)
-        k = apply_rotary(self.to_k(x), cos, sin)
-        v = self.to_v(x)
-        k_out.copy_(k)
-        v_out.copy_(v)
-        if k_prefix is not None:
-            k = torch.cat((k_prefix, k), dim=1)
-            v = torch.cat((v_prefix, v), dim=1)
-        Tk = k.shape[1]
+        Tk = k_all.shape[1]
+        k_all[:, Tk - T:].copy_(apply_rotary(self.to_k(x), cos, sin))
+        v_all[:, Tk - T:].copy_(self.to_v(x))
         q = q.view(B, T, self.heads, self.dim_head).transpose(1, 2)
-        k, v = (z.view(B, Tk, self.heads, self.dim_head).transpose(1, 2) for z in (k, v))
+        k, v = (z.view(B, Tk, self.heads, self.dim_head).transpose(1, 2) for z in (k_all, v_all))
         out = _sdpa(q, k, v, attn_mask)
         out = self.to_out[0](out.transpose(1, 2).reshape(B, T, self.heads * self.dim_head))
         return out.masked_fill(~key_valid, 0.0)
@@ -284,9 +281,9 @@ class DiTBlock(nn.Module):
         norm = self.ff_norm(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
         return x + gate_mlp.unsqueeze(1) * self.ff(norm)
 
-    def forward_cached(self, x, t, attn_mask, key_valid, rope, k_prefix, v_prefix, k_out, v_out):
+    def forward_cached(self, x, t, attn_mask, key_valid, rope, k_all, v_all):
         norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, t)
-        attn = self.attn.forward_cached(norm, attn_mask, key_valid, rope, k_prefix, v_prefix, k_out, v_out)
+        attn = self.attn.forward_cached(norm, attn_mask, key_valid, rope, k_all, v_all)
         x = x + gate_msa.unsqueeze(1) * attn
         norm = self.ff_norm(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
         return x + gate_mlp.unsqueeze(1) * self.ff(norm)
@@ -330,25 +327,26 @@ class DiT(nn.Module):
 
     def forward_cached(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
                        spks: torch.Tensor, cond: torch.Tensor, offsets: torch.Tensor,
-                       k_prefix, v_prefix, prefix_valid, tail1: torch.Tensor, tail2: torch.Tensor,
-                       k_out: torch.Tensor, v_out: torch.Tensor, blocks=None):
+                       k_all: torch.Tensor, v_all: torch.Tensor, prefix_valid, tail1: torch.Tensor,
+                       tail2: torch.Tensor, blocks=None):
         """Streaming forward of new frames only, after a cached prefix (the flow prefix cache, stages/flow_cache).
 
         x, mu, cond [B, 80, T] and mask [B, 1, T] hold each row's new frames (right-padded); row b's first new frame
         is absolute frame offsets[b], a multiple of the chunk size, so every cached frame lies in a chunk to its
-        left (all visible) and the block-causal mask among the new frames is the usual one. k_prefix / v_prefix
-        [depth, B, Tp, D] (post-RoPE keys and values of the cached frames, right-padded; None: no prefix) with
-        prefix_valid [B, Tp]; tail1 / tail2 [B, K-1, D] the conv position embedding's input tails. This call's K/V
-        go to k_out / v_out [depth, B, T, D]. Returns (velocity [B, 80, T], in1, in2) with in1 / in2 [B, K-1+T, D]
-        the convolutions' inputs (next tails). Equals `forward(..., streaming=True)` over prefix + new frames on
-        the new frames (up to the reduction order of the shorter attention / GEMMs). `blocks`: objects whose
+        left (all visible) and the block-causal mask among the new frames is the usual one. k_all / v_all
+        [depth, B, Tp+T, D]: rows 0..Tp-1 of each hold the post-RoPE keys and values of the cached frames
+        (right-padded; Tp = 0: no prefix) with prefix_valid [B, Tp] (None when Tp = 0); this call writes its own
+        K/V into rows Tp.. (in place: what the caller stores as the next prefix). tail1 / tail2 [B, K-1, D] the conv
+        position embedding's input tails. Returns (velocity [B, 80, T], in1, in2) with in1 / in2 [B, K-1+T, D] the
+        convolutions' inputs (next tails). Equals `forward(..., streaming=True)` over prefix + new frames on the new
+        frames (up to the reduction order of the shorter attention / GEMMs). `blocks`: objects whose
         `forward_cached` runs in place of each transformer block's (their compiled forms)."""
         B, _, T = x.shape
         if t.ndim == 0:
             t = t.expand(B)
         valid = mask.bool()  # [B, 1, T]
         new_mask = attention_mask(mask, True, self.static_chunk_size)  # [B, 1, T, T]; open rows stay open below
-        if k_prefix is not None:
+        if prefix_valid is not None:
             pre = prefix_valid[:, None, None, :].expand(-1, 1, T, -1)
             own = attention_mask(torch.ones_like(mask), True, self.static_chunk_size) & valid.unsqueeze(2)
             allowed = torch.cat((pre, own.expand(B, 1, T, T)), dim=-1)
@@ -361,9 +359,7 @@ class DiT(nn.Module):
         h, in1, in2 = self.input_embed.forward_cached(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2),
                                                       spks, tail1, tail2)
         for i, block in enumerate(self.transformer_blocks if blocks is None else blocks):
-            kp = None if k_prefix is None else k_prefix[i]
-            vp = None if v_prefix is None else v_prefix[i]
-            h = block.forward_cached(h, temb, attn_mask, key_valid, rope, kp, vp, k_out[i], v_out[i])
+            h = block.forward_cached(h, temb, attn_mask, key_valid, rope, k_all[i], v_all[i])
         h = self.norm_out(h, temb)
         return self.proj_out(h).transpose(1, 2), in1, in2
 

@@ -38,8 +38,7 @@ import torch
 from ...engines.cuda_graphs import GraphCache, upload
 from .flow_cache import TRASH, ZERO, PageStore
 
-_INPUTS = ("x", "mask", "mu", "t", "spks", "cond", "offsets", "kp", "vp", "prefix_valid", "tail1", "tail2",
-           "k_out", "v_out")
+_INPUTS = ("x", "mask", "mu", "t", "spks", "cond", "offsets", "k_all", "v_all", "prefix_valid", "tail1", "tail2")
 
 # a row's table: arena slot, Euler step, first new frame (= prefix frames), new frames, tail slot read, then two
 # (tail slot written, at new-frame index) commit points, then the prefix page table, then the new frames' pages
@@ -84,17 +83,16 @@ def input_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 def hop_shapes(dit, b: int, n: int, p: int) -> dict:
     """forward_cached's input shapes for b requests (2b rows), n new frames, p prefix frames (p = 0: no prefix
-    inputs)."""
+    mask; k_all / v_all hold the p prefix frames and then the n new ones)."""
     c = dit.cfg
     D, K1 = c.heads * c.dim_head, dit.input_embed.conv_pos_embed.kernel_size - 1
     R = 2 * b
     shapes = {"x": (R, c.mel_dim, n), "mask": (R, 1, n), "mu": (R, c.mu_dim, n), "t": (R,), "spks": (R, c.spk_dim),
-              "cond": (R, c.mel_dim, n), "offsets": (R,), "kp": (c.depth, R, p, D), "vp": (c.depth, R, p, D),
-              "prefix_valid": (R, p), "tail1": (R, K1, c.dim), "tail2": (R, K1, c.dim),
-              "k_out": (c.depth, R, n, D), "v_out": (c.depth, R, n, D)}
+              "cond": (R, c.mel_dim, n), "offsets": (R,), "k_all": (c.depth, R, p + n, D),
+              "v_all": (c.depth, R, p + n, D), "prefix_valid": (R, p), "tail1": (R, K1, c.dim),
+              "tail2": (R, K1, c.dim)}
     if p == 0:
-        for name in ("kp", "vp", "prefix_valid"):
-            del shapes[name]
+        del shapes["prefix_valid"]
     return shapes
 
 
@@ -191,8 +189,9 @@ def hop_step(fn: Callable, store: PageStore, arena: SolveArena, meta: torch.Tens
     one Euler step each, in place (arena x, the reserved pages and tail slots). `fn` = DiT.forward_cached or its
     compiled form. Per row the arithmetic is the whole solve's: the same noise columns, t / dt values, CFG mix and
     update; padded frames and rows are masked (mask, prefix_valid) and written as zeros or to the sinks. `bufs`:
-    flat buffers for the gathered prefix K/V and this step's K/V ("kp", "vp", "k_out", "v_out"; a graph set shares
-    one of each among its graphs, so their memory does not grow with the number of buckets), else fresh tensors."""
+    flat buffers for the K/V the call attends over ("k_all", "v_all": per layer and row the gathered prefix, then
+    the slots the call writes its new frames' K/V into; a graph set shares one of each among its graphs, so their
+    memory does not grow with the number of buckets), else fresh tensors."""
     R = meta.shape[0]
     S, C, L, D, K1, dim = store.steps, store.chunk, store.depth, store.kv_dim, store.k1, store.dim
     dev = meta.device
@@ -213,34 +212,37 @@ def hop_step(fn: Callable, store: PageStore, arena: SolveArena, meta: torch.Tens
     mask = valid.unsqueeze(1).to(x.dtype)
     t = consts.ts.index_select(0, step)
     col = META
-    kp = vp = prefix_valid = None
+    prefix_valid = None
+    k_all, v_all = buf("k_all", (L, 2 * R * (P + N), D)), buf("v_all", (L, 2 * R * (P + N), D))
     if P:
         pages = -(-P // C)
         p = torch.arange(P, device=dev)
         pv = p.unsqueeze(0) < start.unsqueeze(1)  # [R, P]
         page = torch.where(pv, meta[:, col:col + pages].index_select(1, p // C), ZERO)
         rows = ((page * S + step.unsqueeze(1)) * 2).unsqueeze(0) + cfg.view(2, 1, 1)  # [2 (cfg), R, P]
-        idx = (rows * C + p % C).reshape(-1)
-        kp = torch.index_select(store.k, 1, idx, out=buf("kp", (L, 2 * R * P, D))).view(L, 2 * R, P, D)
-        vp = torch.index_select(store.v, 1, idx, out=buf("vp", (L, 2 * R * P, D))).view(L, 2 * R, P, D)
+        # per (cfg, row): the P prefix positions, then N positions the call overwrites with its own K/V (here row 0
+        # of the zero page: one gather fills the buffer the call attends over, no concatenation per layer)
+        idx = torch.cat((rows * C + p % C, rows.new_zeros((2, R, N))), dim=2).reshape(-1)
+        torch.index_select(store.k, 1, idx, out=k_all)
+        torch.index_select(store.v, 1, idx, out=v_all)
         prefix_valid = torch.cat((pv, pv))
         col += pages
+    k_all, v_all = k_all.view(L, 2 * R, P + N, D), v_all.view(L, 2 * R, P + N, D)
 
     def tail_rows(slots: torch.Tensor) -> torch.Tensor:  # [2 (conv), 2 (cfg), R] rows of the tail store
         return ((((slots * S + step) * 2).view(1, 1, R) + cfg.view(2, 1, 1)) * 2 + cfg.view(1, 2, 1)).reshape(-1)
 
     tails = store.tails.index_select(0, tail_rows(meta[:, 4])).view(2, 2 * R, K1, dim)
-    k_out, v_out = buf("k_out", (L, 2 * R, N, D)), buf("v_out", (L, 2 * R, N, D))
     zeros = torch.zeros_like(x)
     vel, in1, in2 = fn(torch.cat((x, x)), torch.cat((mask, mask)), torch.cat((mu, zeros)), torch.cat((t, t)),
                        torch.cat((spks, torch.zeros_like(spks))), torch.cat((cond, zeros)), torch.cat((start, start)),
-                       kp, vp, prefix_valid, tails[0], tails[1], k_out, v_out)
+                       k_all, v_all, prefix_valid, tails[0], tails[1])
     # the new frames' K/V of this step: to the hop's reserved pages (uncommitted and padded frames: the sink page)
     out_pages = meta[:, col:col + -(-N // C)].index_select(1, fr // C)  # [R, N]
     rows = ((out_pages * S + step.unsqueeze(1)) * 2).unsqueeze(0) + cfg.view(2, 1, 1)
     idx = (rows * C + fr % C).reshape(-1)
-    store.k.index_copy_(1, idx, k_out.view(L, 2 * R * N, D))
-    store.v.index_copy_(1, idx, v_out.view(L, 2 * R * N, D))
+    store.k.index_copy_(1, idx, k_all[:, :, P:].reshape(L, 2 * R * N, D))
+    store.v.index_copy_(1, idx, v_all[:, :, P:].reshape(L, 2 * R * N, D))
     # the conv input tails at the commit points: in1 / in2 row position m holds frame start - (K-1) + m
     for slot_col, at_col in ((5, 6), (7, 8)):
         at = meta[:, at_col]
@@ -336,8 +338,8 @@ class CachedHopGraphs:
         if self._bufs is None:
             c = self.dit.cfg
             D, R = c.heads * c.dim_head, 2 * max(self.grid.batch)
-            prefix, new = c.depth * R * max(self.grid.prefix) * D, c.depth * R * max(self.grid.frames) * D
-            sizes = {"kp": prefix, "vp": prefix, "k_out": new, "v_out": new}
+            n = c.depth * R * (max(self.grid.prefix) + max(self.grid.frames)) * D
+            sizes = {"k_all": n, "v_all": n}
             with torch.inference_mode():
                 self._bufs = {name: torch.empty(max(1, n), device=self.device, dtype=self.dtype)
                               for name, n in sizes.items()}

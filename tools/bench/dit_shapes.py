@@ -80,11 +80,9 @@ def _cached_inputs(dit, n: int, p: int, device, dtype):
             args.append(torch.full(shapes[name], p, dtype=torch.long))
         elif name in ("mask", "prefix_valid"):
             args.append(torch.ones(shapes[name], dtype=input_dtype(name, dtype)))
-        elif name in ("k_out", "v_out"):
-            args.append(torch.zeros(shapes[name], dtype=dtype))
-        else:
+        else:  # k_all / v_all: the prefix's K/V (the call overwrites the new frames' rows)
             args.append(torch.rand(shapes[name], generator=g) if name == "t" else
-                        torch.randn(shapes[name], generator=g) * (0.1 if name in ("kp", "vp") else 1.0))
+                        torch.randn(shapes[name], generator=g) * (0.1 if name in ("k_all", "v_all") else 1.0))
     return tuple(None if a is None else a.to(device, a.dtype if a.dtype in (torch.long, torch.bool) else dtype)
                  for a in args)
 
