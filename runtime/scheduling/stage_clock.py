@@ -41,7 +41,7 @@ class StageClock:
                 yield
             finally:
                 self._add(stage, time.perf_counter() - t0)
-                self._add_host(stage, t0, c0)
+                self._add_times(self._host, stage, t0, c0)
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -49,7 +49,7 @@ class StageClock:
             yield
         finally:
             end.record()
-            self._add_host(stage, t0, c0)
+            self._add_times(self._host, stage, t0, c0)
             with self._lock:
                 self._pending.setdefault(stage, deque()).append((start, end))
                 self._settle(stage)  # a server that never asks must not collect events without bound
@@ -68,9 +68,6 @@ class StageClock:
         """Per wait name: wall and CPU seconds and the number of waits so far."""
         with self._lock:
             return {n: {"wall_s": w[0], "cpu_s": w[1], "count": w[2]} for n, w in self._waits.items()}
-
-    def _add_host(self, stage: str, t0: float, c0: float) -> None:
-        self._add_times(self._host, stage, t0, c0)
 
     def _add_times(self, table: dict, key: str, t0: float, c0: float) -> None:
         """`table[key]` (= [wall s, thread CPU s, count]) += the wall and CPU seconds since `t0` / `c0`, and one."""

@@ -365,6 +365,8 @@ def _table(batches, steps: int, repeats: int, device: str, model: str = "tiny", 
 
 
 def main(argv=None) -> None:
+    from ...runtime.models.llm import DECODE_ATTENTION_IMPLS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--steps", type=int, default=100)
@@ -376,7 +378,7 @@ def main(argv=None) -> None:
                    "(fp32), or full: the full-size architecture, seeded random weights, bf16")
     p.add_argument("--compile", action="store_true", help="the LM's decode step torch.compile'd (as the compiled "
                    "and graphs_ar variants)")
-    p.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "split_kv"], help="the LM's decode "
+    p.add_argument("--decode-attention", default="sdpa", choices=DECODE_ATTENTION_IMPLS, help="the LM's decode "
                    "attention (CosyVoice3LM.decode_attention_impl; split_kv: the split-KV Triton kernels)")
     p.add_argument("--gpu-load", type=float, default=0.0, help="share of the time (0-1) a thread keeps the GPU busy "
                    "with DiT-sized bf16 GEMMs on its own stream beside the AR (GpuLoad; CUDA only)")

@@ -508,14 +508,8 @@ def open_loop_plot(res: dict, out_dir: str) -> str | None:
     else:
         fig, axes = _open_loop_lines(plt, cells, settings)
     fig.suptitle(f"Open loop - {provenance(res)}")
-    handles, labels = [], []
-    for ax in axes:
-        h, lab = ax.get_legend_handles_labels()
-        handles += h
-        labels += lab
     fig.tight_layout(rect=(0, 0, 1, 0.94))
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(4, len(labels)),
-               fontsize=8, frameon=False)
+    _legend_below(fig, axes)
     path = os.path.join(out_dir, "bench_open_loop.png")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
