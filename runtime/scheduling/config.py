@@ -138,8 +138,7 @@ class SchedulerConfig:
     # the smallest batches under compile) or "split_kv" (models/decode_attention_triton.py: split-KV Triton kernels,
     # each row read up to its own length, parallel over fixed key splits; CUDA needs Triton). Why: at 12 req/s of
     # mixed streams the AR's fused SDPA was the heaviest kernel of the process (run 56, ~0.7 ms of a ~1.8 ms step's
-    # kernels): one block per (row, kv head) walks the whole padded KV rung. Values agree within bf16 rounding (fp32
-    # softmax). "sdpa" by default: on an H100 (run 58) the kernels' values matched (bf16 max error 4e-3, rows
+    # kernels), ~10x above what reading K and V costs. Values agree within bf16 rounding (fp32 softmax). "sdpa" by default: on an H100 (run 58) the kernels' values matched (bf16 max error 4e-3, rows
     # bit-identical alone and beside others) but one layer's call took 18-297 µs against SDPA's 15-47 µs (faster only
     # at batch 1 with 1024+ keys); at 12 req/s 71.4 vs 74.0 audio s/s (run 59). Rewritten since (one tensor-core
     # tile per split, no inner loop), not yet measured: an option, not a default
