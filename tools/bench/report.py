@@ -177,11 +177,13 @@ def _legend_below(fig, axes) -> None:
                    fontsize=7, frameon=False)
 
 
-def _save(fig, out_dir: str, name: str, res: dict | None = None, axes=()) -> str:
+def _save(fig, out_dir: str, name: str, res: dict | None = None, axes=(), title: str = "") -> str:
+    """The figure under `title` and the run's provenance (when `res` is given), its legend below the panels, written
+    to out_dir/name."""
     import matplotlib.pyplot as plt
 
     if res is not None:
-        fig.suptitle(provenance(res), fontsize=9)
+        fig.suptitle(f"{title} - {provenance(res)}" if title else provenance(res), fontsize=9)
         fig.tight_layout(rect=(0, 0, 1, 0.95))
     else:
         fig.tight_layout()
@@ -507,13 +509,7 @@ def open_loop_plot(res: dict, out_dir: str) -> str | None:
         fig, axes = _open_loop_bars(plt, cells, settings)
     else:
         fig, axes = _open_loop_lines(plt, cells, settings)
-    fig.suptitle(f"Open loop - {provenance(res)}")
-    fig.tight_layout(rect=(0, 0, 1, 0.94))
-    _legend_below(fig, axes)
-    path = os.path.join(out_dir, "bench_open_loop.png")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, out_dir, "bench_open_loop.png", res, axes, title="Open loop")
 
 
 def _log_seconds_axis(ax) -> None:
@@ -612,13 +608,7 @@ def agent_plot(res: dict, out_dir: str) -> str | None:
                      label=f"{la}: avoidable stall s")
     axes[0].set(xlabel="sessions / s", ylabel="seconds", title="sentence time to first audio")
     axes[1].set(xlabel="sessions / s", ylabel="seconds (all sessions)", title="avoidable playback stalls")
-    fig.suptitle(f"Voice-agent sessions - {provenance(res)}")
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    _legend_below(fig, axes)
-    path = os.path.join(out_dir, "bench_agent.png")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(fig, out_dir, "bench_agent.png", res, axes, title="Voice-agent sessions")
 
 
 def main(argv: list[str] | None = None) -> int:
