@@ -9,6 +9,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cosytrt.runtime.models import decode_attention_triton as dat
 
@@ -24,6 +25,15 @@ def case(b, n, dtype, seed=0):
 def masked_sdpa(q, k, v, pos):
     mask = (torch.arange(k.shape[2], device=k.device)[None, :] <= pos[:, None])[:, None, None, :]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def sdpa_on(backend):
+    """The masked SDPA with torch's choice narrowed to one backend (the decode step's default takes cuDNN's fused
+    kernel on sm90, the heaviest kernel of the AR thread in run 60's profile)."""
+    def run(q, k, v, pos):
+        with sdpa_kernel([backend]):
+            return masked_sdpa(q, k, v, pos)
+    return run
 
 
 def mul_sum(q, k, v, pos):
@@ -75,20 +85,23 @@ def main() -> int:
             tol = 1e-4 if dtype == torch.float32 else 2e-2
             ok &= err <= tol and alone
             print(f"| {str(dtype)[6:]} | {b} | {n} | {err:.2e} | {err_sdpa:.2e} | {alone} |")
-    print("\n| batch | keys | split-KV kernels µs | masked SDPA µs | multiply-and-sum (eager) µs | SDPA / split-KV |")
-    print("|---|---|---|---|---|---|")
+    print("\n| batch | keys | split-KV kernels µs | masked SDPA µs | SDPA cuDNN only µs | SDPA memory-efficient only µs "
+          "| multiply-and-sum (eager) µs | SDPA / split-KV |")
+    print("|---|---|---|---|---|---|---|---|")
     for b in (1, 16, 64):
         for n in (256, 1024, 2048):
             q, k, v = case(b, n, torch.bfloat16)
             pos = torch.full((b,), n - 1, device="cuda")
             t = {}
-            for name, fn in (("kv", dat.attention), ("sd", masked_sdpa), ("ms", mul_sum)):
+            for name, fn in (("kv", dat.attention), ("sd", masked_sdpa), ("cd", sdpa_on(SDPBackend.CUDNN_ATTENTION)),
+                             ("ef", sdpa_on(SDPBackend.EFFICIENT_ATTENTION)), ("ms", mul_sum)):
                 try:
                     t[name] = time_us(lambda: fn(q, k, v, pos))
                 except Exception as e:  # noqa: BLE001 - one failing form must not lose the table
                     print(f"{name} at batch {b}, {n} keys failed: {type(e).__name__}: {e}", file=sys.stderr)
                     t[name] = float("nan")
-            print(f"| {b} | {n} | {t['kv']:.1f} | {t['sd']:.1f} | {t['ms']:.1f} | {t['sd'] / t['kv']:.2f} |")
+            print(f"| {b} | {n} | {t['kv']:.1f} | {t['sd']:.1f} | {t['cd']:.1f} | {t['ef']:.1f} | {t['ms']:.1f} "
+                  f"| {t['sd'] / t['kv']:.2f} |")
     print(f"\nvalues within tolerance and row-invariant: {ok}")
     return 0 if ok else 1
 
