@@ -33,8 +33,8 @@
 #     sharing the GPU, apart from the lock's); it first runs benchmarks/split_kv_gpu_check.py (the kernels' values
 #     and µs per layer against SDPA, ~30 s); COMPILE=0: the LM uncompiled in its CUDA graphs (seconds, not minutes:
 #     run 61's form);
-#   AB=... replaces the settings, RATES=... the rates (e.g. RATES=12), DRAIN=... the drain's seconds (default 8; 40 s
-#   streams need ~40 for every stream's audio to be delivered inside the cell: the slack-first DiT defers a
+#   AB=... replaces the settings, RATES=... the rates (e.g. RATES=12), DRAIN=... the drain's seconds (default 8, CALL=long
+#   42: 40 s streams need ~40 for every stream's audio to be delivered inside the cell: the slack-first DiT defers a
 #   stream's final until its listener nears it, so a short drain leaves streams unfinished though ahead). Each call waits up to WAIT_S (default 560 s)
 #   for its job; call again with the same CALL to keep waiting. Fire each call within 30 s of the previous one (the
 #   machine's idle release).
@@ -70,7 +70,7 @@ case "${CALL:-mixed}" in
                  --ab "${AB:-hift_own_stream=0,hift_own_stream=1}") ;;
   shed)    args=(--rates "${RATES:-12,16}" --duration-s 24 --drain-s "${DRAIN:-8}"
                  --ab "${AB:-shed_lag_s=0,shed_lag_s=1,shed_lag_s=0.5}") ;;
-  long)    args=(--rates "${RATES:-1,2,3}" --duration-s 24 --drain-s "${DRAIN:-8}" --lengths 40:0 --stream-fraction 1
+  long)    args=(--rates "${RATES:-1,2,3}" --duration-s 24 --drain-s "${DRAIN:-42}" --lengths 40:0 --stream-fraction 1
                  --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
   offline) args=(--rates "${RATES:-1,2,3,4}" --duration-s 24 --drain-s "${DRAIN:-8}" --lengths 40:0 --stream-fraction 0
                  --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
