@@ -120,7 +120,8 @@ def test_cut_streams_ahead_of_their_listener():
     assert s["undelivered_ahead_s"] == pytest.approx(20.0 - 7.0)
     from cosytrt.tools.bench.report import _unfinished
 
-    assert _unfinished(s) == "2 (1 ahead)" and _unfinished({"unfinished": 0, "unfinished_ahead": 0}) == 0
+    assert _unfinished(s) == "2 (1 ahead, 13 s to come)" and _unfinished({"unfinished": 0, "unfinished_ahead": 0}) == 0
+    assert _unfinished({"unfinished": 3, "unfinished_ahead": 3}) == "3 (3 ahead)"
 
 
 # ------------------------------------------------------------------ workload
@@ -408,6 +409,12 @@ def test_report_of_a_small_open_loop_json(tmp_path):
     assert "| flow_prefix_cache on | 8 | cosytrt-ar | 200 | ar_worker.py:_decode:250 62 %; sampling.py:ids_to_host:78 20 % " \
            "| threading.py:wait:355 30 % |" in md
     assert "Poisson arrivals for 20 s per rate" in md and "log-normal(median 8 s, sigma 0.6)" in md
+    assert "drain" not in md.split("\n")[0]  # the cells carry no drain_s: no caveat
+    short = {**res, "open_loop": {**res["open_loop"], "cells": [{**c, "drain_s": 8.0} for c in res["open_loop"]["cells"]]}}
+    assert "The drain (8 s) is shorter than the longest request (40 s)" in report.open_loop_tables(short)
+    long_drain = {**res, "open_loop": {**res["open_loop"],
+                                       "cells": [{**c, "drain_s": 42.0} for c in res["open_loop"]["cells"]]}}
+    assert "is shorter than the longest request" not in report.open_loop_tables(long_drain)
     assert "| flow_prefix_cache off | 8 | 75 | 61 |" in md and "| 10/0 | 0.92 | 1.84 | 2.76 |" in md
     assert "| hits dit/stream | hits hift/offline |" in md and "| 0.5 | 0.9 | 0.4 | 0.8 | 0.4 | 13 | 5000 | — |" in md
     assert "error: RuntimeError('x')" in md and "A/B: --ab nope" in md

@@ -280,6 +280,7 @@ def open_loop_tables(res: dict) -> str:
             "achieved: audio delivered during the arrival window / window.")
     rows, res_rows = [], []
     cells = ol["cells"]
+    head += _short_drain(cells, sp.get("max_s"))
     sms = sorted({sm for c in cells for sm in (c.get("buckets") or {})})
     for c in cells:
         label = [c.get("setting"), c.get("rate")]
@@ -460,9 +461,26 @@ def _shares(frames, top: int = 4) -> str:
 
 def _unfinished(c: dict):
     """Unfinished requests of a cell, with how many of them were still ahead of their listener when it ended
-    (paced streams: not a backlog)."""
+    (paced streams, or finals deferred by the slack-first DiT: not a backlog) and their audio not yet due then."""
     n, ahead = c.get("unfinished"), c.get("unfinished_ahead")
-    return f"{n} ({ahead} ahead)" if n and ahead else n
+    if not (n and ahead):
+        return n
+    due = c.get("undelivered_ahead_s")
+    return f"{n} ({ahead} ahead, {due:.0f} s to come)" if due else f"{n} ({ahead} ahead)"
+
+
+def _short_drain(cells: list, max_s) -> str:
+    """A caveat when a streaming cell's drain was shorter than its longest request: streams still producing at the
+    cut (the slack-first DiT defers a stream's final until its listener nears it) are cut ahead of their listeners,
+    so the window's achieved audio s/s trails offered by audio not yet due — read underruns and `saturated`."""
+    short = sorted({c["drain_s"] for c in cells if c.get("streams") and c.get("drain_s") is not None
+                    and max_s and c["drain_s"] < max_s})
+    if not short:
+        return ""
+    return (f" The drain ({', '.join(f'{d:g}' for d in short)} s) is shorter than the longest request ({max_s:g} s): "
+            "streams still producing at the cut end unfinished though ahead of their listeners, so achieved trails "
+            "offered by the audio still to come; whether they would have kept ahead is not observed — read underruns, "
+            "stalls and saturated.")
 
 
 def _util(d) -> str:
