@@ -108,6 +108,24 @@ def test_shipped_open_loop_profile_loads_and_covers_its_simulation(name, cached)
         assert rate_cached(ch.calls, grid)["hit_rate"] == 1.0 and len(grid.keys()) <= 64
 
 
+def test_b16_profile_is_the_cached_open_loop_one_with_wider_dit_batches():
+    """h200-cached-open-loop-b16 (the A/B profile for `dit_max_requests=16`): the same buckets as
+    h200-cached-open-loop but for the DiT's batch axes — cached hops up to 16 requests, offline / final calls up to
+    32 CFG rows — so the same simulated traffic still runs in its buckets."""
+    base, wide = load_profile("h200-cached-open-loop"), load_profile("h200-cached-open-loop-b16")
+    for s, m in (("dit", "stream"), ("hift", "stream"), ("hift", "offline")):
+        assert wide.buckets(s, m) == base.buckets(s, m)
+    bc, wc = base.stage("dit").cached, wide.stage("dit").cached
+    assert (wc.frames, wc.prefix) == (bc.frames, bc.prefix) and max(wc.batch) == 16 and len(wc.keys()) == 96
+    assert {b.length for b in wide.buckets("dit", "offline")} == {b.length for b in base.buckets("dit", "offline")}
+    assert max(b.batch for b in wide.buckets("dit", "offline")) == 32
+    reqs = [WorkloadRequest(None, 8, n, None, s, "g", 0, t)
+            for t, n, s in ((0.0, 150, True), (0.1, 400, False), (0.15, 90, True), (0.2, 1000, True))]
+    calls = simulate(reqs, cached=CachedHops(cap=16))
+    tables = {(s, m): wide.table(s, m) for s in ("dit", "hift") for m in ("stream", "offline")}
+    assert hit_rates(rate_calls(calls, tables))["total"]["hit_rate"] == 1.0
+
+
 def test_mixed_profile_covers_the_matrix_waves_too():
     """h200-mixed (derived from open-loop traffic plus the matrix's waves, `--plus-matrix`) runs every simulated
     call of the default matrix in a bucket, where the open-loop-only profile falls back for most HiFT windows

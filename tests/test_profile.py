@@ -292,7 +292,7 @@ def test_missing_file_and_unknown_name(tmp_path):
     missing = str(tmp_path / "nope.yaml")
     with pytest.raises(ProfileError, match="profile file not found: .*nope.yaml"):
         load_profile(missing)
-    with pytest.raises(ProfileError, match=r"not found: fast \(shipped profiles: default, tiny, h200-graphs, h200-open-loop, h200-cached-open-loop, h200-mixed\)"):
+    with pytest.raises(ProfileError, match=r"not found: fast \(shipped profiles: default, tiny, h200-graphs, h200-open-loop, h200-cached-open-loop, h200-cached-open-loop-b16, h200-mixed\)"):
         load_profile("fast")
     with pytest.raises(ProfileError):
         load_profile(42)

@@ -22,7 +22,8 @@ from ...engines.errors import ProfileError
 
 from ...engines.dtypes import DTYPES  # noqa: E402
 MODELS = ("full", "tiny")
-SHIPPED_PROFILES = ("default", "tiny", "h200-graphs", "h200-open-loop", "h200-cached-open-loop", "h200-mixed")
+SHIPPED_PROFILES = ("default", "tiny", "h200-graphs", "h200-open-loop", "h200-cached-open-loop",
+                    "h200-cached-open-loop-b16", "h200-mixed")
 PROFILE_FORMAT = 1  # bump when the meaning of a profile (and so of its hashes) changes
 
 _TOP_KEYS = ("model", "description", "dtype", "max_padding_waste", "stages")
