@@ -3,7 +3,8 @@
 # (benchmarks/split_kv_gpu_check.py), then benchmarks/dit_step_gpu.py against two wheels on the same warm machine —
 # dist_old/ (e.g. `git worktree add /tmp/old 9ee7df3 && pip wheel --no-deps /tmp/old -w dist_old`) and dist/ (the
 # working tree's) —, each in its own --target site: the cached-hop DiT step's host and GPU time per step and its mel
-# against the whole-history hop. ORDER="old new" by default; SIDE_TIMEOUT_S bounds each side (default 170), CASES picks dit_step_gpu.py's cases (batch:prior hops).
+# against the whole-history hop. ORDER="old new" by default; SIDE_TIMEOUT_S bounds each side (default 170);
+# CASES picks dit_step_gpu.py's cases (batch:prior hops, default 1:1,8:1,8:8).
 set -u
 : "${OUT:?set OUT}"
 source benchmarks/device_setup.sh --install || exit 1
