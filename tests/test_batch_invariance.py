@@ -4,6 +4,7 @@ its prefill / decode call, nor on the padded batch bucket or KV-length rung; its
 alone within AUDIO_ATOL (DiT / HiFT batching). CPU, tiny model."""
 from __future__ import annotations
 
+import os
 import threading
 from types import SimpleNamespace
 
@@ -11,13 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from cosytrt.runtime.stages import ar_graphs
-from cosytrt.runtime.stages.ar_graphs import DecodeGraphs, PrefillGraphs
-from cosytrt.runtime.models import batch_invariant as bi
-from cosytrt.runtime.stages.request import prepare_inputs
-from cosytrt.runtime.models.sampling import SamplingParams, TokenPolicy, generate
-from cosytrt.runtime.tts import make_request
-from graph_stand_in import DirectCall
+# before Triton is first imported (the skip mark below imports it): its interpreter runs the split-KV kernels on CPU
+# tensors only when the variable is set then (as tests/test_decode_attention_triton.py does)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from cosytrt.runtime.stages import ar_graphs  # noqa: E402
+from cosytrt.runtime.stages.ar_graphs import DecodeGraphs, PrefillGraphs  # noqa: E402
+from cosytrt.runtime.models import batch_invariant as bi  # noqa: E402
+from cosytrt.runtime.stages.request import prepare_inputs  # noqa: E402
+from cosytrt.runtime.models.sampling import SamplingParams, TokenPolicy, generate  # noqa: E402
+from cosytrt.runtime.tts import make_request  # noqa: E402
+from graph_stand_in import DirectCall  # noqa: E402
 
 ROWS = 16
 # DiT / HiFT rows batched together are not bit-identical to the row alone (their GEMMs, convolutions and attention
@@ -75,6 +80,41 @@ def _variations(lm) -> dict[str, float]:
 def test_logits_bit_identical_alone_beside_15_rows_and_padded(lm):
     diffs = _variations(lm)
     assert all(d == 0.0 for d in diffs.values()), diffs
+
+
+@pytest.mark.skipif(not bi._split_kv.available(), reason="Triton is not installed (the CPU torch wheel does not "
+                    "bring it): the split-KV kernels run on a GPU machine or through Triton's interpreter")
+def test_decode_through_split_kv_kernels_is_invariant_too(lm, monkeypatch):
+    """The decode steps' split-KV attention (`batch_invariant.DECODE_ATTENTION`, "auto" = on CUDA; forced here and
+    run through Triton's interpreter): a row's logits bit-identical alone, beside 15 rows and at every KV rung, and
+    within rounding of the batch-invariant attention's."""
+    monkeypatch.setattr(bi, "DECODE_ATTENTION", "split_kv")
+    calls = []
+    real = bi._split_kv.split_kv_decode_attention
+    monkeypatch.setattr(bi._split_kv, "split_kv_decode_attention", lambda *a: calls.append(1) or real(*a))
+    diffs = _variations(lm)
+    assert calls and all(d == 0.0 for d in diffs.values()), diffs
+    embeds = _inputs(lm.config.qwen.hidden_size)
+    with torch.inference_mode():
+        _prefill(lm, embeds, list(range(ROWS)))
+        split = _decode(lm, list(range(ROWS)), embeds, 256)
+        monkeypatch.setattr(bi, "DECODE_ATTENTION", "bi")
+        n = len(calls)
+        plain = _decode(lm, list(range(ROWS)), embeds, 256)
+        assert len(calls) == n  # "bi": the split-KV kernels not called
+    torch.testing.assert_close(split, plain, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_attention_auto_keeps_cpu_on_the_bi_op(monkeypatch):
+    """"auto" sends only CUDA tensors to the split-KV kernels: on CPU the decode attention is `attention`'s."""
+    monkeypatch.setattr(bi, "DECODE_ATTENTION", "auto")
+    monkeypatch.setattr(bi._split_kv, "split_kv_decode_attention", lambda *a: pytest.fail("split-KV on CPU"))
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 1, 7, 16, generator=g), torch.randn(2, 2, 300, 16, generator=g),
+               torch.randn(2, 2, 300, 16, generator=g))
+    pos = torch.tensor([[10], [299]])
+    torch.testing.assert_close(bi.decode_attention(q, k, v, pos, pos[:, 0] + 1, 256),
+                               bi.attention(q, k, v, pos, pos[:, 0] + 1, 256), rtol=0, atol=0)
 
 
 def test_plain_kernels_are_not_batch_invariant(lm):

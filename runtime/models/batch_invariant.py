@@ -26,7 +26,8 @@ reduction whose per-output order cannot depend on the batch / rung:
   prefill row attends at its own length. On CUDA that torch form still hands cuBLAS batched matmuls whose batch count
   (rows x kv heads x key blocks) depends on the other rows, and cuBLAS picks its kernel from it (a 64-row decode step
   moved a row's logits by 7.8e-3 on the H200), so there the op runs `bi_attention_triton`'s kernel instead: one
-  program per (row, kv head, query), keys in fixed blocks up to the row's own length (`ATTENTION_IMPL`).
+  program per (row, kv head, query), keys in fixed blocks up to the row's own length (`ATTENTION_IMPL`). Decode
+  steps on CUDA take the split-KV kernels instead (`DECODE_ATTENTION`), invariant the same way and faster.
 
 Each is a torch custom op: torch.compile keeps them opaque (Inductor fuses only the elementwise work around them, and
 does not re-derive its own reduction strategy), so the eager, CUDA-graph and compiled paths run the same kernels.
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 
 from . import bi_attention_triton as _triton_attn
 from . import bi_norm_triton as _triton_norm
+from . import decode_attention_triton as _split_kv
 from .rope import apply_rope, rope_cos_sin
 
 DECODE_ROWS = 64      # rows per GEMM / norm call in decode steps and for the prefill's last-position logits
@@ -51,6 +53,13 @@ KV_BLOCK = 256        # keys per attention block (the scheduler's KV rungs are m
 # "auto": the Triton kernel for CUDA tensors when Triton imports, else the torch form; "torch" / "triton" force one
 # (the GPU check compares them). Read when the op runs (also inside compiled graphs: the op is opaque).
 ATTENTION_IMPL = os.environ.get("COSYTRT_BI_ATTENTION", "auto")
+# Decode steps (one query per row, attending keys 0..its position): "auto" runs them through the split-KV kernels
+# (`decode_attention_triton`) on CUDA — fixed 64-key splits at absolute positions, merged left to right up to the
+# row's own position, so a row's value depends neither on the other rows nor on the KV rung, by construction and as
+# checked on an H100 (BENCHMARKS.md run 62: bit-identical alone and beside other rows; 2.5-3.2x faster than the fused
+# SDPA up to 16 rows, where `bi_attention_triton` walks the keys on CUDA cores); "bi": always `attention` below;
+# "split_kv": the split-KV kernels wherever they run (Triton's interpreter on CPU: the tests). Read when the step runs.
+DECODE_ATTENTION = os.environ.get("COSYTRT_BI_DECODE_ATTENTION", "auto")
 # "torch" (default until a GPU run has checked them) / "triton" / "auto": `rms_norm` and the SiLU gate as one Triton
 # kernel each on CUDA (bi_norm_triton.py: ~20 fewer kernels per layer, the switch's price in the eager graphs)
 NORM_IMPL = os.environ.get("COSYTRT_BI_NORM", "torch")
@@ -178,11 +187,23 @@ def _(q, k, v, q_pos, kv_len, block):
     return q.new_empty(q.shape)  # contiguous, as the op returns it
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
+                     block: int) -> torch.Tensor:
+    """`attention` for a decode step (q [B, kvh, 1, G, hd]; row b attends keys 0..q_pos[b, 0] = kv_len[b] - 1): the
+    split-KV kernels where `DECODE_ATTENTION` picks them and they take the tensors, else `attention`."""
+    mode = DECODE_ATTENTION
+    if mode == "split_kv" or (mode == "auto" and q.is_cuda):
+        q1 = q[:, :, 0]
+        if _split_kv.runs_on(q) and _split_kv.supports(q1, k, v):
+            return _split_kv.split_kv_decode_attention(q1, k, v, q_pos[:, 0])[:, :, None]
+    return attention(q, k, v, q_pos, kv_len, block)
+
+
 # ------------------------------------------------------------------------------------------ the LM's two calls
 
-def _layer(layer, x, cos, sin, rows, write, read, q_pos, kv_len):
+def _layer(layer, x, cos, sin, rows, write, read, q_pos, kv_len, attend=attention):
     """One decoder layer on x [..., H]; `write(k, v)` stores this step's K/V [B, kvh, Q, hd] and `read()` returns
-    the keys / values to attend [B, kvh, n, hd]."""
+    the keys / values to attend [B, kvh, n, hd]; `attend` is `attention` or, in decode steps, `decode_attention`."""
     attn, mlp = layer.self_attn, layer.mlp
     lead = x.shape[:-1]
     b, nq = q_pos.shape
@@ -194,7 +215,7 @@ def _layer(layer, x, cos, sin, rows, write, read, q_pos, kv_len):
     write(k.transpose(1, 2), v.reshape(b, nq, kvh, hd).transpose(1, 2))
     keys, values = read()
     q = q.view(b, nq, kvh, heads // kvh, hd).transpose(1, 2)                            # [B, kvh, Q, G, hd]
-    out = attention(q, keys, values, q_pos, kv_len, KV_BLOCK)
+    out = attend(q, keys, values, q_pos, kv_len, KV_BLOCK)
     out = out.transpose(1, 2).reshape(*lead, heads * hd)
     x = x + linear(out, attn.o_proj.weight, None, rows)
     h = rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, rows)
@@ -245,6 +266,6 @@ def decode(lm, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, n:
                 return cache.k[:b, :, :n], cache.v[:b, :, :n]
             return cache.k[slots, :, :n], cache.v[slots, :, :n]
 
-        x = _layer(layer, x, cos, sin, DECODE_ROWS, write, read, q_pos, kv_len)
+        x = _layer(layer, x, cos, sin, DECODE_ROWS, write, read, q_pos, kv_len, decode_attention)
     hidden = rms_norm(x, lm.backbone.norm.weight, lm.backbone.norm.eps, DECODE_ROWS)
     return linear(hidden, lm.llm_decoder.weight, None, DECODE_ROWS), hidden

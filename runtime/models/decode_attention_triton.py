@@ -114,6 +114,13 @@ def _kernels():
     return split_kernel, merge_kernel
 
 
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `attention` takes these tensors: a power-of-two head dim of at least 16, unit last strides."""
+    hd = q.shape[-1]
+    return (hd >= 16 and not hd & (hd - 1)
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
+
+
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The op's value in plain torch (fp32): q [B, kvh, G, hd], k / v [B, kvh, n, hd], row b attends keys
     0..positions[b]. The CPU path when the kernels do not run."""
@@ -130,7 +137,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     the mask would) -> [B, kvh, G, hd]. The head dim must be a power of two, at least 16 (tl.dot's smallest K)."""
     b, kvh, g, hd = q.shape
     n = k.shape[2]
-    if hd & (hd - 1) or hd < 16 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+    if not supports(q, k, v):
         raise ValueError(f"split-KV decode attention: head dim {hd} must be a power of two >= 16 with unit stride")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if b == 0:
