@@ -92,17 +92,17 @@ def part_step(llm, res):
         slots = torch.arange(B, device=dev)
         pos = torch.full((B,), filled, device=dev, dtype=torch.long)
         row = {"batch": B}
-        for tag, on, impl, norm in MODES:
+        for tag, on, impl, norm, dec in MODES:
             llm.batch_invariant = on
-            bi.ATTENTION_IMPL, bi.NORM_IMPL = impl, norm
+            bi.ATTENTION_IMPL, bi.NORM_IMPL, bi.DECODE_ATTENTION = impl, norm, dec
             with torch.inference_mode():
                 row[f"graph_ms_{tag}"], _ = graph_ms(lambda t, s, p: llm.decode(t, s, p, kv_len=kv_len),
                                                      (tokens, slots, pos))
-                if tag == "on torch-attention":
+                if tag in ("on torch-attention", "on bi-decode"):
                     continue  # the compiled step runs the same opaque op: the eager graph shows the difference
                 row[f"compiled_graph_ms_{tag}"], _ = graph_ms(lambda t, s, p: decode_c(t, s, p, kv_len=kv_len),
                                                               (tokens, slots, pos))
-        bi.ATTENTION_IMPL, bi.NORM_IMPL = "auto", "torch"
+        bi.ATTENTION_IMPL, bi.NORM_IMPL, bi.DECODE_ATTENTION = "auto", "torch", "auto"
         for k in ("graph_ms", "compiled_graph_ms"):
             row[f"{k}_ratio"] = row[f"{k}_on"] / row[f"{k}_off"]
         log(f"decode B={B}: graph {row['graph_ms_off']:.3f} -> {row['graph_ms_on']:.3f} ms "
@@ -127,8 +127,12 @@ def part_step(llm, res):
 # Triton attention on CUDA); "on torch-attention" is the torch form of the op that run 20 measured (7.8e-3 at 64 rows)
 # "on triton-norm": also rms_norm and the SiLU gate as one Triton kernel each (bi_norm_triton.py, NORM_IMPL; off by
 # default until this run shows it invariant and cheaper)
-MODES = (("off", False, "auto", "torch"), ("on", True, "auto", "torch"),
-         ("on torch-attention", True, "torch", "torch"), ("on triton-norm", True, "auto", "auto"))
+# (tag, switch, bi.ATTENTION_IMPL, bi.NORM_IMPL, bi.DECODE_ATTENTION): "on" runs the decode steps' attention through
+# the split-KV kernels on CUDA (the default since the twenty-second session), "on bi-decode" through the bi op
+MODES = (("off", False, "auto", "torch", "auto"), ("on", True, "auto", "torch", "auto"),
+         ("on bi-decode", True, "auto", "torch", "bi"), ("on torch-attention", True, "torch", "torch", "bi"),
+         ("on triton-norm", True, "auto", "auto", "auto"))
+EAGER_ONLY = False  # --eager-only: the logits part without its compiled forms (no compile: a short GPU call)
 
 
 def part_logits(llm, res):
@@ -136,7 +140,8 @@ def part_logits(llm, res):
 
     dev, H = DEV, llm.config.qwen.hidden_size
     cuda = dev == "cuda"
-    decode_c, prefill_c = (compile_fn(llm.decode), compile_fn(llm.prefill)) if cuda else (None, None)
+    compiled = cuda and not EAGER_ONLY
+    decode_c, prefill_c = (compile_fn(llm.decode), compile_fn(llm.prefill)) if compiled else (None, None)
     g = torch.Generator(device=dev).manual_seed(0)
     lengths = [40 + 7 * i for i in range(16)]
     embeds = [torch.randn(n, H, device=dev, dtype=llm.dtype, generator=g) for n in lengths]
@@ -158,16 +163,16 @@ def part_logits(llm, res):
         return tuple(torch.tensor(c, device=dev) for c in (t, s, p))
 
     out = {}
-    for tag, on, impl, norm in MODES if cuda else MODES[:2]:
+    for tag, on, impl, norm, dec in MODES if cuda else MODES[:2]:
         llm.batch_invariant = on
-        bi.ATTENTION_IMPL, bi.NORM_IMPL = impl, norm
+        bi.ATTENTION_IMPL, bi.NORM_IMPL, bi.DECODE_ATTENTION = impl, norm, dec
         with torch.inference_mode():
-            for name, fn in (("eager", llm.prefill), ("compiled", prefill_c))[:2 if cuda else 1]:
+            for name, fn in (("eager", llm.prefill), ("compiled", prefill_c))[:2 if compiled else 1]:
                 alone = prefill(fn, [5, 6])[0]  # compiled calls get >= 2 rows in the scheduler
                 out[f"prefill {name} beside 7 rows, {tag}"] = (prefill(fn, list(range(8)))[5] - alone).abs().max().item()
                 out[f"prefill {name} padded to 512, {tag}"] = (prefill(fn, [5, 6], 512)[0] - alone).abs().max().item()
             prefill(llm.prefill, list(range(16)))  # every slot holds its prompt
-            for name, fn in (("eager", llm.decode), ("compiled", decode_c))[:2 if cuda else 1]:
+            for name, fn in (("eager", llm.decode), ("compiled", decode_c))[:2 if compiled else 1]:
                 for graph in (False, True)[:2 if cuda else 1]:
                     def call(rows, kv, pad_to=None, fn=fn, graph=graph):
                         args = decode_args(rows, pad_to)
@@ -185,12 +190,14 @@ def part_logits(llm, res):
         llm.batch_invariant = True
         with torch.inference_mode():
             got = {}
-            for impl in ("triton", "torch"):
-                bi.ATTENTION_IMPL = impl
-                got[impl] = llm.decode(*decode_args([5], 2), kv_len=256).float()[0]
-            res["triton_vs_torch_attention_logits"] = (got["triton"] - got["torch"]).abs().max().item()
-        log(f"decode logits, Triton vs torch attention: {res['triton_vs_torch_attention_logits']:.2e}")
-    bi.ATTENTION_IMPL, bi.NORM_IMPL = "auto", "torch"
+            for impl, dec in (("triton", "bi"), ("torch", "bi"), ("triton", "auto")):
+                bi.ATTENTION_IMPL, bi.DECODE_ATTENTION = impl, dec
+                got[impl, dec] = llm.decode(*decode_args([5], 2), kv_len=256).float()[0]
+            res["triton_vs_torch_attention_logits"] = (got["triton", "bi"] - got["torch", "bi"]).abs().max().item()
+            res["split_kv_vs_bi_decode_logits"] = (got["triton", "auto"] - got["triton", "bi"]).abs().max().item()
+        log(f"decode logits, Triton vs torch attention: {res['triton_vs_torch_attention_logits']:.2e}; split-KV vs "
+            f"the bi op in decode: {res['split_kv_vs_bi_decode_logits']:.2e}")
+    bi.ATTENTION_IMPL, bi.NORM_IMPL, bi.DECODE_ATTENTION = "auto", "torch", "auto"
     res["logits_max_abs_diff"] = out
 
 
@@ -345,6 +352,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip the parts that would start after this many seconds (default: no limit)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager only: checks the script itself")
+    ap.add_argument("--eager-only", action="store_true", help="logits part: eager and CUDA-graph forms only")
     ap.add_argument("--stream", action="store_true", help="tokens part: streaming requests")
     ap.add_argument("--graphs", default=None, help="tokens part: run DiT / HiFT in the CUDA graphs of this profile "
                                                    "(e.g. h200-graphs: cached-hop graphs, the flow prefix cache on)")
@@ -360,7 +368,8 @@ def main() -> int:
         ap.error(f"unknown part(s) {sorted(unknown)}: choose from step, logits, tokens")
     from cosytrt.tools.bench.common import full_models
 
-    global DEV
+    global DEV, EAGER_ONLY
+    EAGER_ONLY = args.eager_only
     if args.smoke:
         DEV = "cpu"
         parts = [p for p in parts if p != "step"]  # CUDA graphs and events only
