@@ -138,10 +138,11 @@ class SchedulerConfig:
     # the smallest batches under compile) or "split_kv" (models/decode_attention_triton.py: split-KV Triton kernels,
     # each row read up to its own length, parallel over fixed key splits; CUDA needs Triton). Why: at 12 req/s of
     # mixed streams the AR's fused SDPA was the heaviest kernel of the process (run 56, ~0.7 ms of a ~1.8 ms step's
-    # kernels), ~10x above what reading K and V costs. Values agree within bf16 rounding (fp32 softmax). "sdpa" by default: on an H100 (run 58) the kernels' values matched (bf16 max error 4e-3, rows
-    # bit-identical alone and beside others) but one layer's call took 18-297 µs against SDPA's 15-47 µs (faster only
-    # at batch 1 with 1024+ keys); at 12 req/s 71.4 vs 74.0 audio s/s (run 59). Rewritten since (one tensor-core
-    # tile per split, no inner loop), not yet measured: an option, not a default
+    # kernels), ~10x above what reading K and V costs. Values agree within bf16 rounding (fp32 softmax). The first
+    # version lost on an H100 (runs 58-59: 18-297 µs a layer against SDPA's 15-47; 71.4 vs 74.0 audio s/s at 12
+    # req/s); rewritten with one tensor-core tile per split it takes 4.7-46 µs against 15-47 (2.5-3.2x faster up to
+    # 16 rows, run 62; rows still bit-identical alone and beside others) and the uncompiled LM's step 6-7 % less.
+    # "sdpa" by default until the compiled LM and open-loop cells are measured with it
     ar_decode_attention: str = "sdpa"
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
