@@ -4,6 +4,8 @@ Triton's interpreter until now), at the full-size LM's decode shapes (2 kv heads
 other rows; (2) time per call (CUDA events over CUDA-graph replays, as the AR runner replays its step) of the kernel pair, the
 masked SDPA (whatever backend torch picks for a boolean mask) and the compiled path's multiply-and-sum form (eager
 here), at batch 1 / 16 / 64 and 256 / 1024 / 2048 keys. One layer's attention only: the LM's step runs 24 of them.
+(3) the same from the slot cache as the decode step reads it: gathered rows then the kernels, against the kernels
+reading each row in place (`rows=`), and the gathered rows under the masked SDPA.
   usage (device, repo root, after device_setup.sh --install): python3 benchmarks/split_kv_gpu_check.py > $OUT/x.md"""
 import sys
 
@@ -67,6 +69,33 @@ def time_us(fn, iters=200):
     return a.elapsed_time(b) * 1000 / (iters // 20 * 20)
 
 
+def slot_cache_table(slots: int = 64, max_len: int = 4096) -> bool:
+    """The attention as the LM's decode step runs it, from the slot cache [slots, kvh, max_len, hd] (rows in
+    arbitrary slots): gathering `cache[rows, :, :n]` then the kernels (before session 23: Inductor's gather copy,
+    ~20 µs a layer in run 63's profile), the kernels reading each row in place (`rows=`, session 23), and the gather
+    then the masked SDPA. Prints the table; returns whether in-place equals gathered bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    ck = torch.randn(slots, KVH, max_len, HD, generator=g, device="cuda").to(torch.bfloat16)
+    cv = torch.randn(slots, KVH, max_len, HD, generator=g, device="cuda").to(torch.bfloat16)
+    print("\n| batch | keys | gather + split-KV µs | split-KV in place µs | gather + masked SDPA µs | in place / gather "
+          "| in place == gathered |")
+    print("|---|---|---|---|---|---|---|")
+    ok = True
+    for b in (1, 16, 64):
+        for n in (256, 1024, 2048):
+            q = torch.randn(b, KVH, G, HD, generator=g, device="cuda").to(torch.bfloat16)
+            rows = torch.randperm(slots, generator=g, device="cuda")[:b]
+            pos = torch.full((b,), n - 1, device="cuda")
+            gathered = lambda: dat.attention(q, ck[rows, :, :n], cv[rows, :, :n], pos)  # noqa: E731
+            in_place = lambda: dat.attention(q, ck, cv, pos, rows=rows, n_keys=n)  # noqa: E731
+            sdpa = lambda: masked_sdpa(q, ck[rows, :, :n], cv[rows, :, :n], pos)  # noqa: E731
+            same = torch.equal(gathered(), in_place())
+            ok &= same
+            t = [time_us(f) for f in (gathered, in_place, sdpa)]
+            print(f"| {b} | {n} | {t[0]:.1f} | {t[1]:.1f} | {t[2]:.1f} | {t[1] / t[0]:.2f} | {same} |")
+    return ok
+
+
 def main() -> int:
     print(f"# split-KV decode attention on {torch.cuda.get_device_name()} (torch {torch.__version__})\n")
     print("| dtype | batch | keys | max abs err vs fp32 reference | vs masked SDPA | row 0 alone == beside others |")
@@ -102,6 +131,7 @@ def main() -> int:
                     t[name] = float("nan")
             print(f"| {b} | {n} | {t['kv']:.1f} | {t['sd']:.1f} | {t['cd']:.1f} | {t['ef']:.1f} | {t['ms']:.1f} "
                   f"| {t['sd'] / t['kv']:.2f} |")
+    ok &= slot_cache_table()
     print(f"\nvalues within tolerance and row-invariant: {ok}")
     return 0 if ok else 1
 

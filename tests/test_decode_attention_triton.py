@@ -69,6 +69,36 @@ def test_kernels_read_strided_cache_views():
 
 
 @needs_triton
+def test_kernels_read_rows_in_place_from_the_slot_cache():
+    """`rows` (the decode step's slots, any order, repeated): each query row reads its K / V in place from the whole
+    cache — the same bits as gathering `cache[rows, :, :n]` first, for positions inside, on and past `n_keys`."""
+    g = torch.Generator().manual_seed(8)
+    cache_k = torch.randn(6, KVH, 256, HD, generator=g)
+    cache_v = torch.randn(6, KVH, 256, HD, generator=g)
+    q = torch.randn(5, KVH, G, HD, generator=g)
+    rows = torch.tensor([4, 0, 4, 5, 2])
+    pos = torch.tensor([5, 129, 64, 190, 300])
+    n = 192
+    got = dat.attention(q, cache_k, cache_v, pos, rows=rows, n_keys=n)
+    want = dat.attention(q, cache_k[rows, :, :n], cache_v[rows, :, :n], pos)
+    assert torch.equal(got, want)
+    assert torch.equal(dat.split_kv_decode_attention_slots(q, cache_k, cache_v, rows, pos, n), got)
+    with pytest.raises(ValueError, match="n_keys 300 outside 1..256"):
+        dat.attention(q, cache_k, cache_v, pos, rows=rows, n_keys=300)
+
+
+def test_slots_op_reference_equals_the_gathered_reference(monkeypatch):
+    """Without the kernels (CI's CPU torch) the slot-cache op is the reference over the gathered rows."""
+    monkeypatch.setattr(dat, "runs_on", lambda t: False)
+    g = torch.Generator().manual_seed(9)
+    cache_k, cache_v = torch.randn(4, KVH, 80, HD, generator=g), torch.randn(4, KVH, 80, HD, generator=g)
+    q = torch.randn(3, KVH, G, HD, generator=g)
+    slots, pos = torch.tensor([3, 1, 3]), torch.tensor([10, 63, 70])
+    got = dat.split_kv_decode_attention_slots(q, cache_k, cache_v, slots, pos, 64)
+    assert torch.equal(got, dat.reference(q, cache_k[slots, :, :64], cache_v[slots, :, :64], pos))
+
+
+@needs_triton
 def test_row_bits_do_not_depend_on_neighbours_or_rung():
     q, k, v = _case(6, 256, seed=3)
     pos = torch.tensor([10, 200, 99, 255, 64, 130])
@@ -93,32 +123,33 @@ def _tiny_lm():
     return llm
 
 
-def _decode_logits(llm, impl, steps=3):
-    """Prefill 3 rows of different lengths, then `steps` decode steps; the logits of each step."""
+def _decode_logits(llm, impl, steps=3, slots=(0, 1, 2)):
+    """Prefill 3 rows of different lengths into `slots`, then `steps` decode steps; the logits of each step."""
     llm.decode_attention_impl = impl
     g = torch.Generator().manual_seed(5)
     h = llm.config.qwen.hidden_size
     lengths = [5, 17, 9]
     with torch.inference_mode():
         emb = torch.randn(3, max(lengths), h, generator=g)
-        llm.prefill(emb, torch.tensor(lengths), torch.tensor([0, 1, 2]))
+        llm.prefill(emb, torch.tensor(lengths), torch.tensor(slots))
         out, pos = [], torch.tensor(lengths)
         for _ in range(steps):
-            out.append(llm.decode(torch.tensor([7, 8, 9]), torch.tensor([0, 1, 2]), pos, kv_len=64))
+            out.append(llm.decode(torch.tensor([7, 8, 9]), torch.tensor(slots), pos, kv_len=64))
             pos = pos + 1
     return out
 
 
+@pytest.mark.parametrize("slots", [(0, 1, 2), (3, 0, 2)])
 @pytest.mark.parametrize("kernels", [False, True])
-def test_lm_decode_with_split_kv_equals_sdpa(monkeypatch, kernels):
+def test_lm_decode_with_split_kv_equals_sdpa(monkeypatch, kernels, slots):
     if kernels and not dat.available():
         pytest.skip("Triton is not installed: the torch reference path only")
     if not kernels:
         monkeypatch.setattr(dat, "runs_on", lambda t: False)
     llm = _tiny_lm()
-    ref = _decode_logits(llm, "sdpa")
+    ref = _decode_logits(llm, "sdpa", slots=slots)
     llm = _tiny_lm()
-    got = _decode_logits(llm, "split_kv")
+    got = _decode_logits(llm, "split_kv", slots=slots)
     assert llm.decode_attention_impl == "split_kv"
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -143,7 +174,7 @@ def test_compile_keeps_the_op_opaque(monkeypatch):
 def test_scheduler_config_names_a_bad_decode_attention():
     from cosytrt.runtime.scheduling.config import SchedulerConfig, config_overrides
 
-    with pytest.raises(InputError, match="ar_decode_attention must be one of sdpa, split_kv"):
+    with pytest.raises(InputError, match="ar_decode_attention must be one of auto, sdpa, split_kv"):
         SchedulerConfig(ar_decode_attention="flash")
     assert config_overrides(["ar_decode_attention=split_kv"]) == {"ar_decode_attention": "split_kv"}
 
@@ -168,3 +199,50 @@ def test_scheduler_with_split_kv_gives_the_same_tokens_on_cpu(monkeypatch):
         finally:
             tts.close()
     assert tokens["sdpa"] == tokens["split_kv"]
+
+
+def test_auto_decode_attention_is_split_kv_on_cuda_with_triton_only(monkeypatch):
+    """The default ("auto") resolves per device: sdpa on the CPU, split_kv on CUDA where Triton imports (run 63),
+    sdpa there without Triton; an explicit choice is kept."""
+    from cosytrt.runtime.scheduling.config import SchedulerConfig
+
+    cfg = SchedulerConfig()
+    assert cfg.ar_decode_attention == "auto"
+    assert cfg.decode_attention_for("cpu") == "sdpa"
+    monkeypatch.setattr(dat, "available", lambda: True)
+    assert cfg.decode_attention_for("cuda") == "split_kv"
+    assert SchedulerConfig(ar_decode_attention="sdpa").decode_attention_for("cuda") == "sdpa"
+    monkeypatch.setattr(dat, "available", lambda: False)
+    assert cfg.decode_attention_for("cuda") == "sdpa"
+    assert SchedulerConfig(ar_decode_attention="split_kv").decode_attention_for("cpu") == "split_kv"
+
+
+def test_compiled_decode_reads_the_slot_cache_in_place(monkeypatch):
+    """The tiny LM's decode step with split_kv under torch.compile (Inductor, CPU; the op's torch reference inside):
+    the same logits and KV cache as eager, the op reading the cache after the step's own K / V write, and no copy of
+    the whole cache in Inductor's code (its index_put into the cache stays in place, the op takes the buffer)."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(dat, "runs_on", lambda t: False)
+    slots = (3, 0, 2)
+    eager = _tiny_lm()
+    want = _decode_logits(eager, "split_kv", steps=1, slots=slots)[0]
+    llm = _tiny_lm()
+    llm.decode_attention_impl = "split_kv"
+    g = torch.Generator().manual_seed(5)
+    lengths = [5, 17, 9]
+    with torch.inference_mode():
+        emb = torch.randn(3, max(lengths), llm.config.qwen.hidden_size, generator=g)
+        llm.prefill(emb, torch.tensor(lengths), torch.tensor(slots))
+        fn = torch.compile(llm.decode, fullgraph=True)
+        got, code = run_and_get_code(fn, torch.tensor([7, 8, 9]), torch.tensor(slots), torch.tensor(lengths),
+                                     kv_len=64)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for a, b in zip(llm.backbone.layers, eager.backbone.layers):
+        torch.testing.assert_close(a.self_attn.kv_cache.k, b.self_attn.kv_cache.k, rtol=1e-4, atol=1e-4)
+    shape = tuple(llm.backbone.layers[0].self_attn.kv_cache.k.shape)
+    src = "\n".join(code)
+    assert "split_kv_decode_attention_slots" in src
+    allocs = [line for line in src.splitlines() if "empty_strided" in line and str(shape).replace(" ", "") in
+              line.replace(" ", "")]
+    assert not allocs, f"a copy of the whole KV cache per step: {allocs[:2]}"

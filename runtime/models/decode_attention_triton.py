@@ -26,7 +26,12 @@ was slower than the fused SDPA except at batch 1 with 1024+ keys: 18 / 45 / 150 
 16 rows. This version (one tensor-core tile per split, no inner loop; run 62, H100) takes 4.7 / 10.5 / 20.6 µs per
 layer at batch 1 / 16 / 64 and 256 / 1024 / 1024 keys against SDPA's 15.3 / 27.6 / 30.4 (2.5-3.2x faster up to 16
 rows, even at 64 rows and 2048 keys), with the same values and row invariance; the uncompiled full-size LM's step is
-6-7 % shorter with it. Off by default until the compiled LM and the open-loop cells are measured with it.
+6-7 % shorter with it. In the compiled variant at 12 req/s of mixed streams on an H200 it delivered 1.12x the audio of
+SDPA (run 63), so the scheduler takes it on CUDA by default (`SchedulerConfig.ar_decode_attention` "auto").
+
+The decode step calls `split_kv_decode_attention_slots`: the kernels read each row's K / V in place from its slot of
+the cache (`rows=`), where gathering `cache[slots, :, :n]` first was one more copy of every row's K / V per layer
+(Inductor's gather kernel, ~20 µs a layer call in run 63's profile, as long as the attention itself); the same bits.
 """
 from __future__ import annotations
 
@@ -53,15 +58,20 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def split_kernel(Q, K, V, POS, M, L, ACC, g_real, n_keys, n_splits, scale,
+    def split_kernel(Q, K, V, ROWS, POS, M, L, ACC, g_real, n_keys, n_splits, scale,
                      sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-                     HD: tl.constexpr, GP: tl.constexpr, SPL: tl.constexpr, PREC: tl.constexpr):
+                     HD: tl.constexpr, GP: tl.constexpr, SPL: tl.constexpr, PREC: tl.constexpr,
+                     INDIRECT: tl.constexpr):
         s_id = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.program_id(2)
         end = tl.minimum(tl.load(POS + b) + 1, n_keys)   # keys 0..position of this row (never past the view)
         lo = s_id * SPL
         if lo < end:                                     # a split past the row's end: nothing to read or write
+            if INDIRECT:
+                kb = tl.load(ROWS + b)                   # the row of K / V this query row reads (its KV slot)
+            else:
+                kb = b
             g = tl.arange(0, GP)
             d = tl.arange(0, HD)
             jj = lo + tl.arange(0, SPL)
@@ -69,13 +79,13 @@ def _kernels():
             gm = g < g_real                                  # the real query heads (the rest pad tl.dot's rows)
             q = tl.load(Q + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :], mask=gm[:, None],
                         other=0.0)                                                    # [GP, HD], cache dtype
-            kt = tl.load(K + b * sk_b + h * sk_h + jj[None, :] * sk_n + d[:, None], mask=jm[None, :],
+            kt = tl.load(K + kb * sk_b + h * sk_h + jj[None, :] * sk_n + d[:, None], mask=jm[None, :],
                          other=0.0)                                                   # [HD, SPL]
             s = tl.dot(q, kt, input_precision=PREC) * scale                           # [GP, SPL] fp32
             s = tl.where(jm[None, :], s, float("-inf"))
             m = tl.max(s, axis=1)
             p = tl.exp(s - m[:, None])
-            v = tl.load(V + b * sv_b + h * sv_h + jj[:, None] * sv_n + d[None, :], mask=jm[:, None],
+            v = tl.load(V + kb * sv_b + h * sv_h + jj[:, None] * sv_n + d[None, :], mask=jm[:, None],
                         other=0.0)                                                    # [SPL, HD]
             acc = tl.dot(p.to(v.dtype), v, input_precision=PREC)                      # [GP, HD] fp32
             base = (b * tl.num_programs(1) + h) * n_splits + s_id                      # [B, kvh, splits] order
@@ -131,14 +141,20 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     return torch.einsum("bhgn,bhnd->bhgd", probs, v.float()).to(q.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+              rows: torch.Tensor | None = None, n_keys: int | None = None) -> torch.Tensor:
     """q [B, kvh, G, hd] (G query heads per kv head), k / v [B, kvh, n, hd] (any strides with a unit last one, e.g.
     a view of the slot cache), positions [B] (row b attends keys 0..positions[b]; a position >= n attends all n, as
-    the mask would) -> [B, kvh, G, hd]. The head dim must be a power of two, at least 16 (tl.dot's smallest K)."""
+    the mask would) -> [B, kvh, G, hd]. The head dim must be a power of two, at least 16 (tl.dot's smallest K).
+    `rows` [B] (with `n_keys`): k / v are the whole slot cache [slots, kvh, max_len, hd] and query row b reads its
+    K / V in place from row rows[b], keys 0..min(positions[b], n_keys - 1) — the same values as gathering
+    `k[rows, :, :n_keys]` first, without that copy (a read and write of every row's K / V, every layer)."""
     b, kvh, g, hd = q.shape
-    n = k.shape[2]
+    n = k.shape[2] if rows is None else int(n_keys)
     if not supports(q, k, v):
         raise ValueError(f"split-KV decode attention: head dim {hd} must be a power of two >= 16 with unit stride")
+    if rows is not None and not 0 < n <= k.shape[2]:
+        raise ValueError(f"split-KV decode attention: n_keys {n} outside 1..{k.shape[2]}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
@@ -148,12 +164,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     lse = torch.empty_like(m)
     acc = torch.empty((b, kvh, splits, gp, hd), dtype=torch.float32, device=q.device)
     pos = positions.to(device=q.device, dtype=torch.int64).contiguous()
+    indirect = rows is not None
+    rows = rows.to(device=q.device, dtype=torch.int64).contiguous() if indirect else pos  # (unread when direct)
     split_kernel, merge_kernel = _kernels()
     split_kernel[(splits, kvh, b)](
-        q, k, v, pos, m, lse, acc, g, n, splits, 1.0 / math.sqrt(hd),
+        q, k, v, rows, pos, m, lse, acc, g, n, splits, 1.0 / math.sqrt(hd),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), HD=hd, GP=gp, SPL=SPLIT,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", INDIRECT=indirect, num_warps=4)
     merge_kernel[(kvh, b)](pos, m, lse, acc, out, g, n, splits, out.stride(0), out.stride(1), out.stride(2),
                            HD=hd, GP=gp, SPL=SPLIT, num_warps=4)
     return out
@@ -170,4 +188,22 @@ def split_kv_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @split_kv_decode_attention.register_fake
 def _(q, k, v, positions):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("cosytrt::split_kv_decode_attention_slots", mutates_args=())
+def split_kv_decode_attention_slots(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                    slots: torch.Tensor, positions: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """`attention` reading each row's K / V in place from the slot cache [slots, kvh, max_len, hd] (row b: slot
+    slots[b], keys 0..min(positions[b], n_keys - 1)), kept opaque by torch.compile: the decode step's attention
+    without gathering `cache[slots, :, :n_keys]` first (the kernels where they run, else `reference` of that
+    gather)."""
+    if runs_on(q):
+        return attention(q, k_cache, v_cache, positions, rows=slots, n_keys=n_keys)
+    idx = slots.to(k_cache.device)
+    return reference(q, k_cache[idx, :, :n_keys], v_cache[idx, :, :n_keys], positions)
+
+
+@split_kv_decode_attention_slots.register_fake
+def _(q, k_cache, v_cache, slots, positions, n_keys):
     return q.new_empty(q.shape)

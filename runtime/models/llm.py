@@ -120,9 +120,11 @@ def _keep_checkpoint_keys(module: nn.Module, fused: str, parts: tuple[str, ...])
 # REDUCE_ATTENTION_MAX_ROWS is the default of `CosyVoice3LM.reduce_attention_max_rows` (per LM instance; `decode`
 # takes an override per call, e.g. 0 for SDPA at every batch). It is read, never assigned, at run time.
 REDUCE_ATTENTION_MAX_ROWS = 2
-# The decode step's attention (`CosyVoice3LM.decode_attention_impl`): "sdpa" (the default: SDPA, or the reduce form
-# above under compile), or "split_kv": split-KV Triton kernels at every batch (decode_attention_triton.py: parallel
-# over fixed key splits, each row read up to its own length; CUDA with Triton, the torch reference elsewhere).
+# The decode step's attention (`CosyVoice3LM.decode_attention_impl`): "sdpa" (the module's default: SDPA, or the
+# reduce form above under compile), or "split_kv": split-KV Triton kernels at every batch (decode_attention_triton.py:
+# parallel over fixed key splits, each row read up to its own length and in place from its KV slot; CUDA with Triton,
+# the torch reference elsewhere). The scheduler picks split_kv on CUDA by default (SchedulerConfig.ar_decode_attention
+# "auto").
 DECODE_ATTENTION_IMPLS = ("sdpa", "split_kv")
 
 
@@ -165,13 +167,19 @@ class Attention(nn.Module):
             else:
                 self.kv_cache.write_one(slots, positions, k, v)
                 n = self.kv_cache.max_len if kv_len is None else kv_len
+                group = self.num_heads // self.num_kv_heads
+                if self.decode_impl == "split_kv" and not rows_are_slots:
+                    # the split-KV kernels read each row's K / V in place from its slot (no gathered copy)
+                    out = _split_kv.split_kv_decode_attention_slots(
+                        q.reshape(b, self.num_kv_heads, group, self.head_dim), self.kv_cache.k, self.kv_cache.v,
+                        slots, positions, n)
+                    return self.o_proj(out.reshape(b, 1, self.num_heads * self.head_dim))
                 if rows_are_slots:
                     k, v = self.kv_cache.k[:b, :, :n], self.kv_cache.v[:b, :, :n]
                 else:
                     k, v = self.kv_cache.k[slots, :, :n], self.kv_cache.v[slots, :, :n]
                 # One query per row: fold each kv head's query group into the query axis instead of
                 # repeating K/V per query head (same result, no [B, heads, n, hd] copies).
-                group = self.num_heads // self.num_kv_heads
                 out = decode_attention(q.reshape(b, self.num_kv_heads, group, self.head_dim), k, v, mask,
                                        reduce_max_rows, positions if self.decode_impl == "split_kv" else None)
                 return self.o_proj(out.reshape(b, 1, self.num_heads * self.head_dim))

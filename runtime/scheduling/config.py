@@ -4,8 +4,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from ...engines.errors import InputError
 from ..models.llm import DECODE_ATTENTION_IMPLS
+
+DECODE_ATTENTION_CHOICES = ("auto",) + DECODE_ATTENTION_IMPLS
 
 MAX_DECODE_STEPS = 32  # ar_decode_steps: LM steps one multi-step graph holds, at most
 
@@ -135,15 +139,16 @@ class SchedulerConfig:
     # yet measured on a GPU (`benchmarks/session19_call.sh`, CALL=shed)
     shed_lag_s: float = 0.0
     # The LM decode step's attention (`CosyVoice3LM.decode_attention_impl`): "sdpa" (fused SDPA; the reduce form for
-    # the smallest batches under compile) or "split_kv" (models/decode_attention_triton.py: split-KV Triton kernels,
-    # each row read up to its own length, parallel over fixed key splits; CUDA needs Triton). Why: at 12 req/s of
-    # mixed streams the AR's fused SDPA was the heaviest kernel of the process (run 56, ~0.7 ms of a ~1.8 ms step's
-    # kernels), ~10x above what reading K and V costs. Values agree within bf16 rounding (fp32 softmax). The first
-    # version lost on an H100 (runs 58-59: 18-297 µs a layer against SDPA's 15-47; 71.4 vs 74.0 audio s/s at 12
-    # req/s); rewritten with one tensor-core tile per split it takes 4.7-46 µs against 15-47 (2.5-3.2x faster up to
-    # 16 rows, run 62; rows still bit-identical alone and beside others) and the uncompiled LM's step 6-7 % less.
-    # "sdpa" by default until the compiled LM and open-loop cells are measured with it
-    ar_decode_attention: str = "sdpa"
+    # the smallest batches under compile), "split_kv" (models/decode_attention_triton.py: split-KV Triton kernels,
+    # each row read up to its own length, parallel over fixed key splits; CUDA needs Triton) or "auto" (the default:
+    # "split_kv" on CUDA where Triton imports, else "sdpa"; `decode_attention_for`). Why: at 12 req/s of mixed
+    # streams the AR's fused SDPA was the heaviest kernel of the process (run 56, ~0.7 ms of a ~1.8 ms step's
+    # kernels), ~10x above what reading K and V costs. Values agree within bf16 rounding (fp32 softmax); a row's bits
+    # are the same alone and beside others. The first version lost on an H100 (runs 58-59); rewritten with one
+    # tensor-core tile per split it takes 4.7-46 µs a layer against SDPA's 15-47 (run 62), and in the compiled
+    # variant at 12 req/s of mixed streams on the H200 it delivered 60.5 vs 54.0 audio s/s, TTFA p50 2.4 vs 3.6 s
+    # (run 63; 40 s streams at 3 req/s: the same, 46.6 vs 46.8)
+    ar_decode_attention: str = "auto"
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
     ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)
@@ -195,9 +200,21 @@ class SchedulerConfig:
             raise InputError(f"SchedulerConfig.flow_cache_budget_bytes must be None or an int >= 0, got {b!r}")
         if self.max_padding_waste < 1:
             raise InputError(f"SchedulerConfig.max_padding_waste must be >= 1, got {self.max_padding_waste!r}")
-        if self.ar_decode_attention not in DECODE_ATTENTION_IMPLS:
-            raise InputError(f"SchedulerConfig.ar_decode_attention must be one of {', '.join(DECODE_ATTENTION_IMPLS)}, "
-                             f"got {self.ar_decode_attention!r}")
+        if self.ar_decode_attention not in DECODE_ATTENTION_CHOICES:
+            raise InputError(f"SchedulerConfig.ar_decode_attention must be one of "
+                             f"{', '.join(DECODE_ATTENTION_CHOICES)}, got {self.ar_decode_attention!r}")
+
+    def decode_attention_for(self, device) -> str:
+        """The decode attention the LM runs on `device` (one of DECODE_ATTENTION_IMPLS): "auto" is "split_kv" on
+        CUDA where Triton imports, else "sdpa"; an explicit choice stays as it is (the scheduler refuses "split_kv"
+        on CUDA without Triton)."""
+        if self.ar_decode_attention != "auto":
+            return self.ar_decode_attention
+        if torch.device(device).type != "cuda":
+            return "sdpa"
+        from ..models import decode_attention_triton
+
+        return "split_kv" if decode_attention_triton.available() else "sdpa"
 
 
 def config_overrides(items, what: str = "scheduler setting", reserved: dict | None = None) -> dict:

@@ -68,13 +68,14 @@ def make_ar_runner(models, config: SchedulerConfig, device, engine_set=None) -> 
             return TrtllmARRunner.from_engine_set(engine_set.folder, engine_set.manifest, cfg.ar_max_batch,
                                                   cfg.ar_max_len or default_max_len(models), device)
     models.llm.batch_invariant = cfg.batch_invariant  # before any compile / graph capture of its calls
-    if cfg.ar_decode_attention == "split_kv" and torch.device(device).type == "cuda":
+    impl = cfg.decode_attention_for(device)
+    if impl == "split_kv" and torch.device(device).type == "cuda":
         from ..models import decode_attention_triton
 
         if not decode_attention_triton.available():
             raise InputError("SchedulerConfig.ar_decode_attention='split_kv' needs Triton on CUDA, and it is not "
                              "installed: use 'sdpa'")
-    models.llm.decode_attention_impl = cfg.ar_decode_attention
+    models.llm.decode_attention_impl = impl
     runner = TorchARRunner(models.llm, cfg.ar_max_batch, cfg.ar_max_len or default_max_len(models), device,
                            cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, graph_batches=cfg.ar_graph_batches,
                            prefill_graph_batches=cfg.ar_prefill_graph_batches,
