@@ -257,6 +257,13 @@ def test_stats_delta_reads_what_is_there():
                      {"ar": {"decode_steps": 30, "decode_rows": 75, "sampled_graph_replays": 15}}, 1.0)["ar_steps"]
     assert ar["decode_steps"] == 20 and ar["rows_per_step"] == 3.0 and ar["sampled_share"] == 0.75
     assert bare["ar_steps"]["decode_steps"] is None and "rows_per_step" not in bare["ar_steps"]
+    assert bare["prefix_pool"] is None
+    pool = stats_delta({"dit": {"flow_cache": {"cached_hops": 100, "fallback_hops": 10, "whole_hops": 1}}},
+                       {"dit": {"flow_cache": {"cached_hops": 300, "fallback_hops": 90, "whole_hops": 3,
+                                               "peak_bytes": 59.9e9, "budget_bytes": 60e9}}}, 1.0)["prefix_pool"]
+    assert pool == {"cached_hops": 200, "fallback_hops": 80, "whole_hops": 2, "peak_bytes": 59.9e9,
+                    "budget_bytes": 60e9}
+    assert report._pool(pool) == "80 / 202, 59.9 / 60.0" and report._pool(None) == "-"
 
 
 def test_allocator_events_and_their_report_cells(monkeypatch):

@@ -160,7 +160,20 @@ def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
             "buckets": buckets if sa else None, "ar_steps": ar,
             "fallbacks": sum(b["fallbacks"] for b in buckets.values()) if sa else None,
             "fallback_reasons": reasons, "fallback_shapes": fallback_shapes, "dit_frames": frames, "dit_calls": kinds,
-            "cached_hops": cached_hops_delta(before, after)}
+            "cached_hops": cached_hops_delta(before, after), "prefix_pool": prefix_pool_delta(before, after)}
+
+
+def prefix_pool_delta(before: dict, after: dict) -> dict | None:
+    """The flow prefix pool in a cell: hops planned against it and those that fell back (their commit did not fit the
+    budget: they recompute past their request's stalled prefix at every later hop), and the pool's peak bytes so far
+    (a peak has no per-cell delta) against its budget. None without a pool."""
+    fa = (after.get("dit") or {}).get("flow_cache") or {}
+    if not fa:
+        return None
+    fb = (before.get("dit") or {}).get("flow_cache") or {}
+    out = {k: (fa.get(k) or 0) - (fb.get(k) or 0) for k in ("cached_hops", "fallback_hops", "whole_hops")}
+    out.update(peak_bytes=fa.get("peak_bytes"), budget_bytes=fa.get("budget_bytes"))
+    return out
 
 
 def _time_deltas(before: dict, after: dict, key: str):

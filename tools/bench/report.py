@@ -298,7 +298,8 @@ def open_loop_tables(res: dict) -> str:
                         + [((c.get("buckets") or {}).get(sm) or {}).get("hit_rate") for sm in sms]
                         + [c.get("fallbacks"), frames.get("frames_computed"), frames.get("frames_reused"),
                            c.get("compiles"), c.get("peak_gpu_gb"), _p50_p95(c.get("gil_wait_ms")),
-                           _util(c.get("gpu_util_pct")), _ar_steps(c.get("ar_steps")), _alloc(c.get("cuda_alloc"))])
+                           _util(c.get("gpu_util_pct")), _ar_steps(c.get("ar_steps")), _alloc(c.get("cuda_alloc")),
+                           _pool(c.get("prefix_pool"))])
     parts = [head + "\n\n" + _md(
         ["setting", "req/s", "offered audio s/s", "achieved", "delivered (with drain)", "streams/offline", "TTFA p50 s",
          "TTFA p95 s", "TTFA p99 s", "inter-chunk p95 s", "streams with underrun", "underrun fraction", "stall s",
@@ -310,7 +311,8 @@ def open_loop_tables(res: dict) -> str:
                                    + ["eager fallbacks", "DiT frames computed", "DiT frames reused", "compiles",
                                       "peak GB", "GIL wait p50 / p95 ms", "GPU util mean / p50 %",
                                       "AR rows/step, sampled in graph (held / paced s)",
-                                      "alloc retries / cudaFree"], res_rows))
+                                      "alloc retries / cudaFree",
+                                      "prefix pool: hops fallen back / planned, peak / budget GB"], res_rows))
     parts += _open_loop_table(
         cells, "host", lambda c: _host_row(c["host"]),
         "**Open loop: the worker threads' host time inside their batches** (`StageClock.host_s`: wall and CPU seconds "
@@ -505,6 +507,16 @@ def _ar_steps(d) -> str:
 def _alloc(d) -> str:
     """The CUDA caching allocator's retries / cudaFree calls in a cell ('-' on CPU or before they were recorded)."""
     return "-" if not d else f"{d['num_alloc_retries']} / {d['num_device_free']}"
+
+
+def _pool(d) -> str:
+    """The flow prefix pool in a cell: hops that fell back (no room to commit) / hops planned against it, and its
+    peak / budget GB so far ('-' without a pool or before it was recorded)."""
+    if not d:
+        return "-"
+    planned = (d.get("cached_hops") or 0) + (d.get("whole_hops") or 0)
+    gb = lambda b: "-" if b is None else f"{b / 1e9:.1f}"  # noqa: E731
+    return f"{d.get('fallback_hops') or 0} / {planned}, {gb(d.get('peak_bytes'))} / {gb(d.get('budget_bytes'))}"
 
 
 def _calls(d) -> str:
