@@ -92,6 +92,14 @@ def test_static_buffers_allocated_with_the_first_bucket(flow):
     graphs.capture_all(store, step_consts(flow, "cpu", torch.float32))
     assert graphs.static_bytes > 0 and graphs.counts["captured"] == len(graphs.grid.keys())
     assert graphs.stats()["capture_failed"] == 0
+    # the fixed arena holds GRAPH_ARENA_SLOTS rows mid-solve before rows go eager (run 63: 64 were too few at load)
+    from cosytrt.runtime.stages.flow_hop_calls import GRAPH_ARENA_SLOTS
+
+    arena = graphs.arena
+    assert arena.slots == GRAPH_ARENA_SLOTS >= 256 and not arena.growable
+    taken = [graphs.take(max(graphs.grid.frames), "cpu", torch.float32) for _ in range(GRAPH_ARENA_SLOTS)]
+    assert all(a is arena for a, _ in taken)
+    assert graphs.take(1, "cpu", torch.float32)[0] is not arena  # full: the next row's state goes to the eager arena
 
 
 def test_no_bucket_runs_eagerly_and_is_counted(flow):

@@ -294,6 +294,14 @@ class EagerHops:
             hop_step(self.fn, store, arena, meta, N, P, consts)
 
 
+# Rows a graph set's fixed arena holds at once (`CachedHopGraphs` slots): every cached hop mid-solve holds one from its
+# first Euler step to its last, and past saturation the step-level DiT keeps many started (slack-first: a newly urgent
+# hop starts while older ones wait mid-solve), so a small arena sends rows to the eager path exactly when the DiT is
+# shortest of time (run 63: 213-235 eager calls at 12 req/s with 64 slots, ~130 streams in flight). A slot is x, mu
+# and cond [80, largest new frames] plus a speaker row: ~100 KB at full size in bf16, so 256 slots cost ~25 MB.
+GRAPH_ARENA_SLOTS = 256
+
+
 class CachedHopGraphs:
     """`hop_step` captured as one CUDA graph per bucket of a `CachedGrid`, around the eager `dit.forward_cached` or
     `fn` (its compiled form). The graphs read and write one pool's `PageStore` and this set's own fixed `SolveArena`
@@ -305,7 +313,7 @@ class CachedHopGraphs:
     memory (their calls run eagerly)."""
 
     def __init__(self, dit, grid: CachedGrid, device, dtype=None, fn: Optional[Callable] = None,
-                 graphs: Optional[bool] = None, slots: int = 64):
+                 graphs: Optional[bool] = None, slots: int = GRAPH_ARENA_SLOTS):
         self.dit, self.grid = dit, grid
         self.fn = fn or dit.forward_cached
         self.device = _device(device)
