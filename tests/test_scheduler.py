@@ -345,12 +345,14 @@ def test_cached_hop_graphs_in_scheduler(tts, speakers):
     assert st["frames_reused"] > 0 and hg["hits"] > 0 and hg["misses"] == 0
 
 
-def test_step_level_cached_hops_in_scheduler(tts, speakers):
+@pytest.mark.parametrize("max_active", [0, 1])
+def test_step_level_cached_hops_in_scheduler(tts, speakers, max_active):
     """Step-level DiT scheduling with the flow prefix cache and cached-hop buckets (CPU: static buffers without the
     capture): three streams of different lengths and voices plus an offline request, submitted a little apart, so
     hops, finals and first hops of different requests meet mid-solve. Every request's audio equals Pipeline.run's
     (whole-history hops, one request at a time); cached hops ran one Euler step per call; the TTFA breakdown marks
-    are in order."""
+    are in order. The same with `dit_max_active` 1 (one job mid-solve at a time, first hops excepted: ordering
+    only)."""
     import dataclasses
 
     from cosytrt.runtime.stages.flow_hop_calls import CachedGrid, CachedHopGraphs
@@ -364,8 +366,8 @@ def test_step_level_cached_hops_in_scheduler(tts, speakers):
             make_request("Stepped hops, third.", speaker=speakers[0], seed=43, stream=True, force_tokens=60),
             make_request("Offline beside them.", speaker=speakers[1], seed=44, force_tokens=40)]
     refs = [reference(tts, r) for r in reqs]
-    sched = Scheduler(tts.pipeline, SchedulerConfig(dit_max_requests=4, hift_max_batch=4, dit_step_level=True),
-                      backends=backends)
+    sched = Scheduler(tts.pipeline, SchedulerConfig(dit_max_requests=4, hift_max_batch=4, dit_step_level=True,
+                                                    dit_max_active=max_active), backends=backends)
     try:
         handles = []
         for r in reqs:

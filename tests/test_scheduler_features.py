@@ -328,6 +328,40 @@ def test_pick_dit_step_lets_a_first_hop_overtake_a_final_mid_solve():
     assert pick_dit_group([hop], replace(cfg, dit_max_wait_ms=1e6), now, True)[0] == []
 
 
+
+def test_dit_max_active_bounds_the_jobs_mid_solve_but_not_first_hops():
+    """`dit_max_active`: with that many jobs mid-solve a queued job does not start (the call advances the started
+    ones), except a stream's first job; 0 (the default) starts the most urgent job whatever is mid-solve."""
+    from cosytrt.engines.errors import InputError
+    from cosytrt.runtime.scheduling.policies import pick_dit_step
+
+    now = 100.0
+    kinds = {}
+
+    def job(name, t_submit, first=False, ttfa=0.5, audio=1.0):
+        j = _DJob(name, _metrics(t_submit=t_submit, ttfa=None if first else ttfa, audio_seconds=0.0 if first else audio),
+                  True, False, 300)
+        j.first = first
+        kinds[name] = ("cached", 100)
+        return j
+
+    a, b = job("a", 90.0, audio=40.0), job("b", 91.0, audio=40.0)  # mid-solve, far ahead of their listeners
+    urgent = job("urgent", 99.0, audio=0.6)                          # queued, its listener about to run dry
+    describe = lambda j: kinds[j.name]  # noqa: E731
+    cap = lambda k: 1  # noqa: E731 - one row per call: the most urgent job alone
+    group, _ = pick_dit_step([urgent], [a, b], SchedulerConfig(), now, True, describe, cap)
+    assert [j.name for j in group] == ["urgent"]                     # no bound: it starts
+    bounded = SchedulerConfig(dit_max_active=2)
+    group, _ = pick_dit_step([urgent], [a, b], bounded, now, True, describe, cap)
+    assert group and group[0].name in ("a", "b")                     # at the bound: a started job advances
+    assert [j.name for j in pick_dit_step([urgent], [a], bounded, now, True, describe, cap)[0]] == ["urgent"]
+    first = job("first", 99.9, first=True)                           # a new stream's first hop still starts
+    group, _ = pick_dit_step([first], [a, b], bounded, now, True, describe, cap)
+    assert [j.name for j in group] == ["first"]
+    with pytest.raises(InputError, match="dit_max_active must be an int >= 0"):
+        SchedulerConfig(dit_max_active=-1)
+
+
 def test_dit_step_level_keeps_the_audio_and_steps_rows_together(tts, speaker):
     """Step-level DiT scheduling only changes which rows share an estimator call (each row's Euler arithmetic is
     the solve's): every request's audio equals the whole-call schedule within the flow's batching bound."""

@@ -76,6 +76,13 @@ class SchedulerConfig:
     # 8-12 req/s cells while the GPU had a kernel running 43-46 % of the time), at the cost of a newly ready first
     # hop queueing behind that many launched steps. Ordering only (the same audio). Not yet run on the GPU
     dit_steps_ahead: int = 1
+    # with dit_step_level: jobs mid-solve at most before a queued job may start (0: no bound, the default). Past
+    # saturation the slack-first step-level DiT keeps starting newly urgent jobs while older ones wait mid-solve, and
+    # each started cached hop holds a solver-arena slot and its commit's prefix-pool pages (run 63: the 40 s cell's
+    # pool full, a third of its hops falling back; 213-235 arena misses at 12 req/s mixed); with a bound, only a
+    # stream's first job (its listener has nothing yet) starts beyond it, the rest wait for mid-solve jobs to finish.
+    # Ordering only (the same audio). Not yet run on a GPU: an A/B lever for the overloaded cells
+    dit_max_active: int = 0
     # the decode step's sampling (stop masks, RAS) captured in the decode CUDA graphs after the LM step
     # (`models.sampling.StaticSampler`): a step is one replay and one read of the ids, ~35 fewer kernel launches and
     # their Python on the AR thread. Exact (the same ids: tests/test_sampling_exact.py, test_ar_graphs.py, on an H100
@@ -188,6 +195,9 @@ class SchedulerConfig:
             raise InputError(f"SchedulerConfig.max_waiting must be None or an int >= 0, got {w!r}")
         if self.ar_max_len is not None and (not isinstance(self.ar_max_len, int) or self.ar_max_len < 1):
             raise InputError(f"SchedulerConfig.ar_max_len must be a positive int or None, got {self.ar_max_len!r}")
+        if not isinstance(self.dit_max_active, int) or isinstance(self.dit_max_active, bool) or self.dit_max_active < 0:
+            raise InputError(f"SchedulerConfig.dit_max_active must be an int >= 0 (0: no bound), got "
+                             f"{self.dit_max_active!r}")
         for name in ("submit_timeout_s", "dit_max_wait_ms", "hift_max_wait_ms", "ar_first_audio_hold_ms",
                      "ar_pace_lead_s", "shed_lag_s"):
             if getattr(self, name) < 0:

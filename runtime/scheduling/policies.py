@@ -184,12 +184,15 @@ def pick_dit_step(queue: list, active: list, cfg: SchedulerConfig, now: float, m
     (`describe`: cached hops, whole-history hops and full-attention finals never share a call); rows of that kind,
     active or queued, grouped by cost around it, take the step together, at most `cap(kind)`. So a first hop that
     becomes ready joins at the next step instead of waiting for every step of a long final, and a final makes
-    progress as soon as its stream's playback slack is the least. While rows are mid-solve nothing waits."""
+    progress as soon as its stream's playback slack is the least. While rows are mid-solve nothing waits. With
+    `cfg.dit_max_active` and that many jobs mid-solve, only a stream's first job may start."""
     describe = describe or _job_kind
     if not active:
         return pick_dit_group(queue, cfg, now, more_coming, describe, cap, first_audio_now=cfg.dit_first_now)
     busy = {id(j.r) for j in active}
     ready = [j for j in first_per_request(queue) if id(j.r) not in busy]
+    if cfg.dit_max_active and len(active) >= cfg.dit_max_active:
+        ready = [j for j in ready if j.first]  # at the bound only a stream's first job starts (`dit_max_active`)
     order = dit_order(ready + list(active), now, cfg.dit_slack_priority)
     anchor = order[0]
     kind = describe(anchor)[0]
