@@ -246,3 +246,15 @@ def test_inference_batch_is_exact_per_row(hift, rows, finalize):
         assert w.shape == solo.shape
         assert (w - solo).abs().max().item() <= 1e-5
     assert hift.inference_batch([], finalize) == []
+
+
+def test_hift_tf32_is_opt_in(monkeypatch):
+    """cuDNN's TF32 for the HiFT's fp32 convolutions only with COSYTRT_HIFT_TF32=1 (the pipeline turns it off on CUDA
+    otherwise: the golden wav tolerance is 2e-3 and TF32 has not been checked against it on a GPU)."""
+    from cosytrt.runtime.stages.pipeline import HIFT_TF32_ENV, hift_tf32
+
+    monkeypatch.delenv(HIFT_TF32_ENV, raising=False)
+    assert hift_tf32() is False
+    for value, want in (("1", True), ("0", False), ("yes", False)):
+        monkeypatch.setenv(HIFT_TF32_ENV, value)
+        assert hift_tf32() is want

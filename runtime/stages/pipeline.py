@@ -21,6 +21,18 @@ from .backends import StageBackends
 from .token2wav import Token2Wav
 
 
+# Opt-in: "1" keeps cuDNN's TF32 convolutions on for the HiFT's fp32 convolutions (not measured against the golden
+# tolerances on a GPU yet: `benchmarks/hift_tf32_check.py`). Under load those convolutions run on CUDA cores (ffma
+# implicit-GEMM kernels): 10-16 % of the device's wall time in run 63's 12 req/s kernel profiles (the vocoder
+# thread's kernels 16-24 %).
+HIFT_TF32_ENV = "COSYTRT_HIFT_TF32"
+
+
+def hift_tf32() -> bool:
+    """Whether cuDNN may run the HiFT's fp32 convolutions in TF32 (`COSYTRT_HIFT_TF32=1`; off by default)."""
+    return os.environ.get(HIFT_TF32_ENV, "0") == "1"
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -40,8 +52,8 @@ class Pipeline:
         self.device = next(models.llm.parameters()).device
         if self.device.type == "cuda":
             # HiFT runs in float32 and its sine-source phase is sensitive: keep cuDNN convolutions out of TF32
-            # (the LM and DiT run in bf16/fp16, which TF32 does not affect)
-            torch.backends.cudnn.allow_tf32 = False
+            # (the LM and DiT run in bf16/fp16, which TF32 does not affect) unless asked (`HIFT_TF32_ENV`)
+            torch.backends.cudnn.allow_tf32 = hift_tf32()
 
     def set_backends(self, backends: StageBackends) -> None:
         """Run the DiT / HiFT stages through `backends` from now on (the eager reference: `StageBackends()`)."""
