@@ -33,6 +33,9 @@
 #     sharing the GPU, apart from the lock's); it first runs benchmarks/split_kv_gpu_check.py (the kernels' values
 #     and µs per layer against SDPA, ~30 s); COMPILE=0: the LM uncompiled in its CUDA graphs (seconds, not minutes:
 #     run 61's form);
+#   CALL=checks: benchmarks/split_kv_gpu_check.py (the split-KV kernels' values and µs, table 3: the in-place slot
+#     read against the gathered copy) and benchmarks/hift_tf32_check.py (the vocoder's wav and ms with TF32 against
+#     fp32) — before CALL=mixed starts the bench process;
 #   AB=... replaces the settings, RATES=... the rates (e.g. RATES=12), DRAIN=... the drain's seconds (default 8, CALL=long
 #   42: 40 s streams need ~40 for every stream's audio to be delivered inside the cell: the slack-first DiT defers a
 #   stream's final until its listener nears it, so a short drain leaves streams unfinished though ahead). Each call waits up to WAIT_S (default 560 s)
@@ -47,6 +50,14 @@ if [ "${CALL:-}" = arstep ]; then
     (cd /tmp && python3 -m cosytrt.tools.bench.ar_step --device cuda --batches 1,8,32 --steps 100 --repeats 3 \
       --gil-load $load) 2>&1 | tail -6 | tee -a "$OUT/ar_step.md"
   done
+  exit 0
+fi
+if [ "${CALL:-}" = checks ]; then  # before the bench process: the kernels' and the vocoder's checks, ~1-3 minutes
+  source benchmarks/device_setup.sh --install || exit 1
+  (cd /tmp && timeout 120 python3 "$OLDPWD/benchmarks/split_kv_gpu_check.py") > "$OUT/split_kv_check.md" 2>&1
+  tail -14 "$OUT/split_kv_check.md"
+  (cd /tmp && timeout 150 python3 "$OLDPWD/benchmarks/hift_tf32_check.py") > "$OUT/hift_tf32.md" 2>&1
+  tail -8 "$OUT/hift_tf32.md"
   exit 0
 fi
 if [ "${CALL:-}" = attn ]; then
@@ -76,6 +87,6 @@ case "${CALL:-mixed}" in
                  --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
   c1)      args=(--rates "${RATES:-1}" --duration-s 24 --drain-s "${DRAIN:-8}"
                  --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4,ar_decode_steps=4+ar_first_audio_hold_ms=30}") ;;
-  *) echo "CALL must be mixed, long, offline, c1, mixed8, shed, hift, arstep or attn"; exit 2 ;;
+  *) echo "CALL must be mixed, long, offline, c1, mixed8, shed, hift, checks, arstep or attn"; exit 2 ;;
 esac
 JOB=${JOB:-${CALL:-mixed}} bash benchmarks/bench_job.sh "${args[@]}" "${kp[@]}"
