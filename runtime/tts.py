@@ -57,9 +57,7 @@ class TTS:
         if llm is not None and hasattr(llm, "batch_invariant"):
             llm.batch_invariant = self.scheduler_config.batch_invariant
         if llm is not None and hasattr(llm, "decode_attention_impl"):
-            weight = next(iter(llm.parameters()), None) if hasattr(llm, "parameters") else None
-            llm.decode_attention_impl = self.scheduler_config.decode_attention_for(
-                "cpu" if weight is None else weight.device)
+            llm.decode_attention_impl = self.scheduler_config.decode_attention_for(getattr(pipeline, "device", "cpu"))
         # the one admission control of this TTS: its scheduler admits through it, and so does a server over it
         self.admission = AdmissionControl.from_config(self.scheduler_config)
         self._scheduler: Scheduler | None = None

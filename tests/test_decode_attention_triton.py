@@ -126,9 +126,11 @@ def _tiny_lm():
     return llm
 
 
-def _decode_logits(llm, impl, steps=3, slots=(0, 1, 2)):
-    """Prefill 3 rows of different lengths into `slots`, then `steps` decode steps; the logits of each step."""
+def _decode_logits(llm, impl, steps=3, slots=(0, 1, 2), decode=None):
+    """Prefill 3 rows of different lengths into `slots`, then `steps` decode steps through `decode` (default
+    `llm.decode`); the logits of each step."""
     llm.decode_attention_impl = impl
+    decode = decode or llm.decode
     g = torch.Generator().manual_seed(5)
     h = llm.config.qwen.hidden_size
     lengths = [5, 17, 9]
@@ -137,7 +139,7 @@ def _decode_logits(llm, impl, steps=3, slots=(0, 1, 2)):
         llm.prefill(emb, torch.tensor(lengths), torch.tensor(slots))
         out, pos = [], torch.tensor(lengths)
         for _ in range(steps):
-            out.append(llm.decode(torch.tensor([7, 8, 9]), torch.tensor(slots), pos, kv_len=64))
+            out.append(decode(torch.tensor([7, 8, 9]), torch.tensor(slots), pos, kv_len=64))
             pos = pos + 1
     return out
 
@@ -231,15 +233,14 @@ def test_compiled_decode_reads_the_slot_cache_in_place(monkeypatch):
     eager = _tiny_lm()
     want = _decode_logits(eager, "split_kv", steps=1, slots=slots)[0]
     llm = _tiny_lm()
-    llm.decode_attention_impl = "split_kv"
-    g = torch.Generator().manual_seed(5)
-    lengths = [5, 17, 9]
-    with torch.inference_mode():
-        emb = torch.randn(3, max(lengths), llm.config.qwen.hidden_size, generator=g)
-        llm.prefill(emb, torch.tensor(lengths), torch.tensor(slots))
-        fn = torch.compile(llm.decode, fullgraph=True)
-        got, code = run_and_get_code(fn, torch.tensor([7, 8, 9]), torch.tensor(slots), torch.tensor(lengths),
-                                     kv_len=64)
+    fn, code = torch.compile(llm.decode, fullgraph=True), []
+
+    def compiled(*args, **kw):
+        out, src = run_and_get_code(fn, *args, **kw)
+        code.extend(src)
+        return out
+
+    got = _decode_logits(llm, "split_kv", steps=1, slots=slots, decode=compiled)[0]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for a, b in zip(llm.backbone.layers, eager.backbone.layers):
         torch.testing.assert_close(a.self_attn.kv_cache.k, b.self_attn.kv_cache.k, rtol=1e-4, atol=1e-4)

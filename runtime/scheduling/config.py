@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ...engines.errors import InputError
+from ..models import decode_attention_triton
 from ..models.llm import DECODE_ATTENTION_IMPLS
 
 DECODE_ATTENTION_CHOICES = ("auto",) + DECODE_ATTENTION_IMPLS
@@ -222,8 +223,6 @@ class SchedulerConfig:
             return self.ar_decode_attention
         if torch.device(device).type != "cuda":
             return "sdpa"
-        from ..models import decode_attention_triton
-
         return "split_kv" if decode_attention_triton.available() else "sdpa"
 
 

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from ...engines.errors import InputError
+from ..models import decode_attention_triton
 from ..stages.ar_runner import ARRunner, TorchARRunner, default_max_len
 from ..stages.backends import StageBackends
 from .admission import AdmissionControl, Ticket
@@ -70,8 +71,6 @@ def make_ar_runner(models, config: SchedulerConfig, device, engine_set=None) -> 
     models.llm.batch_invariant = cfg.batch_invariant  # before any compile / graph capture of its calls
     impl = cfg.decode_attention_for(device)
     if impl == "split_kv" and torch.device(device).type == "cuda":
-        from ..models import decode_attention_triton
-
         if not decode_attention_triton.available():
             raise InputError("SchedulerConfig.ar_decode_attention='split_kv' needs Triton on CUDA, and it is not "
                              "installed: use 'sdpa'")
