@@ -5,6 +5,11 @@ hop against its whole-history hop, then the memory the whole cached grid's graph
 cosytrt is importable (both APIs: segment prefixes before the paged store, pages after).
 
     python benchmarks/dit_step_gpu.py OUT.json [--model tiny] [--device cpu]     (CPU / tiny: a smoke run)
+
+--compile: the cached hops run the compiled forward_cached (CompiledDiT, scope "whole": what the compiled serving
+variant replays in its graphs) instead of the eager modules; --forms stacked,layers: each case once per K/V input form
+of `hop_step` (`SchedulerConfig.dit_kv_layer_inputs`: one [depth, ...] tensor as before session 24, or a tensor per
+layer), with the mel of the same hop compared across forms; --profile: the top kernels of a few steps per case.
 """
 from __future__ import annotations
 
@@ -42,7 +47,11 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cases", default="1:1,8:1,8:8")
     ap.add_argument("--no-capture-all", action="store_true")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--forms", default="layers", help="stacked, layers or stacked,layers")
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args(argv)
+    forms = a.forms.split(",")
     import cosytrt.runtime.stages.flow_hops as fh
     from cosytrt.runtime.models.flow import FlowInput
     from cosytrt.runtime.stages.flow_cache import FlowCachePool
@@ -55,12 +64,13 @@ def main(argv=None) -> None:
     flow = build(a.model, device, dtype)
     new_api = "hops" in inspect.signature(fh.start_cached).parameters
     grid = CachedGrid((1, 2, 4, 8), (50, 100, 200, 300), (0, 100, 200, 400, 600, 800, 1000, 1400, 1800, 2600))
-    graphs = CachedHopGraphs(flow.estimator, grid, device, dtype)
-    pool = FlowCachePool(24 << 30 if cuda else 1 << 30, prompt_cache=False)
-    if new_api:
-        graphs.bind(pool.storage(flow), fh.step_consts(flow, device, dtype))
+    fn = None
+    if a.compile:
+        from cosytrt.runtime.stages.compiled import CompiledDiT
+
+        fn = CompiledDiT.of(flow.estimator, "whole").forward_cached
     out = {"api": "pages" if new_api else "segments", "device": torch.cuda.get_device_name() if cuda else "cpu",
-           "cases": []}
+           "compiled": a.compile, "cases": []}
 
     def sync():
         if cuda:
@@ -73,10 +83,17 @@ def main(argv=None) -> None:
         return res
 
     P = 75
-    g = torch.Generator().manual_seed(0)
     vocab = flow.cfg.vocab_size
-    for case in a.cases.split(","):
+    mels_of: dict = {}
+    for form, case in [(f, c) for c in a.cases.split(",") for f in forms]:
         B, k = map(int, case.split(":"))
+        g = torch.Generator().manual_seed(B * 1000 + k)  # the same streams for every form of a case
+        graphs = CachedHopGraphs(flow.estimator, grid, device, dtype, fn=fn)
+        if hasattr(graphs, "use_layer_inputs"):
+            graphs.use_layer_inputs(form == "layers")
+        pool = FlowCachePool(24 << 30 if cuda else 1 << 30, prompt_cache=False)
+        if new_api:
+            graphs.bind(pool.storage(flow), fh.step_consts(flow, device, dtype))
         t0 = time.perf_counter()
         solves, plain = [], []
         for i in range(B):
@@ -99,7 +116,7 @@ def main(argv=None) -> None:
         with torch.inference_mode():
             fh.step_cached(flow, solves, graphs)  # warm: the bucket, fresh inputs
             sync()
-            host, steps = 0.0, solves[0].n_steps - 2
+            host, steps = 0.0, solves[0].n_steps - 2 - (3 if a.profile and cuda else 0)
             t_all = time.perf_counter()
             for _ in range(steps):
                 t = time.perf_counter()
@@ -107,19 +124,34 @@ def main(argv=None) -> None:
                 host += time.perf_counter() - t
             sync()
             wall = time.perf_counter() - t_all
+            top = None
+            if a.profile and cuda:
+                from cosytrt.tools.bench.timing import kernel_table
+
+                # the solves' next 3 steps (kernel_table: one call, then 2 profiled), so they still end at n_steps
+                top = kernel_table(lambda: fh.step_cached(flow, solves, graphs), steps=2, top=8)
             fh.step_cached(flow, solves, graphs)
             mels = fh.finish_cached(flow, solves)
             row = solves[0].plan.row
             ref = fh.flow_rows(flow, [plain[0]], True)[0]
             err = (mels[0][:, :, row.prompt_frames:row.frames] - ref).abs().max().item()
         prefix = max(sv.plan.start for sv in solves)
-        rec = dict(batch=B, prior_hops=k, prefix_frames=prefix, new_frames=max(sv.n for sv in solves),
+        other = mels_of.get(case)
+        mels_of.setdefault(case, mels[0])
+        rec = dict(form=form, batch=B, prior_hops=k, prefix_frames=prefix, new_frames=max(sv.n for sv in solves),
                    host_ms_per_step=round(1e3 * host / steps, 3), wall_ms_per_step=round(1e3 * wall / steps, 3),
-                   mel_vs_whole_max_abs=err, setup_s=round(setup_s, 1), graph_counts=dict(graphs.counts))
+                   mel_vs_whole_max_abs=err, setup_s=round(setup_s, 1), graph_counts=dict(graphs.counts),
+                   mel_vs_first_form_max_abs=None if other is None else (mels[0] - other).abs().max().item(),
+                   top_kernels=top)
         out["cases"].append(rec)
-        print(json.dumps(rec), flush=True)
+        print(json.dumps({k: v for k, v in rec.items() if k != "top_kernels"}), flush=True)
+        for kern in (top or {}).get("top", [])[:8]:
+            print("   ", json.dumps(kern)[:200], flush=True)
         for sv in solves:
             sv.plan.state.close()
+        if form != forms[-1] or case != a.cases.split(",")[-1]:
+            graphs.close()
+            del pool
     if not a.no_capture_all and cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

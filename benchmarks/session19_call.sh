@@ -33,7 +33,9 @@
 #     sharing the GPU, apart from the lock's); it first runs benchmarks/split_kv_gpu_check.py (the kernels' values
 #     and µs per layer against SDPA, ~30 s); COMPILE=0: the LM uncompiled in its CUDA graphs (seconds, not minutes:
 #     run 61's form);
-#   CALL=checks: benchmarks/split_kv_gpu_check.py (the split-KV kernels' values and µs, table 3: the in-place slot
+#   CALL=checks: benchmarks/dit_step_gpu.py --compile (the compiled cached-hop step with the stacked against the
+#     per-layer K/V inputs, session 24), benchmarks/dit_conv_check.py (the DiT's grouped conv per implementation),
+#     benchmarks/split_kv_gpu_check.py (the split-KV kernels' values and µs, table 3: the in-place slot
 #     read against the gathered copy) and benchmarks/hift_tf32_check.py (the vocoder's wav and ms with TF32 against
 #     fp32) — before CALL=mixed starts the bench process;
 #   AB=... replaces the settings, RATES=... the rates (e.g. RATES=12), DRAIN=... the drain's seconds (default 8, CALL=long
@@ -52,8 +54,15 @@ if [ "${CALL:-}" = arstep ]; then
   done
   exit 0
 fi
-if [ "${CALL:-}" = checks ]; then  # before the bench process: the kernels' and the vocoder's checks, ~1-3 minutes
+if [ "${CALL:-}" = checks ]; then  # before the bench process: the kernels' and the vocoder's checks, ~5-9 minutes
   source benchmarks/device_setup.sh --install || exit 1
+  # the compiled cached-hop step with the K/V as one [depth, ...] input (before session 24) against one per layer:
+  # ms per step, mel across forms and against the whole-history hop, top kernels (two compiles of forward_cached)
+  (cd /tmp && timeout "${DIT_STEP_S:-330}" python3 "$OLDPWD/benchmarks/dit_step_gpu.py" "$OUT/dit_step.json" --compile \
+    --forms stacked,layers --cases "${CASES:-1:1,8:1,8:20}" --profile --no-capture-all) > "$OUT/dit_step.txt" 2>&1
+  grep -v Warn "$OUT/dit_step.txt" | tail -40
+  (cd /tmp && timeout 60 python3 "$OLDPWD/benchmarks/dit_conv_check.py") > "$OUT/dit_conv.md" 2>&1
+  tail -9 "$OUT/dit_conv.md"
   (cd /tmp && timeout 120 python3 "$OLDPWD/benchmarks/split_kv_gpu_check.py") > "$OUT/split_kv_check.md" 2>&1
   tail -14 "$OUT/split_kv_check.md"
   (cd /tmp && timeout 150 python3 "$OLDPWD/benchmarks/hift_tf32_check.py") > "$OUT/hift_tf32.md" 2>&1

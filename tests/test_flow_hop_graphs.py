@@ -3,8 +3,11 @@ static buffers shared by every bucket (rows, new frames and prefix padded; stale
 buffers) equals the eager cached stream and the whole-history stream; a call no bucket holds runs eagerly (counted);
 the grid validates its lists. On CPU a bucket "replays" by calling forward_cached on its static views, which checks
 all but the CUDA capture itself (the GPU run checks that: benchmarks/, BENCHMARKS.md)."""
+import re
+
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 from cosytrt.runtime.models.flow import FlowInput
 from cosytrt.runtime.stages.flow_cache import FlowCachePool
@@ -142,10 +145,12 @@ def test_compiled_forward_cached_buckets_equal_eager(flow, scope):
     se = [pool_e.new_state() for _ in specs]
     torch._dynamo.utils.counters.clear()
     rounds = min(len(e) for e in ends)
+    sources = []
     for rnd in range(rounds):
         rows = [0, 1] if rnd % 2 == 0 else [1]  # 2-row and 1-row buckets, prefix growing
-        got = flow_rows(flow, [FlowInput(tokens[i][:ends[i][rnd] + LOOKAHEAD], *prompts[i], False, sc[i])
-                               for i in rows], True, hops=compiled)
+        inputs = [FlowInput(tokens[i][:ends[i][rnd] + LOOKAHEAD], *prompts[i], False, sc[i]) for i in rows]
+        got, src = run_and_get_code(lambda: flow_rows(flow, inputs, True, hops=compiled))
+        sources += src
         eager = flow_rows(flow, [FlowInput(tokens[i][:ends[i][rnd] + LOOKAHEAD], *prompts[i], False, se[i])
                                  for i in rows], True)
         for a, b in zip(got, eager):
@@ -153,6 +158,12 @@ def test_compiled_forward_cached_buckets_equal_eager(flow, scope):
     assert compiled.counts["misses"] == 0 and compiled.counts["hits"] >= 2, compiled.counts
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert 1 <= frames <= 3, f"{frames} graphs compiled for {rounds} hops of different buckets"
+    # each layer writes its new frames' K / V into its own input in place: no buffer of every layer's K / V
+    # ([depth, rows, prefix + new, D]) in the generated code (run 63: a slice write into one [depth, ...] input was
+    # functionalised as a copy of the whole input per layer, most of the DiT's GPU time in the 40 s cell)
+    assert sources
+    whole_kv = re.findall(r"empty_strided_\w+\(\(([^,()]+, ){2}[^,()]+ \+ [^,()]+, \d+\)", "\n".join(sources))
+    assert not whole_kv, f"{len(whole_kv)} [depth, rows, prefix + new, D] buffers in the compiled cached hop"
 
 
 @pytest.mark.parametrize("through", ["graphs", "eager"])
@@ -387,3 +398,25 @@ def test_eager_hop_runner_is_one_per_thread(flow):
     assert other[0] is not mine and other[0].fn == mine.fn
     fn = lambda *a, **k: flow.estimator.forward_cached(*a, **k)  # noqa: E731
     assert hop_runner(flow, fn=fn) is not mine and hop_runner(flow, fn=fn).fn is fn
+
+
+def test_kv_layer_inputs_switch_gives_the_same_hops(flow):
+    """`SchedulerConfig.dit_kv_layer_inputs` (the A/B switch of the per-layer K/V inputs): the stacked [depth, ...]
+    form and the per-layer form give bit-identical hops (eager: the same arithmetic), and switching drops the
+    captured buckets (they bake the form in)."""
+    P = 20
+    prompt, toks = make_prompt(flow, P, 7), make_tokens(flow, 300, 8)
+    mels = {}
+    for on in (True, False):
+        graphs = graphs_for(flow)
+        graphs.use_layer_inputs(on)
+        assert graphs.layer_inputs is on and graphs.eager.layer_inputs is on
+        st = FlowCachePool(BIG).new_state()
+        mels[on] = [flow_rows(flow, [FlowInput(toks[:upto + LOOKAHEAD], *prompt, False, st)], True, hops=graphs)[0]
+                    for upto in hop_ends(P, 300)[:3]]
+        assert graphs.counts["hits"] > 0
+        if on:
+            assert graphs.entries
+            graphs.use_layer_inputs(False)
+            assert not graphs.entries
+    assert all(torch.equal(a, b) for a, b in zip(mels[True], mels[False]))

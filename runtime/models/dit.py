@@ -334,7 +334,9 @@ class DiT(nn.Module):
         x, mu, cond [B, 80, T] and mask [B, 1, T] hold each row's new frames (right-padded); row b's first new frame
         is absolute frame offsets[b], a multiple of the chunk size, so every cached frame lies in a chunk to its
         left (all visible) and the block-causal mask among the new frames is the usual one. k_all / v_all
-        [depth, B, Tp+T, D]: rows 0..Tp-1 of each hold the post-RoPE keys and values of the cached frames
+        [depth, B, Tp+T, D], or a sequence of depth [B, Tp+T, D] tensors (what the cached-hop calls pass: under
+        torch.compile a slice write into one [depth, ...] input copies the whole input per layer, separate inputs are
+        written in place): rows 0..Tp-1 of each hold the post-RoPE keys and values of the cached frames
         (right-padded; Tp = 0: no prefix) with prefix_valid [B, Tp] (None when Tp = 0); this call writes its own
         K/V into rows Tp.. (in place: what the caller stores as the next prefix). tail1 / tail2 [B, K-1, D] the conv
         position embedding's input tails. Returns (velocity [B, 80, T], in1, in2) with in1 / in2 [B, K-1+T, D] the

@@ -84,6 +84,13 @@ class SchedulerConfig:
     # stream's first job (its listener has nothing yet) starts beyond it, the rest wait for mid-solve jobs to finish.
     # Ordering only (the same audio). Not yet run on a GPU: an A/B lever for the overloaded cells
     dit_max_active: int = 0
+    # the compiled cached-hop DiT step gets each layer's prefix K / V as a tensor of its own (True, the default since
+    # session 24) or the one [depth, rows, frames, D] tensor (False: the form before). Under torch.compile a layer's
+    # in-place write into a slice of the one input was functionalised as a copy of the WHOLE input per layer (depth^2
+    # buffer copies per Euler step: the `triton_poi_fused_copy_select_slice_view_*` kernels, ~0.8 ms each at 40 s
+    # prefixes in run 63's profile); per-layer inputs are written in place (tests/test_flow_hop_graphs.py reads the
+    # generated code). The same values either way (the same kernels' arithmetic); kept as a switch for the A/B
+    dit_kv_layer_inputs: bool = True
     # the decode step's sampling (stop masks, RAS) captured in the decode CUDA graphs after the LM step
     # (`models.sampling.StaticSampler`): a step is one replay and one read of the ids, ~35 fewer kernel launches and
     # their Python on the AR thread. Exact (the same ids: tests/test_sampling_exact.py, test_ar_graphs.py, on an H100

@@ -184,14 +184,16 @@ def frame_windows(z: torch.Tensor, at: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def hop_step(fn: Callable, store: PageStore, arena: SolveArena, meta: torch.Tensor, N: int, P: int,
-             consts: StepConsts, bufs: Optional[dict] = None) -> None:
+             consts: StepConsts, bufs: Optional[dict] = None, layer_inputs: bool = True) -> None:
     """One estimator call advancing the rows of `meta` [R, META + ceil(P/C) + ceil(N/C)] (long, on the device) by
     one Euler step each, in place (arena x, the reserved pages and tail slots). `fn` = DiT.forward_cached or its
     compiled form. Per row the arithmetic is the whole solve's: the same noise columns, t / dt values, CFG mix and
     update; padded frames and rows are masked (mask, prefix_valid) and written as zeros or to the sinks. `bufs`:
     flat buffers for the K/V the call attends over ("k_all", "v_all": per layer and row the gathered prefix, then
     the slots the call writes its new frames' K/V into; a graph set shares one of each among its graphs, so their
-    memory does not grow with the number of buckets), else fresh tensors."""
+    memory does not grow with the number of buckets), else fresh tensors. `layer_inputs`: `fn` gets each layer's K / V
+    as a tensor of its own (the default; False: the one [depth, ...] tensor, as before session 24 — an A/B switch,
+    `SchedulerConfig.dit_kv_layer_inputs`)."""
     R = meta.shape[0]
     S, C, L, D, K1, dim = store.steps, store.chunk, store.depth, store.kv_dim, store.k1, store.dim
     dev = meta.device
@@ -234,9 +236,14 @@ def hop_step(fn: Callable, store: PageStore, arena: SolveArena, meta: torch.Tens
 
     tails = store.tails.index_select(0, tail_rows(meta[:, 4])).view(2, 2 * R, K1, dim)
     zeros = torch.zeros_like(x)
+    # each layer's K / V as a tensor of its own (views of the one buffer): under torch.compile a layer's in-place
+    # write into a slice of ONE [depth, ...] input was functionalised as a fresh copy of the whole input per layer
+    # (depth^2 buffer copies a step: run 63's 40 s cell spent most of the DiT's GPU time in them); per-layer inputs
+    # are written in place (tests/test_flow_hop_graphs.py reads the generated code)
     vel, in1, in2 = fn(torch.cat((x, x)), torch.cat((mask, mask)), torch.cat((mu, zeros)), torch.cat((t, t)),
                        torch.cat((spks, torch.zeros_like(spks))), torch.cat((cond, zeros)), torch.cat((start, start)),
-                       k_all, v_all, prefix_valid, tails[0], tails[1])
+                       k_all.unbind(0) if layer_inputs else k_all, v_all.unbind(0) if layer_inputs else v_all,
+                       prefix_valid, tails[0], tails[1])
     # the new frames' K/V of this step: to the hop's reserved pages (uncommitted and padded frames: the sink page)
     out_pages = meta[:, col:col + -(-N // C)].index_select(1, fr // C)  # [R, N]
     rows = ((out_pages * S + step.unsqueeze(1)) * 2).unsqueeze(0) + cfg.view(2, 1, 1)
@@ -278,6 +285,7 @@ class EagerHops:
     def __init__(self, dit, fn: Callable, slots: int = 8):
         self.dit, self.fn, self._slots = dit, fn, slots
         self.arena: Optional[SolveArena] = None
+        self.layer_inputs = True  # hop_step's layer_inputs (CachedHopGraphs.use_layer_inputs sets it)
 
     def take(self, n: int, device, dtype) -> tuple[SolveArena, int]:
         """(arena, slot) for a new row of n new frames."""
@@ -291,7 +299,7 @@ class EagerHops:
         """One step of `rows` ((head, prefix pages, new-frame pages) per row) of `arena`."""
         meta = upload(meta_rows(rows, len(rows), N, P, store.chunk), arena.device)
         with torch.inference_mode():  # the store and arena are inference tensors
-            hop_step(self.fn, store, arena, meta, N, P, consts)
+            hop_step(self.fn, store, arena, meta, N, P, consts, layer_inputs=self.layer_inputs)
 
 
 # Rows a graph set's fixed arena holds at once (`CachedHopGraphs` slots): every cached hop mid-solve holds one from its
@@ -333,6 +341,17 @@ class CachedHopGraphs:
         self._consts: Optional[StepConsts] = None
         self.eager = EagerHops(dit, self.fn)
         self._failed: set = set()
+        self.layer_inputs = True  # hop_step's layer_inputs, baked into each graph at its capture
+
+    def use_layer_inputs(self, on: bool) -> None:
+        """hop_step's `layer_inputs` from now on (graphs captured with the other form are dropped)."""
+        with self._lock:
+            if bool(on) != self.layer_inputs:
+                self.layer_inputs = self.eager.layer_inputs = bool(on)
+                self.entries.clear()
+                self._failed.clear()
+                if self.cache is not None:
+                    self.cache = GraphCache(None, self.device, warmup=1)
 
     def _arena(self) -> SolveArena:
         if self.arena is None:
@@ -401,8 +420,8 @@ class CachedHopGraphs:
                 meta = self._meta_view(key)
                 _, n, p = key
 
-                def step(meta=meta, n=n, p=p):
-                    hop_step(self.fn, store, arena, meta, n, p, consts, bufs)
+                def step(meta=meta, n=n, p=p, layer_inputs=self.layer_inputs):
+                    hop_step(self.fn, store, arena, meta, n, p, consts, bufs, layer_inputs)
 
                 if self.cache is None:
                     self.entries[key] = (meta, step)
