@@ -365,8 +365,9 @@ def test_graph_buckets_share_one_set_of_kv_buffers(flow):
     seen = []
 
     def recording(*a):
-        k_all, v_all = a[7], a[8]
-        seen.append((k_all.data_ptr(), v_all.data_ptr()))
+        k_all, v_all = a[7], a[8]  # one tensor per layer: views of the shared buffers, the first at their start
+        assert len(k_all) == len(v_all) == flow.estimator.cfg.depth
+        seen.append((k_all[0].data_ptr(), v_all[0].data_ptr()))
         return flow.estimator.forward_cached(*a)
 
     graphs = CachedHopGraphs(flow.estimator, CachedGrid((1, 4), (64, 128, 256), (0, 200, 400, 800)), "cpu",
