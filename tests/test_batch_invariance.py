@@ -86,14 +86,16 @@ def test_logits_bit_identical_alone_beside_15_rows_and_padded(lm):
                     "bring it): the split-KV kernels run on a GPU machine or through Triton's interpreter")
 def test_decode_through_split_kv_kernels_is_invariant_too(lm, monkeypatch):
     """The decode steps' split-KV attention (`batch_invariant.DECODE_ATTENTION`, "auto" = on CUDA; forced here and
-    run through Triton's interpreter): a row's logits bit-identical alone, beside 15 rows and at every KV rung, and
-    within rounding of the batch-invariant attention's."""
+    run through Triton's interpreter, reading each row's K / V in place from its slot where the rows are not the
+    slots): a row's logits bit-identical alone, beside 15 rows and at every KV rung, and within rounding of the
+    batch-invariant attention's."""
     monkeypatch.setattr(bi, "DECODE_ATTENTION", "split_kv")
     calls = []
-    real = bi._split_kv.split_kv_decode_attention
-    monkeypatch.setattr(bi._split_kv, "split_kv_decode_attention", lambda *a: calls.append(1) or real(*a))
+    for name in ("split_kv_decode_attention", "split_kv_decode_attention_slots"):
+        real = getattr(bi._split_kv, name)
+        monkeypatch.setattr(bi._split_kv, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
     diffs = _variations(lm)
-    assert calls and all(d == 0.0 for d in diffs.values()), diffs
+    assert "split_kv_decode_attention_slots" in calls and all(d == 0.0 for d in diffs.values()), diffs
     embeds = _inputs(lm.config.qwen.hidden_size)
     with torch.inference_mode():
         _prefill(lm, embeds, list(range(ROWS)))
@@ -108,13 +110,16 @@ def test_decode_through_split_kv_kernels_is_invariant_too(lm, monkeypatch):
 def test_decode_attention_auto_keeps_cpu_on_the_bi_op(monkeypatch):
     """"auto" sends only CUDA tensors to the split-KV kernels: on CPU the decode attention is `attention`'s."""
     monkeypatch.setattr(bi, "DECODE_ATTENTION", "auto")
-    monkeypatch.setattr(bi._split_kv, "split_kv_decode_attention", lambda *a: pytest.fail("split-KV on CPU"))
+    for name in ("split_kv_decode_attention", "split_kv_decode_attention_slots"):
+        monkeypatch.setattr(bi._split_kv, name, lambda *a: pytest.fail("split-KV on CPU"))
     g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(2, 2, 1, 7, 16, generator=g), torch.randn(2, 2, 300, 16, generator=g),
-               torch.randn(2, 2, 300, 16, generator=g))
+    q = torch.randn(2, 2, 1, 7, 16, generator=g)
+    cache = SimpleNamespace(k=torch.randn(3, 2, 320, 16, generator=g), v=torch.randn(3, 2, 320, 16, generator=g))
     pos = torch.tensor([[10], [299]])
-    torch.testing.assert_close(bi.decode_attention(q, k, v, pos, pos[:, 0] + 1, 256),
-                               bi.attention(q, k, v, pos, pos[:, 0] + 1, 256), rtol=0, atol=0)
+    for slots in (None, torch.tensor([2, 0])):  # rows 0..1 of the cache, or slots 2 and 0
+        k, v = (c[:2, :, :300] if slots is None else c[slots, :, :300] for c in (cache.k, cache.v))
+        torch.testing.assert_close(bi.decode_attention(q, cache, slots, 300, pos, pos[:, 0] + 1, 256),
+                                   bi.attention(q, k, v, pos, pos[:, 0] + 1, 256), rtol=0, atol=0)
 
 
 def test_plain_kernels_are_not_batch_invariant(lm):

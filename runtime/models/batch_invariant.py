@@ -187,23 +187,31 @@ def _(q, k, v, q_pos, kv_len, block):
     return q.new_empty(q.shape)  # contiguous, as the op returns it
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
-                     block: int) -> torch.Tensor:
-    """`attention` for a decode step (q [B, kvh, 1, G, hd]; row b attends keys 0..q_pos[b, 0] = kv_len[b] - 1): the
-    split-KV kernels where `DECODE_ATTENTION` picks them and they take the tensors, else `attention`."""
+def decode_attention(q: torch.Tensor, cache, slots: Optional[torch.Tensor], n: int, q_pos: torch.Tensor,
+                     kv_len: torch.Tensor, block: int) -> torch.Tensor:
+    """`attention` for a decode step (q [B, kvh, 1, G, hd]; row b attends keys 0..q_pos[b, 0] = kv_len[b] - 1 of
+    the slot cache's row slots[b], or of row b when `slots` is None): the split-KV kernels where `DECODE_ATTENTION`
+    picks them and they take the tensors — reading each row's K / V in place from its slot, as the default decode
+    step does —, else `attention` over the rows' gathered K / V."""
     mode = DECODE_ATTENTION
+    b = q.shape[0]
     if mode == "split_kv" or (mode == "auto" and q.is_cuda):
         q1 = q[:, :, 0]
-        if _split_kv.runs_on(q) and _split_kv.supports(q1, k, v):
-            return _split_kv.split_kv_decode_attention(q1, k, v, q_pos[:, 0])[:, :, None]
-    return attention(q, k, v, q_pos, kv_len, block)
+        if _split_kv.runs_on(q) and _split_kv.supports(q1, cache.k, cache.v):
+            if slots is None:
+                return _split_kv.split_kv_decode_attention(q1, cache.k[:b, :, :n], cache.v[:b, :, :n],
+                                                           q_pos[:, 0])[:, :, None]
+            return _split_kv.split_kv_decode_attention_slots(q1, cache.k, cache.v, slots, q_pos[:, 0], n)[:, :, None]
+    if slots is None:
+        return attention(q, cache.k[:b, :, :n], cache.v[:b, :, :n], q_pos, kv_len, block)
+    return attention(q, cache.k[slots, :, :n], cache.v[slots, :, :n], q_pos, kv_len, block)
 
 
 # ------------------------------------------------------------------------------------------ the LM's two calls
 
-def _layer(layer, x, cos, sin, rows, write, read, q_pos, kv_len, attend=attention):
-    """One decoder layer on x [..., H]; `write(k, v)` stores this step's K/V [B, kvh, Q, hd] and `read()` returns
-    the keys / values to attend [B, kvh, n, hd]; `attend` is `attention` or, in decode steps, `decode_attention`."""
+def _layer(layer, x, cos, sin, rows, write, attend, q_pos, kv_len):
+    """One decoder layer on x [..., H]; `write(k, v)` stores this step's K/V [B, kvh, Q, hd] and `attend(q)` returns
+    the attention of q [B, kvh, Q, G, hd] over the stored keys / values."""
     attn, mlp = layer.self_attn, layer.mlp
     lead = x.shape[:-1]
     b, nq = q_pos.shape
@@ -213,9 +221,8 @@ def _layer(layer, x, cos, sin, rows, write, read, q_pos, kv_len, attend=attentio
     q = apply_rope(q.reshape(b, nq, heads, hd), cos, sin)
     k = apply_rope(k.reshape(b, nq, kvh, hd), cos, sin)
     write(k.transpose(1, 2), v.reshape(b, nq, kvh, hd).transpose(1, 2))
-    keys, values = read()
     q = q.view(b, nq, kvh, heads // kvh, hd).transpose(1, 2)                            # [B, kvh, Q, G, hd]
-    out = attend(q, keys, values, q_pos, kv_len, KV_BLOCK)
+    out = attend(q)
     out = out.transpose(1, 2).reshape(*lead, heads * hd)
     x = x + linear(out, attn.o_proj.weight, None, rows)
     h = rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, rows)
@@ -242,7 +249,10 @@ def prefill(lm, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor
             cache.write_prefix(slots, k, v)
             fresh["kv"] = (k, v)
 
-        x = _layer(layer, x, cos, sin, PREFILL_ROWS, write, lambda fresh=fresh: fresh["kv"], q_pos, lengths)
+        def attend(q, fresh=fresh):
+            return attention(q, *fresh["kv"], q_pos, lengths, KV_BLOCK)
+
+        x = _layer(layer, x, cos, sin, PREFILL_ROWS, write, attend, q_pos, lengths)
     hidden = rms_norm(x, lm.backbone.norm.weight, lm.backbone.norm.eps, PREFILL_ROWS)
     last = hidden[torch.arange(b, device=dev), lengths - 1]
     return linear(last, lm.llm_decoder.weight, None, DECODE_ROWS), hidden
@@ -261,11 +271,9 @@ def decode(lm, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, n:
         def write(k, v, cache=cache):
             cache.write_one(slots, positions, k, v)
 
-        def read(cache=cache):
-            if rows_are_slots:
-                return cache.k[:b, :, :n], cache.v[:b, :, :n]
-            return cache.k[slots, :, :n], cache.v[slots, :, :n]
+        def attend(q, cache=cache):
+            return decode_attention(q, cache, None if rows_are_slots else slots, n, q_pos, kv_len, KV_BLOCK)
 
-        x = _layer(layer, x, cos, sin, DECODE_ROWS, write, read, q_pos, kv_len, decode_attention)
+        x = _layer(layer, x, cos, sin, DECODE_ROWS, write, attend, q_pos, kv_len)
     hidden = rms_norm(x, lm.backbone.norm.weight, lm.backbone.norm.eps, DECODE_ROWS)
     return linear(hidden, lm.llm_decoder.weight, None, DECODE_ROWS), hidden
