@@ -421,3 +421,25 @@ def test_kv_layer_inputs_switch_gives_the_same_hops(flow):
             graphs.use_layer_inputs(False)
             assert not graphs.entries
     assert all(torch.equal(a, b) for a, b in zip(mels[True], mels[False]))
+
+
+def test_wide_views_gather_the_same_bits():
+    """`wide`: bf16 / fp32 rows gathered and copied as 8-byte words give the same bits as element by element; tensors
+    whose last dim is not whole 8-byte words (or not unit-stride, or already 8-byte) are left as they are."""
+    from cosytrt.runtime.stages.flow_hop_calls import wide
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        store = torch.randn(3, 40, 128, generator=g).to(dtype)
+        idx = torch.tensor([5, 0, 39, 5, 17])
+        out = torch.empty(3, 5, 128, dtype=dtype)
+        torch.index_select(wide(store), 1, idx, out=wide(out))
+        assert torch.equal(out, store.index_select(1, idx)) and wide(out).dtype == torch.int64
+        dst, ref = store.clone(), store.clone()
+        src = torch.randn(3, 5, 128, generator=g).to(dtype)
+        wide(dst).index_copy_(1, idx[:3], wide(src[:, :3].contiguous()))
+        ref.index_copy_(1, idx[:3], src[:, :3])
+        assert torch.equal(dst, ref)
+    odd = torch.zeros(2, 3, dtype=torch.bfloat16)  # 6 bytes a row
+    assert wide(odd) is odd and wide(torch.zeros(4, 8).t()).dtype == torch.float32
+    assert wide(torch.zeros(4, 8, dtype=torch.int64)).dtype == torch.int64

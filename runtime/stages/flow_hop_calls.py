@@ -183,6 +183,16 @@ def frame_windows(z: torch.Tensor, at: torch.Tensor, k: int) -> torch.Tensor:
     return z.reshape(rows * t, dim).index_select(0, flat).view(rows, k, dim)
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` viewed as 8-byte elements along its last dim where that dim allows it (unit stride, whole 8-byte words):
+    the same bits, so a gather / index_copy of rows moves them 8 bytes per element instead of 2. The prefix gather
+    below ran as `_scatter_gather_elementwise_kernel<..., OpaqueType<2>>` at ~30 % of a long-prefix step's kernel time
+    (8 requests x 200 new frames over 1500 cached, H100, BENCHMARKS.md run 64)."""
+    if t.element_size() >= 8 or t.stride(-1) != 1 or (t.shape[-1] * t.element_size()) % 8:
+        return t
+    return t.view(torch.int64)
+
+
 def hop_step(fn: Callable, store: PageStore, arena: SolveArena, meta: torch.Tensor, N: int, P: int,
              consts: StepConsts, bufs: Optional[dict] = None, layer_inputs: bool = True) -> None:
     """One estimator call advancing the rows of `meta` [R, META + ceil(P/C) + ceil(N/C)] (long, on the device) by
@@ -225,8 +235,8 @@ def hop_step(fn: Callable, store: PageStore, arena: SolveArena, meta: torch.Tens
         # per (cfg, row): the P prefix positions, then N positions the call overwrites with its own K/V (here row 0
         # of the zero page: one gather fills the buffer the call attends over, no concatenation per layer)
         idx = torch.cat((rows * C + p % C, rows.new_zeros((2, R, N))), dim=2).reshape(-1)
-        torch.index_select(store.k, 1, idx, out=k_all)
-        torch.index_select(store.v, 1, idx, out=v_all)
+        torch.index_select(wide(store.k), 1, idx, out=wide(k_all))
+        torch.index_select(wide(store.v), 1, idx, out=wide(v_all))
         prefix_valid = torch.cat((pv, pv))
         col += pages
     k_all, v_all = k_all.view(L, 2 * R, P + N, D), v_all.view(L, 2 * R, P + N, D)
@@ -248,8 +258,8 @@ def hop_step(fn: Callable, store: PageStore, arena: SolveArena, meta: torch.Tens
     out_pages = meta[:, col:col + -(-N // C)].index_select(1, fr // C)  # [R, N]
     rows = ((out_pages * S + step.unsqueeze(1)) * 2).unsqueeze(0) + cfg.view(2, 1, 1)
     idx = (rows * C + fr % C).reshape(-1)
-    store.k.index_copy_(1, idx, k_all[:, :, P:].reshape(L, 2 * R * N, D))
-    store.v.index_copy_(1, idx, v_all[:, :, P:].reshape(L, 2 * R * N, D))
+    wide(store.k).index_copy_(1, idx, wide(k_all[:, :, P:].reshape(L, 2 * R * N, D)))
+    wide(store.v).index_copy_(1, idx, wide(v_all[:, :, P:].reshape(L, 2 * R * N, D)))
     # the conv input tails at the commit points: in1 / in2 row position m holds frame start - (K-1) + m
     for slot_col, at_col in ((5, 6), (7, 8)):
         at = meta[:, at_col]
