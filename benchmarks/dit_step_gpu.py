@@ -9,7 +9,10 @@ cosytrt is importable (both APIs: segment prefixes before the paged store, pages
 --compile: the cached hops run the compiled forward_cached (CompiledDiT, scope "whole": what the compiled serving
 variant replays in its graphs) instead of the eager modules; --forms stacked,layers: each case once per K/V input form
 of `hop_step` (`SchedulerConfig.dit_kv_layer_inputs`: one [depth, ...] tensor as before session 24, or a tensor per
-layer), with the mel of the same hop compared across forms; --profile: the top kernels of a few steps per case.
+layer), with the mel of the same hop compared across forms; a form may name the DiT's conv implementation too
+("layers+conv=triton": runtime/models/dit_conv.py's COSYTRT_DIT_CONV choices, set while that form's graphs are
+captured) and the prefix gather's element width ("+narrow": 2-byte moves, as before session 24, instead of
+`flow_hop_calls.wide`'s 8-byte ones); --profile: the top kernels of a few steps per case.
 """
 from __future__ import annotations
 
@@ -85,12 +88,22 @@ def main(argv=None) -> None:
     P = 75
     vocab = flow.cfg.vocab_size
     mels_of: dict = {}
+    from cosytrt.runtime.models import dit_conv
+
+    default_conv = dit_conv.CONV
     for form, case in [(f, c) for c in a.cases.split(",") for f in forms]:
         B, k = map(int, case.split(":"))
         g = torch.Generator().manual_seed(B * 1000 + k)  # the same streams for every form of a case
         graphs = CachedHopGraphs(flow.estimator, grid, device, dtype, fn=fn)
+        import cosytrt.runtime.stages.flow_hop_calls as fhc
+
+        fhc.WIDE_MOVES = "+narrow" not in form
+        kv_form, _, conv = form.replace("+narrow", "").partition("+conv=")
         if hasattr(graphs, "use_layer_inputs"):
-            graphs.use_layer_inputs(form == "layers")
+            graphs.use_layer_inputs(kv_form == "layers")
+        from cosytrt.runtime.models import dit_conv
+
+        dit_conv.CONV = conv or default_conv
         pool = FlowCachePool(24 << 30 if cuda else 1 << 30, prompt_cache=False)
         if new_api:
             graphs.bind(pool.storage(flow), fh.step_consts(flow, device, dtype))
@@ -146,7 +159,7 @@ def main(argv=None) -> None:
         out["cases"].append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k != "top_kernels"}), flush=True)
         for kern in (top or {}).get("top", [])[:8]:
-            print("   ", json.dumps(kern)[:200], flush=True)
+            print(f"    {kern['name'][:90]:90s} {kern['calls']:6.1f} calls {kern['us']:9.1f} µs per step", flush=True)
         for sv in solves:
             sv.plan.state.close()
         if form != forms[-1] or case != a.cases.split(",")[-1]:

@@ -56,10 +56,13 @@ if [ "${CALL:-}" = arstep ]; then
 fi
 if [ "${CALL:-}" = checks ]; then  # before the bench process: the kernels' and the vocoder's checks, ~5-9 minutes
   source benchmarks/device_setup.sh --install || exit 1
-  # the compiled cached-hop step with the K/V as one [depth, ...] input (before session 24) against one per layer:
-  # ms per step, mel across forms and against the whole-history hop, top kernels (two compiles of forward_cached)
+  # the compiled cached-hop step (per-layer K/V inputs, session 24) with the prefix gather in 8-byte words against
+  # 2-byte ones (+narrow) and the DiT's conv by the Triton kernel against cuDNN's forms: ms per step, mel across forms
+  # and against the whole-history hop, top kernels (one compile of forward_cached: the conv is an opaque op; a
+  # "stacked" form would compile again, ~100 s: run 64 measured it)
   (cd /tmp && timeout "${DIT_STEP_S:-330}" python3 "$OLDPWD/benchmarks/dit_step_gpu.py" "$OUT/dit_step.json" --compile \
-    --forms stacked,layers --cases "${CASES:-1:1,8:1,8:20}" --profile --no-capture-all) > "$OUT/dit_step.txt" 2>&1
+    --forms "${FORMS:-layers,layers+narrow,layers+conv=triton,layers+conv=cudnn}" --cases "${CASES:-1:1,8:1,8:8}" \
+    --profile --no-capture-all) > "$OUT/dit_step.txt" 2>&1
   grep -v Warn "$OUT/dit_step.txt" | tail -40
   (cd /tmp && timeout 60 python3 "$OLDPWD/benchmarks/dit_conv_check.py") > "$OUT/dit_conv.md" 2>&1
   tail -9 "$OUT/dit_conv.md"

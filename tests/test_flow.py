@@ -260,7 +260,8 @@ def test_half_precision_keeps_rope_float32(tiny_cfg):
     assert f.rand_noise.dtype == torch.float16
 
 
-@pytest.mark.parametrize("conv, sdpa", [("unfold", ""), ("nhwc", ""), ("cudnn", "efficient"), ("cudnn", "no_cudnn"),
+@pytest.mark.parametrize("conv, sdpa", [("unfold", ""), ("nhwc", ""), ("triton", ""), ("cudnn", "efficient"),
+                                        ("cudnn", "no_cudnn"),
                                         ("auto", "")])
 def test_dit_conv_and_attention_choices_compute_the_same(flow, monkeypatch, conv, sdpa):
     """COSYTRT_DIT_CONV / COSYTRT_DIT_SDPA (runtime/models/dit_conv.py, for GPU A/B runs) change how the DiT's grouped

@@ -10,6 +10,9 @@ can force one for a whole process (read at import, for A/B runs on the GPU machi
 
   COSYTRT_DIT_CONV = auto (default) | cudnn (F.conv1d everywhere) | nhwc (channels-last conv2d everywhere) |
                      unfold (im2col over time + one grouped batched matmul: no cuDNN) |
+                     triton (one Triton kernel per call, dit_conv_triton.py: tensor-core dots per tap, the input
+                     read through its strides; F.conv1d where the kernel does not run or take the shapes — opt-in
+                     until measured on a GPU) |
                      benchmark (F.conv1d with torch.backends.cudnn.benchmark on for the whole process: cuDNN times
                      its algorithms per new shape, during the warm-ups before each CUDA-graph capture)
   COSYTRT_DIT_SDPA = "" (default: torch's choice) | efficient (memory-efficient kernel, then math) | no_cudnn (any
@@ -53,7 +56,17 @@ def unfold_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return y if bias is None else y + bias[None, :, None]
 
 
-CONV_IMPLS: dict[str, Conv] = {"cudnn": conv1d, "benchmark": conv1d, "nhwc": conv2d_nhwc, "unfold": unfold_matmul}
+def triton_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int) -> torch.Tensor:
+    """conv1d(x) by the Triton kernel of dit_conv_triton.py where it runs and takes the shapes, else conv1d."""
+    from . import dit_conv_triton as tk
+
+    if tk.runs_on(x) and tk.supports(x, weight, groups):
+        return tk.grouped_conv1d(x, weight, bias, groups)
+    return conv1d(x, weight, bias, groups)
+
+
+CONV_IMPLS: dict[str, Conv] = {"cudnn": conv1d, "benchmark": conv1d, "nhwc": conv2d_nhwc, "unfold": unfold_matmul,
+                               "triton": triton_conv}
 SDPA_BACKENDS = {"": None,
                  "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
                  "no_cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}

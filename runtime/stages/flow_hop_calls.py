@@ -183,12 +183,15 @@ def frame_windows(z: torch.Tensor, at: torch.Tensor, k: int) -> torch.Tensor:
     return z.reshape(rows * t, dim).index_select(0, flat).view(rows, k, dim)
 
 
+WIDE_MOVES = True  # `wide` on (the default since session 24); benchmarks/dit_step_gpu.py turns it off for its A/B
+
+
 def wide(t: torch.Tensor) -> torch.Tensor:
     """`t` viewed as 8-byte elements along its last dim where that dim allows it (unit stride, whole 8-byte words):
     the same bits, so a gather / index_copy of rows moves them 8 bytes per element instead of 2. The prefix gather
     below ran as `_scatter_gather_elementwise_kernel<..., OpaqueType<2>>` at ~30 % of a long-prefix step's kernel time
     (8 requests x 200 new frames over 1500 cached, H100, BENCHMARKS.md run 64)."""
-    if t.element_size() >= 8 or t.stride(-1) != 1 or (t.shape[-1] * t.element_size()) % 8:
+    if not WIDE_MOVES or t.element_size() >= 8 or t.stride(-1) != 1 or (t.shape[-1] * t.element_size()) % 8:
         return t
     return t.view(torch.int64)
 

@@ -1,0 +1,116 @@
+"""The DiT's grouped convolution (conv position embedding: C channels in G groups, kernel K, no padding, stride 1) as
+one Triton kernel: `COSYTRT_DIT_CONV=triton` (opt-in until measured on a GPU; runtime/models/dit_conv.py).
+
+Why: run 64's profile of the compiled cached-hop step (H100, BENCHMARKS.md) shows cuDNN running each of the DiT's two
+grouped convolutions as 16 launches of `cutlass_tensorop_bf16_s16816fprop_analytic` (one per group, ~33 µs each) plus
+layout conversions (`nchwToNhwc` / `nhwcToNchw`): ~1.3-1.5 ms of a one-request step's ~3.2 ms of kernels, for ~1
+GFLOP. Here one program computes BT output frames x the CG channels of one group for one row: K tensor-core dots of
+[BT, CG] x [CG, CG] (the input window shifted by k, the tap-k weights), fp32 accumulation, bias, one store. The input
+is read through its strides, so the DiT's [B, C, T] views of [B, T, C] tensors (what `forward_cached` passes) need no
+transposing copy; the output is a contiguous [B, C, T_out] tensor, as F.conv1d returns.
+
+Values: the same convolution up to the order of the fp32 accumulation (tests/test_dit_conv_triton.py checks it
+against F.conv1d through Triton's interpreter on CPU, fp32 and fp16, contiguous and transposed inputs).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from .bi_attention_triton import available  # noqa: F401 - whether Triton imports (also this module's API)
+
+BLOCK_T = 64  # output frames per program
+
+
+def runs_on(t: torch.Tensor) -> bool:
+    """Whether the kernel runs for this tensor: CUDA with Triton, or any device under Triton's interpreter."""
+    return available() and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
+    """Whether `grouped_conv1d` takes these: channels per group a power of two of at least 16 (tl.dot's smallest
+    K / N), the same count in and out."""
+    cin_g = weight.shape[1]
+    cout_g = weight.shape[0] // groups
+    return x.dim() == 3 and cin_g == cout_g and cin_g >= 16 and not cin_g & (cin_g - 1) and \
+        x.shape[1] == cin_g * groups
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def conv_kernel(X, W, BIAS, Y, t_out, sx_b, sx_c, sx_t, sy_b, sy_c, sy_t,
+                    K: tl.constexpr, CG: tl.constexpr, BT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    PREC: tl.constexpr):
+        tile = tl.program_id(0)
+        g = tl.program_id(1)
+        b = tl.program_id(2)
+        t = tile * BT + tl.arange(0, BT)                       # output frames of this program
+        c = tl.arange(0, CG)
+        tm = t < t_out
+        x_base = X + b * sx_b + (g * CG + c)[None, :] * sx_c   # [1, CG] input channels of group g
+        # W: the weights as [G, K, CG (in), CG (out)] (`tap_major`), so a tap's [ci, co] tile is contiguous
+        w_base = W + g * (K * CG * CG) + c[:, None] * CG + c[None, :]
+        acc = tl.zeros([BT, CG], dtype=tl.float32)
+        for k in range(K):
+            xk = tl.load(x_base + (t + k)[:, None] * sx_t, mask=tm[:, None], other=0.0)   # [BT, CG(ci)]
+            wk = tl.load(w_base + k * (CG * CG))                                        # [CG(ci), CG(co)]
+            acc += tl.dot(xk, wk, input_precision=PREC)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + g * CG + c).to(tl.float32)[None, :]
+        tl.store(Y + b * sy_b + (g * CG + c)[None, :] * sy_c + t[:, None] * sy_t, acc.to(Y.dtype.element_ty),
+                 mask=tm[:, None])
+
+    return conv_kernel
+
+
+_TAP_MAJOR: dict = {}  # (weight's data_ptr, version, shape, dtype, device) -> (the weight, its [G, K, CG, CG] copy)
+
+
+def tap_major(weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """weight [C, CG, K] as [G, K, CG (in), CG (out)], contiguous: made once per weight tensor and kept while that
+    tensor is unchanged (the entry holds the weight, so its address cannot be reused by another tensor), except
+    while a CUDA graph is being captured, where a missing copy is made inside the graph (a copy kept from a capture
+    would live in the graph's private memory)."""
+    c, cg, k = weight.shape
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor keeps no version counter (weights made under inference_mode)
+        version = -1
+    key = (weight.data_ptr(), version, tuple(weight.shape), weight.dtype, str(weight.device))
+    if key in _TAP_MAJOR:
+        return _TAP_MAJOR[key][1]
+    copy = weight.detach().view(groups, c // groups, cg, k).permute(0, 3, 2, 1).contiguous()
+    if not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if len(_TAP_MAJOR) > 64:  # a long-lived process that replaces weights: drop the old copies
+            _TAP_MAJOR.clear()
+        _TAP_MAJOR[key] = (weight, copy)
+    return copy
+
+
+def grouped_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int) -> torch.Tensor:
+    """F.conv1d(x, weight, bias, groups=groups) (no padding, stride 1) for x [B, C, T] (any strides), weight
+    [C, C/groups, K] -> contiguous [B, C, T - K + 1]."""
+    if not supports(x, weight, groups):
+        raise ValueError(f"Triton grouped conv: {x.shape[1]} channels in {groups} groups of weight "
+                         f"{tuple(weight.shape)} (channels per group must be a power of two >= 16, in = out)")
+    b, c, t_in = x.shape
+    k = weight.shape[2]
+    t_out = t_in - k + 1
+    y = torch.empty((b, c, max(t_out, 0)), dtype=x.dtype, device=x.device)
+    if b == 0 or t_out <= 0:
+        return y
+    w = tap_major(weight, groups)
+    has_bias = bias is not None
+    _kernel()[(-(-t_out // BLOCK_T), groups, b)](
+        x, w, bias.contiguous() if has_bias else w, y, t_out,
+        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
+        K=k, CG=c // groups, BT=BLOCK_T, HAS_BIAS=has_bias,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
+    return y
