@@ -54,6 +54,14 @@ if [ "${CALL:-}" = arstep ]; then
   done
   exit 0
 fi
+if [ "${CALL:-}" = quick ]; then  # no compile, ~1 minute: the DiT conv per implementation and the gather width
+  source benchmarks/device_setup.sh --install || exit 1
+  (cd /tmp && timeout 90 python3 "$OLDPWD/benchmarks/dit_conv_check.py") > "$OUT/dit_conv.md" 2>&1
+  grep "^|" "$OUT/dit_conv.md"
+  (cd /tmp && timeout 60 python3 "$OLDPWD/benchmarks/gather_width_check.py") > "$OUT/gather_width.md" 2>&1
+  grep "^|" "$OUT/gather_width.md"
+  exit 0
+fi
 if [ "${CALL:-}" = checks ]; then  # before the bench process: the kernels' and the vocoder's checks, ~5-9 minutes
   source benchmarks/device_setup.sh --install || exit 1
   # the compiled cached-hop step (per-layer K/V inputs, session 24) with the prefix gather in 8-byte words against
