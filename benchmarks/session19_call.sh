@@ -33,6 +33,7 @@
 #     sharing the GPU, apart from the lock's); it first runs benchmarks/split_kv_gpu_check.py (the kernels' values
 #     and µs per layer against SDPA, ~30 s); COMPILE=0: the LM uncompiled in its CUDA graphs (seconds, not minutes:
 #     run 61's form);
+#   CALL=quick: benchmarks/dit_conv_check.py and benchmarks/gather_width_check.py (no compile, ~1 minute);
 #   CALL=checks: benchmarks/dit_step_gpu.py --compile (the compiled cached-hop step with the stacked against the
 #     per-layer K/V inputs, session 24), benchmarks/dit_conv_check.py (the DiT's grouped conv per implementation),
 #     benchmarks/split_kv_gpu_check.py (the split-KV kernels' values and µs, table 3: the in-place slot
@@ -107,6 +108,6 @@ case "${CALL:-mixed}" in
                  --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4}") ;;
   c1)      args=(--rates "${RATES:-1}" --duration-s 24 --drain-s "${DRAIN:-8}"
                  --ab "${AB:-ar_decode_steps=1,ar_decode_steps=4,ar_decode_steps=4+ar_first_audio_hold_ms=30}") ;;
-  *) echo "CALL must be mixed, long, offline, c1, mixed8, shed, hift, checks, arstep or attn"; exit 2 ;;
+  *) echo "CALL must be mixed, long, offline, c1, mixed8, shed, hift, checks, quick, arstep or attn"; exit 2 ;;
 esac
 JOB=${JOB:-${CALL:-mixed}} bash benchmarks/bench_job.sh "${args[@]}" "${kp[@]}"
