@@ -32,8 +32,12 @@ def main(argv=None) -> None:
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(1024, 64, 31, generator=g) * 0.02).to(dev, dtype)
     bias = (torch.randn(1024, generator=g) * 0.02).to(dev, dtype)
+    from cosytrt.runtime.models import dit_conv_triton as tk
+
     impls = {"conv1d": dit_conv.conv1d, "nhwc (default)": dit_conv.conv2d_nhwc, "unfold": dit_conv.unfold_matmul,
              "triton": dit_conv.triton_conv}
+    if tk.runs_on(torch.empty(0, device=dev)):  # the kernel's other tile: 128 frames per program, 8 warps
+        impls["triton 128"] = lambda x, w, b, g: tk.grouped_conv1d(x, w, b, g, block_t=128, num_warps=8)
     print("| rows x input frames | " + " | ".join(f"{n} µs" for n in impls) + " | launches per call | max abs vs conv1d |")
     print("|---|" + "---|" * (len(impls) + 2))
     for shape in a.shapes.split(","):

@@ -54,3 +54,12 @@ def test_unsupported_shapes_are_refused_and_the_wrapper_falls_back():
     with pytest.raises(ValueError, match="channels per group"):
         tk.grouped_conv1d(x, w, None, 3)
     torch.testing.assert_close(dit_conv.triton_conv(x, w, None, 3), F.conv1d(x, w, groups=3), rtol=0, atol=0)
+
+
+def test_the_larger_tile_gives_the_same_values():
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(32, 16, 7, generator=g) * 0.1, torch.randn(2, 200, 32, generator=g).transpose(1, 2)
+    a = tk.grouped_conv1d(x, w, None, 2)
+    b = tk.grouped_conv1d(x, w, None, 2, block_t=128, num_warps=8)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    torch.testing.assert_close(a, F.conv1d(x, w, groups=2), rtol=1e-4, atol=1e-4)

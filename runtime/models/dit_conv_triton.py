@@ -94,9 +94,11 @@ def tap_major(weight: torch.Tensor, groups: int) -> torch.Tensor:
     return copy
 
 
-def grouped_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int) -> torch.Tensor:
+def grouped_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int,
+                   block_t: int = BLOCK_T, num_warps: int = 4) -> torch.Tensor:
     """F.conv1d(x, weight, bias, groups=groups) (no padding, stride 1) for x [B, C, T] (any strides), weight
-    [C, C/groups, K] -> contiguous [B, C, T - K + 1]."""
+    [C, C/groups, K] -> contiguous [B, C, T - K + 1]. `block_t` / `num_warps`: the tile (benchmarks/dit_conv_check.py
+    times 64 and 128 frames per program: each program reads every tap's weight tile once)."""
     if not supports(x, weight, groups):
         raise ValueError(f"Triton grouped conv: {x.shape[1]} channels in {groups} groups of weight "
                          f"{tuple(weight.shape)} (channels per group must be a power of two >= 16, in = out)")
@@ -108,9 +110,9 @@ def grouped_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
         return y
     w = tap_major(weight, groups)
     has_bias = bias is not None
-    _kernel()[(-(-t_out // BLOCK_T), groups, b)](
+    _kernel()[(-(-t_out // block_t), groups, b)](
         x, w, bias.contiguous() if has_bias else w, y, t_out,
         x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
-        K=k, CG=c // groups, BT=BLOCK_T, HAS_BIAS=has_bias,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
+        K=k, CG=c // groups, BT=block_t, HAS_BIAS=has_bias,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps)
     return y
