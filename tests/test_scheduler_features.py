@@ -402,6 +402,31 @@ def test_fast_gil_switch_is_cuda_only_and_restored(tts):
     assert sys.getswitchinterval() == before
 
 
+def test_dit_conv_switch_holds_for_the_schedulers_life(tts, speaker):
+    """`SchedulerConfig.dit_conv` (an A/B lever): the process's DiT convolution is the named one from the scheduler's
+    start (before its cached-hop graphs are captured) to its close, then the one before comes back; the audio is
+    the same; an unknown name is refused with the field's name."""
+    from cosytrt.engines.errors import InputError
+    from cosytrt.runtime.models import dit_conv
+
+    before = dit_conv.CONV
+    reqs = [make_request("Hello there.", speaker=speaker, seed=3, force_tokens=40, stream=True)]
+    ref, _ = run_all(tts, SchedulerConfig(), reqs)
+    sched = Scheduler(tts.pipeline, SchedulerConfig(dit_conv="unfold"))
+    try:
+        assert dit_conv.CONV == "unfold"
+    finally:
+        sched.close()
+    assert dit_conv.CONV == before
+    got, _ = run_all(tts, SchedulerConfig(dit_conv="unfold"), reqs)
+    assert dit_conv.CONV == before
+    assert_same_audio(got, ref)
+    with pytest.raises(InputError, match="dit_conv"):
+        SchedulerConfig(dit_conv="fft")
+    with pytest.raises(ValueError, match="choose one of"):
+        dit_conv.use("benchmark")
+
+
 def test_tts_reconfigure_keeps_the_ar_runner_and_the_audio(speaker):
     """TTS.reconfigure swaps the scheduler for one with new settings over the same AR runner (an A/B without
     building the runner's graphs again): the same request gives the same audio; a setting the runner depends on

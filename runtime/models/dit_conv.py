@@ -85,6 +85,25 @@ if CONV == "benchmark":
     torch.backends.cudnn.benchmark = True
 
 
+def use(name: str) -> Callable[[int], None]:
+    """`SchedulerConfig.dit_conv`: the process's convolution becomes `name` (a COSYTRT_DIT_CONV choice other than
+    "benchmark", which is read at import) until the returned callable is called (with any argument: the scheduler's
+    process-switch convention), which restores the one before. Calls captured in CUDA graphs keep the implementation
+    they were captured with (a scheduler's cached-hop graphs are captured after it switches; a process's
+    whole-history DiT graphs before)."""
+    choices = sorted(n for n in CONV_IMPLS if n != "benchmark") + ["auto"]
+    if name not in choices:
+        raise ValueError(f"DiT conv {name!r}: choose one of {choices}")
+    global CONV
+    before, CONV = CONV, name
+
+    def restore(_delta: int = -1) -> None:
+        global CONV
+        CONV = before
+
+    return restore
+
+
 def pick(x: torch.Tensor) -> Conv:
     """The convolution to run on `x` under the process's COSYTRT_DIT_CONV (module attribute, read per call)."""
     if CONV != "auto":

@@ -91,6 +91,11 @@ class SchedulerConfig:
     # prefixes in run 63's profile); per-layer inputs are written in place (tests/test_flow_hop_graphs.py reads the
     # generated code). The same values either way (the same kernels' arithmetic); kept as a switch for the A/B
     dit_kv_layer_inputs: bool = True
+    # the DiT's grouped convolutions from this scheduler's start to its close ("" = the process's, COSYTRT_DIT_CONV;
+    # else one of runtime/models/dit_conv.py's choices: auto, cudnn, nhwc, unfold, triton). A process-wide A/B lever
+    # (`--ab "dit_conv=nhwc,dit_conv=triton"`): the cached-hop graphs a scheduler captures take it, the whole-history
+    # DiT graphs captured at the process's set-up keep theirs. The same convolution either way (tests/test_flow.py)
+    dit_conv: str = ""
     # the decode step's sampling (stop masks, RAS) captured in the decode CUDA graphs after the LM step
     # (`models.sampling.StaticSampler`): a step is one replay and one read of the ids, ~35 fewer kernel launches and
     # their Python on the AR thread. Exact (the same ids: tests/test_sampling_exact.py, test_ar_graphs.py, on an H100
@@ -203,6 +208,9 @@ class SchedulerConfig:
             raise InputError(f"SchedulerConfig.max_waiting must be None or an int >= 0, got {w!r}")
         if self.ar_max_len is not None and (not isinstance(self.ar_max_len, int) or self.ar_max_len < 1):
             raise InputError(f"SchedulerConfig.ar_max_len must be a positive int or None, got {self.ar_max_len!r}")
+        if self.dit_conv not in ("", "auto", "cudnn", "nhwc", "unfold", "triton"):
+            raise InputError(f"SchedulerConfig.dit_conv must be '' (the process's) or one of auto, cudnn, nhwc, "
+                             f"unfold, triton, got {self.dit_conv!r}")
         if not isinstance(self.dit_max_active, int) or isinstance(self.dit_max_active, bool) or self.dit_max_active < 0:
             raise InputError(f"SchedulerConfig.dit_max_active must be an int >= 0 (0: no bound), got "
                              f"{self.dit_max_active!r}")

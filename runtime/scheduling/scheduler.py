@@ -196,6 +196,12 @@ class Scheduler:
         self.ar_max_len = self.runner.max_len
         self._compiles_at_start = compile_count() if cfg.compile else None
 
+        # process-wide switches this scheduler registered for, each given back on close (see below)
+        self._process_switches: list[Callable[[int], None]] = []
+        if cfg.dit_conv:  # before the cached-hop graphs are captured below: they bake the conv implementation in
+            from ..models import dit_conv
+
+            self._process_switches.append(dit_conv.use(cfg.dit_conv))
         self.flow_cache = None  # FlowCachePool shared by the streams' prefix states
         use_cache = cfg.flow_prefix_cache
         if use_cache is None:  # auto: where cached hops have CUDA graphs
@@ -226,7 +232,6 @@ class Scheduler:
                 self.setup_s["cached_hop_graphs"] = time.perf_counter() - t
         # process-wide switches this scheduler registered for (CUDA only), each given back on close: the short GIL
         # switch interval (fast_gil_switch) and the event read-back of the sampled ids (ar_event_sync)
-        self._process_switches: list[Callable[[int], None]] = []
         if self.device.type == "cuda":
             from ..models.sampling import use_event_sync
 
