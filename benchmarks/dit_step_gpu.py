@@ -12,7 +12,9 @@ of `hop_step` (`SchedulerConfig.dit_kv_layer_inputs`: one [depth, ...] tensor as
 layer), with the mel of the same hop compared across forms; a form may name the DiT's conv implementation too
 ("layers+conv=triton": runtime/models/dit_conv.py's COSYTRT_DIT_CONV choices, set while that form's graphs are
 captured) and the prefix gather's element width ("+narrow": 2-byte moves, as before session 24, instead of
-`flow_hop_calls.wide`'s 8-byte ones); --profile: the top kernels of a few steps per case.
+`flow_hop_calls.wide`'s 8-byte ones); --whole-ref: per case also the whole-history streaming forward over the same
+rows x (prefix + new) frames (compiled with --compile: one more compile), what an uncached hop's step costs — is a
+short-prefix cached step still dearer than recomputing?; --profile: the top kernels of a few steps per case.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ def main(argv=None) -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--forms", default="layers", help="stacked, layers or stacked,layers")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--whole-ref", action="store_true")
     a = ap.parse_args(argv)
     forms = a.forms.split(",")
     import cosytrt.runtime.stages.flow_hops as fh
@@ -156,6 +159,22 @@ def main(argv=None) -> None:
                    mel_vs_whole_max_abs=err, setup_s=round(setup_s, 1), graph_counts=dict(graphs.counts),
                    mel_vs_first_form_max_abs=None if other is None else (mels[0] - other).abs().max().item(),
                    top_kernels=top)
+        if a.whole_ref and form == forms[0]:
+            from cosytrt.build.export_dit import example_inputs
+            from cosytrt.runtime.models.dit import FixedModeDiT
+            from cosytrt.tools.bench.timing import graph_timing
+
+            whole = (CompiledDiT.of(flow.estimator, "whole").fixed(True) if a.compile
+                     else FixedModeDiT(flow.estimator, True))
+            args = example_inputs(flow.estimator, 2 * B, prefix + rec["new_frames"], dtype, device, seed=B)
+            with torch.inference_mode():
+                if cuda:
+                    ref = whole(*args)
+                    rec["whole_history_ms_per_step"] = round(graph_timing(whole, device, args, ref, reps=20)[0], 3)
+                else:
+                    t = time.perf_counter()
+                    whole(*args)
+                    rec["whole_history_ms_per_step"] = round(1e3 * (time.perf_counter() - t), 3)
         out["cases"].append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k != "top_kernels"}), flush=True)
         for kern in (top or {}).get("top", [])[:8]:
