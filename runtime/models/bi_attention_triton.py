@@ -17,6 +17,7 @@ it on CPU tensors (tests/test_batch_invariance.py).
 """
 import functools
 import math
+import os
 
 import torch
 
@@ -29,6 +30,12 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def runs_on(t: torch.Tensor) -> bool:
+    """Whether this project's Triton kernels run for this tensor: CUDA with Triton, or any device under Triton's
+    interpreter (TRITON_INTERPRET=1: the CPU tests)."""
+    return available() and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @functools.lru_cache(maxsize=1)

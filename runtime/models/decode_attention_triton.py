@@ -37,19 +37,14 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
-from .bi_attention_triton import available  # noqa: F401 - whether Triton imports (also this module's API)
+# whether Triton imports / whether the kernels run for a tensor (also this module's API)
+from .bi_attention_triton import available, runs_on  # noqa: F401
 
 SPLIT = 64   # key positions per split: one program reads them as one tile
 MIN_ROWS = 16  # query rows per program at least (tl.dot's smallest M): G query heads padded up to this
-
-
-def runs_on(t: torch.Tensor) -> bool:
-    """Whether the kernels run for this tensor: CUDA with Triton, or any device under Triton's interpreter."""
-    return available() and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @functools.lru_cache(maxsize=1)

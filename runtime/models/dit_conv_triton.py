@@ -15,19 +15,14 @@ against F.conv1d through Triton's interpreter on CPU, fp32 and fp16, contiguous 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 
-from .bi_attention_triton import available  # noqa: F401 - whether Triton imports (also this module's API)
+# whether Triton imports / whether the kernel runs for a tensor (also this module's API)
+from .bi_attention_triton import available, runs_on  # noqa: F401
 
 BLOCK_T = 64  # output frames per program
-
-
-def runs_on(t: torch.Tensor) -> bool:
-    """Whether the kernel runs for this tensor: CUDA with Triton, or any device under Triton's interpreter."""
-    return available() and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
