@@ -58,7 +58,9 @@ def main(argv=None) -> None:
     ap.add_argument("--whole-ref", action="store_true")
     a = ap.parse_args(argv)
     forms = a.forms.split(",")
+    import cosytrt.runtime.stages.flow_hop_calls as fhc
     import cosytrt.runtime.stages.flow_hops as fh
+    from cosytrt.runtime.models import dit_conv
     from cosytrt.runtime.models.flow import FlowInput
     from cosytrt.runtime.stages.flow_cache import FlowCachePool
     from cosytrt.runtime.stages.flow_hop_calls import CachedGrid, CachedHopGraphs
@@ -91,21 +93,15 @@ def main(argv=None) -> None:
     P = 75
     vocab = flow.cfg.vocab_size
     mels_of: dict = {}
-    from cosytrt.runtime.models import dit_conv
-
     default_conv = dit_conv.CONV
     for form, case in [(f, c) for c in a.cases.split(",") for f in forms]:
         B, k = map(int, case.split(":"))
         g = torch.Generator().manual_seed(B * 1000 + k)  # the same streams for every form of a case
         graphs = CachedHopGraphs(flow.estimator, grid, device, dtype, fn=fn)
-        import cosytrt.runtime.stages.flow_hop_calls as fhc
-
         fhc.WIDE_MOVES = "+narrow" not in form
         kv_form, _, conv = form.replace("+narrow", "").partition("+conv=")
         if hasattr(graphs, "use_layer_inputs"):
             graphs.use_layer_inputs(kv_form == "layers")
-        from cosytrt.runtime.models import dit_conv
-
         dit_conv.CONV = conv or default_conv
         pool = FlowCachePool(24 << 30 if cuda else 1 << 30, prompt_cache=False)
         if new_api:

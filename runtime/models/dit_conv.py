@@ -85,15 +85,19 @@ if CONV == "benchmark":
     torch.backends.cudnn.benchmark = True
 
 
+# the implementations a scheduler may switch to (SchedulerConfig.dit_conv): "benchmark" is read at import only
+CHOICES = ("auto",) + tuple(sorted(n for n in CONV_IMPLS if n != "benchmark"))
+
+
 def use(name: str) -> Callable[[int], None]:
     """`SchedulerConfig.dit_conv`: the process's convolution becomes `name` (a COSYTRT_DIT_CONV choice other than
     "benchmark", which is read at import) until the returned callable is called (with any argument: the scheduler's
     process-switch convention), which restores the one before. Calls captured in CUDA graphs keep the implementation
     they were captured with (a scheduler's cached-hop graphs are captured after it switches; a process's
-    whole-history DiT graphs before)."""
-    choices = sorted(n for n in CONV_IMPLS if n != "benchmark") + ["auto"]
-    if name not in choices:
-        raise ValueError(f"DiT conv {name!r}: choose one of {choices}")
+    whole-history DiT graphs before). One switching scheduler at a time (TTS.reconfigure closes the old one first):
+    overlapping ones would each restore what they found."""
+    if name not in CHOICES:
+        raise ValueError(f"DiT conv {name!r}: choose one of {list(CHOICES)}")
     global CONV
     before, CONV = CONV, name
 

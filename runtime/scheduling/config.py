@@ -8,6 +8,7 @@ import torch
 
 from ...engines.errors import InputError
 from ..models import decode_attention_triton
+from ..models import dit_conv as dit_conv_impls
 from ..models.llm import DECODE_ATTENTION_IMPLS
 
 DECODE_ATTENTION_CHOICES = ("auto",) + DECODE_ATTENTION_IMPLS
@@ -208,9 +209,9 @@ class SchedulerConfig:
             raise InputError(f"SchedulerConfig.max_waiting must be None or an int >= 0, got {w!r}")
         if self.ar_max_len is not None and (not isinstance(self.ar_max_len, int) or self.ar_max_len < 1):
             raise InputError(f"SchedulerConfig.ar_max_len must be a positive int or None, got {self.ar_max_len!r}")
-        if self.dit_conv not in ("", "auto", "cudnn", "nhwc", "unfold", "triton"):
-            raise InputError(f"SchedulerConfig.dit_conv must be '' (the process's) or one of auto, cudnn, nhwc, "
-                             f"unfold, triton, got {self.dit_conv!r}")
+        if self.dit_conv not in ("",) + dit_conv_impls.CHOICES:
+            raise InputError(f"SchedulerConfig.dit_conv must be '' (the process's) or one of "
+                             f"{', '.join(dit_conv_impls.CHOICES)}, got {self.dit_conv!r}")
         if not isinstance(self.dit_max_active, int) or isinstance(self.dit_max_active, bool) or self.dit_max_active < 0:
             raise InputError(f"SchedulerConfig.dit_max_active must be an int >= 0 (0: no bound), got "
                              f"{self.dit_max_active!r}")

@@ -361,10 +361,14 @@ class CachedHopGraphs:
         with self._lock:
             if bool(on) != self.layer_inputs:
                 self.layer_inputs = self.eager.layer_inputs = bool(on)
-                self.entries.clear()
-                self._failed.clear()
-                if self.cache is not None:
-                    self.cache = GraphCache(None, self.device, warmup=1)
+                self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        """Forget every captured bucket (and the graphs' memory pool with the old cache); the lock is held."""
+        self.entries.clear()
+        self._failed.clear()
+        if self.cache is not None:
+            self.cache = GraphCache(None, self.device, warmup=1)
 
     def _arena(self) -> SolveArena:
         if self.arena is None:
@@ -404,10 +408,7 @@ class CachedHopGraphs:
         with self._lock:
             if store is not self._store:
                 if self._store is not None:  # graphs of the old pages: dropped, with their memory pool
-                    self.entries.clear()
-                    self._failed.clear()
-                    if self.cache is not None:
-                        self.cache = GraphCache(None, self.device, warmup=1)
+                    self._drop_graphs()
                 self._store = store
             self._consts = consts
 
@@ -498,9 +499,6 @@ class CachedHopGraphs:
             self.close()
 
     def close(self) -> None:
-        self.entries.clear()
-        self._failed.clear()
+        self._drop_graphs()  # the graphs and their pool go
         self.arena = self._meta = self._store = self._consts = self._bufs = None
         self.eager.arena = None
-        if self.cache is not None:
-            self.cache = GraphCache(None, self.device, warmup=1)  # the graphs and their pool go
