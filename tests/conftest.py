@@ -2,6 +2,14 @@ import os
 
 import pytest
 
+# The Triton kernels' CPU tests run through Triton's interpreter, which reads TRITON_INTERPRET when triton.language is
+# first imported: its standard functions (tl.sum, tl.max) become interpreter functions only then. Set here, before
+# any test module is collected (one that compiles with Inductor imports triton.language on collection, and the
+# interpreter tests collected after it then failed with "Cannot call @triton.jit'd outside of the scope of a kernel").
+# The interpreter test modules set the same default; on a machine with a GPU the kernels run compiled.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN_DIR = os.path.join(HERE, "data", "golden")
 

@@ -58,8 +58,8 @@ def _kernel():
                     other=0.0).to(tl.float32)
         end = tl.minimum(tl.load(QPOS + b * nq + t) + 1, tl.load(KVLEN + b))
         m = tl.full([GP], float("-inf"), tl.float32)
-        total = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, HD], tl.float32)
+        total = tl.full([GP], 0.0, tl.float32)
+        acc = tl.full([GP, HD], 0.0, tl.float32)
         for start in range(0, end, BLK):
             jj = start + j
             jm = jj < end

@@ -100,8 +100,8 @@ def _kernels():
         used = (end + SPL - 1) // SPL                     # the splits holding keys 0..position
         row = (b * tl.num_programs(0) + h) * n_splits
         m = tl.full([GP], float("-inf"), tl.float32)
-        total = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, HD], tl.float32)
+        total = tl.full([GP], 0.0, tl.float32)
+        acc = tl.full([GP, HD], 0.0, tl.float32)
         for s_id in range(0, used):
             base = row + s_id
             m_s = tl.load(M + base * GP + g, mask=gm, other=0.0)

@@ -52,7 +52,7 @@ def _kernel():
         x_base = X + b * sx_b + (g * CG + c)[None, :] * sx_c   # [1, CG] input channels of group g
         # W: the weights as [G, K, CG (in), CG (out)] (`tap_major`), so a tap's [ci, co] tile is contiguous
         w_base = W + g * (K * CG * CG) + c[:, None] * CG + c[None, :]
-        acc = tl.zeros([BT, CG], dtype=tl.float32)
+        acc = tl.full([BT, CG], 0.0, tl.float32)
         for k in range(K):
             xk = tl.load(x_base + (t + k)[:, None] * sx_t, mask=tm[:, None], other=0.0)   # [BT, CG(ci)]
             wk = tl.load(w_base + k * (CG * CG))                                        # [CG(ci), CG(co)]
