@@ -7,9 +7,9 @@ cosytrt is importable (both APIs: segment prefixes before the paged store, pages
     python benchmarks/dit_step_gpu.py OUT.json [--model tiny] [--device cpu]     (CPU / tiny: a smoke run)
 
 --compile: the cached hops run the compiled forward_cached (CompiledDiT, scope "whole": what the compiled serving
-variant replays in its graphs) instead of the eager modules; --forms stacked,layers: each case once per K/V input form
+variant replays in its graphs) instead of the eager modules; --forms stacked,layers,paged: each case once per K/V form
 of `hop_step` (`SchedulerConfig.dit_kv_layer_inputs`: one [depth, ...] tensor as before session 24, or a tensor per
-layer), with the mel of the same hop compared across forms; a form may name the DiT's conv implementation too
+layer; `dit_paged_prefix`: no gather, the attention reads the prefix from the pages), with the mel of the same hop compared across forms; a form may name the DiT's conv implementation too
 ("layers+conv=triton": runtime/models/dit_conv.py's COSYTRT_DIT_CONV choices, set while that form's graphs are
 captured) and the prefix gather's element width ("+narrow": 2-byte moves, as before session 24, instead of
 `flow_hop_calls.wide`'s 8-byte ones); --whole-ref: per case also the whole-history streaming forward over the same
@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     ap.add_argument("--cases", default="1:1,8:1,8:8")
     ap.add_argument("--no-capture-all", action="store_true")
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--forms", default="layers", help="stacked, layers or stacked,layers")
+    ap.add_argument("--forms", default="layers", help="comma-separated: stacked, layers, paged (each +narrow / +conv=X)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--whole-ref", action="store_true")
     a = ap.parse_args(argv)
@@ -100,7 +100,9 @@ def main(argv=None) -> None:
         graphs = CachedHopGraphs(flow.estimator, grid, device, dtype, fn=fn)
         fhc.WIDE_MOVES = "+narrow" not in form
         kv_form, _, conv = form.replace("+narrow", "").partition("+conv=")
-        if hasattr(graphs, "use_layer_inputs"):
+        if hasattr(graphs, "use_kv_form"):
+            graphs.use_kv_form(kv_form)
+        elif hasattr(graphs, "use_layer_inputs"):  # a wheel from before the paged form
             graphs.use_layer_inputs(kv_form == "layers")
         dit_conv.CONV = conv or default_conv
         pool = FlowCachePool(24 << 30 if cuda else 1 << 30, prompt_cache=False)

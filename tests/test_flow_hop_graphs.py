@@ -166,6 +166,32 @@ def test_compiled_forward_cached_buckets_equal_eager(flow, scope):
     assert not whole_kv, f"{len(whole_kv)} [depth, rows, prefix + new, D] buffers in the compiled cached hop"
 
 
+def test_compiled_paged_prefix_hops_equal_eager(flow):
+    """The paged prefix form (`SchedulerConfig.dit_paged_prefix`: the attention reads the prefix from the store through
+    an opaque op) through the compiled forward_cached: the hops equal the eager gathered ones across buckets, and
+    the store's pages reach the op as inputs (no recompile per bucket)."""
+    import torch._dynamo
+
+    from cosytrt.runtime.stages.compiled import CompiledDiT
+
+    P, n = 20, 250
+    prompt, toks = make_prompt(flow, P, 8), make_tokens(flow, n, 108)
+    grid = CachedGrid((1, 2), (64, 128, 256, 512), (0, 96, 200, 400, 800))
+    compiled = CachedHopGraphs(flow.estimator, grid, "cpu", fn=CompiledDiT.of(flow.estimator, "whole").forward_cached,
+                               graphs=False)
+    compiled.use_kv_form("paged")
+    pool_c, pool_e = FlowCachePool(BIG), FlowCachePool(BIG)
+    sc, se = pool_c.new_state(), pool_e.new_state()
+    torch._dynamo.utils.counters.clear()
+    for upto in hop_ends(P, n)[:4]:
+        got = flow_rows(flow, [FlowInput(toks[:upto + LOOKAHEAD], *prompt, False, sc)], True, hops=compiled)
+        eager = flow_rows(flow, [FlowInput(toks[:upto + LOOKAHEAD], *prompt, False, se)], True)
+        assert max_err(got[0], eager[0]) <= BATCH_TOL, upto
+    assert compiled.counts["misses"] == 0 and compiled.counts["hits"] >= 2, compiled.counts
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 1 <= frames <= 3, f"{frames} graphs compiled for 4 hops"
+
+
 @pytest.mark.parametrize("through", ["graphs", "eager"])
 def test_stepped_solves_at_different_steps_equal_alone(flow, through):
     """Step-level DiT: three streams' cached hops advance one Euler step per estimator call, each at its own step
@@ -401,26 +427,32 @@ def test_eager_hop_runner_is_one_per_thread(flow):
     assert hop_runner(flow, fn=fn) is not mine and hop_runner(flow, fn=fn).fn is fn
 
 
-def test_kv_layer_inputs_switch_gives_the_same_hops(flow):
-    """`SchedulerConfig.dit_kv_layer_inputs` (the A/B switch of the per-layer K/V inputs): the stacked [depth, ...]
-    form and the per-layer form give bit-identical hops (eager: the same arithmetic), and switching drops the
-    captured buckets (they bake the form in)."""
+def test_kv_forms_give_the_same_hops(flow):
+    """hop_step's K / V forms (`SchedulerConfig.dit_kv_layer_inputs` and `dit_paged_prefix`): the stacked [depth, ...]
+    form and the per-layer form give bit-identical hops (eager: the same arithmetic), the paged prefix (the
+    attention reads the prefix in place from the store) the same up to the attention's fp32 reduction order (the
+    same bits where its op runs the gathered torch form: no Triton); switching drops the captured buckets (they bake
+    the form in)."""
     P = 20
     prompt, toks = make_prompt(flow, P, 7), make_tokens(flow, 300, 8)
     mels = {}
-    for on in (True, False):
+    for kv in ("layers", "stacked", "paged"):
         graphs = graphs_for(flow)
-        graphs.use_layer_inputs(on)
-        assert graphs.layer_inputs is on and graphs.eager.layer_inputs is on
+        graphs.use_kv_form(kv)
+        assert graphs.kv == kv and graphs.eager.kv == kv
         st = FlowCachePool(BIG).new_state()
-        mels[on] = [flow_rows(flow, [FlowInput(toks[:upto + LOOKAHEAD], *prompt, False, st)], True, hops=graphs)[0]
+        mels[kv] = [flow_rows(flow, [FlowInput(toks[:upto + LOOKAHEAD], *prompt, False, st)], True, hops=graphs)[0]
                     for upto in hop_ends(P, 300)[:3]]
         assert graphs.counts["hits"] > 0
-        if on:
+        if kv == "layers":
             assert graphs.entries
-            graphs.use_layer_inputs(False)
+            graphs.use_kv_form("stacked")
             assert not graphs.entries
-    assert all(torch.equal(a, b) for a, b in zip(mels[True], mels[False]))
+    with pytest.raises(ValueError, match="one of"):
+        graphs.use_kv_form("gathered")
+    assert all(torch.equal(a, b) for a, b in zip(mels["layers"], mels["stacked"]))
+    for a, b in zip(mels["layers"], mels["paged"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_wide_views_gather_the_same_bits():

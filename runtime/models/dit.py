@@ -14,6 +14,7 @@ from torch import nn
 
 from . import dit_conv
 from .config import DiTConfig
+from .hop_attention import hop_attention
 
 
 # ------------------------------------------------------------------------------------------------------------- masks
@@ -248,22 +249,28 @@ class Attention(nn.Module):
         out = self.to_out[0](out.transpose(1, 2).reshape(B, T, self.heads * self.dim_head))
         return out.masked_fill(~key_valid, 0.0)
 
-    def forward_cached(self, x, attn_mask, key_valid, rope, k_all, v_all):
+    def forward_cached(self, x, attn_mask, key_valid, rope, k_all, v_all, paged=None):
         """New frames x [B, T, D] attending to a cached prefix and to themselves. k_all / v_all [B, Tp+T, D]: rows
         0..Tp-1 hold the prefix's post-RoPE keys / values (Tp = 0: no prefix); this call writes its own post-RoPE K
         and V into rows Tp.. (what a later hop reads as its prefix) and attends over the whole buffer, so the prefix
         is not copied again into a concatenation per layer and step (torch.compile writes K / V into the slice in
-        place: no copy of the buffer either). `attn_mask` [B, 1, T, Tp+T]."""
+        place: no copy of the buffer either). `attn_mask` [B, 1, T, Tp+T]. `paged` (store K, store V, rows, plen,
+        nvalid, chunk): the prefix is read in place from the page store instead (models/hop_attention.py;
+        k_all / v_all then hold the new frames only, `attn_mask` is unused)."""
         B, T, _ = x.shape
         cos, sin = rope
         q = apply_rotary(self.to_q(x), cos, sin)
         Tk = k_all.shape[1]
         k_all[:, Tk - T:].copy_(apply_rotary(self.to_k(x), cos, sin))
         v_all[:, Tk - T:].copy_(self.to_v(x))
-        q = q.view(B, T, self.heads, self.dim_head).transpose(1, 2)
-        k, v = (z.view(B, Tk, self.heads, self.dim_head).transpose(1, 2) for z in (k_all, v_all))
-        out = _sdpa(q, k, v, attn_mask)
-        out = self.to_out[0](out.transpose(1, 2).reshape(B, T, self.heads * self.dim_head))
+        if paged is not None:
+            store_k, store_v, rows, plen, nvalid, chunk = paged
+            out = hop_attention(q, k_all, v_all, store_k, store_v, rows, plen, nvalid, self.heads, chunk)
+        else:
+            q = q.view(B, T, self.heads, self.dim_head).transpose(1, 2)
+            k, v = (z.view(B, Tk, self.heads, self.dim_head).transpose(1, 2) for z in (k_all, v_all))
+            out = _sdpa(q, k, v, attn_mask).transpose(1, 2).reshape(B, T, self.heads * self.dim_head)
+        out = self.to_out[0](out)
         return out.masked_fill(~key_valid, 0.0)
 
 
@@ -281,9 +288,9 @@ class DiTBlock(nn.Module):
         norm = self.ff_norm(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
         return x + gate_mlp.unsqueeze(1) * self.ff(norm)
 
-    def forward_cached(self, x, t, attn_mask, key_valid, rope, k_all, v_all):
+    def forward_cached(self, x, t, attn_mask, key_valid, rope, k_all, v_all, paged=None):
         norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(x, t)
-        attn = self.attn.forward_cached(norm, attn_mask, key_valid, rope, k_all, v_all)
+        attn = self.attn.forward_cached(norm, attn_mask, key_valid, rope, k_all, v_all, paged)
         x = x + gate_msa.unsqueeze(1) * attn
         norm = self.ff_norm(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
         return x + gate_mlp.unsqueeze(1) * self.ff(norm)
@@ -328,7 +335,7 @@ class DiT(nn.Module):
     def forward_cached(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
                        spks: torch.Tensor, cond: torch.Tensor, offsets: torch.Tensor,
                        k_all: torch.Tensor, v_all: torch.Tensor, prefix_valid, tail1: torch.Tensor,
-                       tail2: torch.Tensor, blocks=None):
+                       tail2: torch.Tensor, paged=None, blocks=None):
         """Streaming forward of new frames only, after a cached prefix (the flow prefix cache, stages/flow_cache).
 
         x, mu, cond [B, 80, T] and mask [B, 1, T] hold each row's new frames (right-padded); row b's first new frame
@@ -341,27 +348,35 @@ class DiT(nn.Module):
         K/V into rows Tp.. (in place: what the caller stores as the next prefix). tail1 / tail2 [B, K-1, D] the conv
         position embedding's input tails. Returns (velocity [B, 80, T], in1, in2) with in1 / in2 [B, K-1+T, D] the
         convolutions' inputs (next tails). Equals `forward(..., streaming=True)` over prefix + new frames on the new
-        frames (up to the reduction order of the shorter attention / GEMMs). `blocks`: objects whose
-        `forward_cached` runs in place of each transformer block's (their compiled forms)."""
+        frames (up to the reduction order of the shorter attention / GEMMs). `paged` (store K layers, store V layers,
+        rows [B, P], plen [B]): the prefix is read in place from the flow prefix store (models/hop_attention.py):
+        layer i's cached K / V at store_k[i][rows[b, p]] for p < plen[b]; k_all / v_all then hold the new frames only
+        (Tp = 0) and prefix_valid is None. `blocks`: objects whose `forward_cached` runs in place of each transformer
+        block's (their compiled forms)."""
         B, _, T = x.shape
         if t.ndim == 0:
             t = t.expand(B)
         valid = mask.bool()  # [B, 1, T]
-        new_mask = attention_mask(mask, True, self.static_chunk_size)  # [B, 1, T, T]; open rows stay open below
-        if prefix_valid is not None:
+        nvalid = None
+        if paged is not None:  # the attention op masks by lengths (models/hop_attention.py)
+            store_k, store_v, prows, plen = paged
+            nvalid = valid.sum(dim=(1, 2)).long()
+            attn_mask = None
+        elif prefix_valid is not None:
             pre = prefix_valid[:, None, None, :].expand(-1, 1, T, -1)
             own = attention_mask(torch.ones_like(mask), True, self.static_chunk_size) & valid.unsqueeze(2)
             allowed = torch.cat((pre, own.expand(B, 1, T, T)), dim=-1)
             attn_mask = allowed | ~allowed.any(dim=-1, keepdim=True)
         else:
-            attn_mask = new_mask
+            attn_mask = attention_mask(mask, True, self.static_chunk_size)  # [B, 1, T, T]
         key_valid = valid.transpose(1, 2)  # [B, T, 1]
         rope = self.rotary_embed.at(offsets, T)
         temb = self.time_embed(t.to(x.dtype))
         h, in1, in2 = self.input_embed.forward_cached(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2),
                                                       spks, tail1, tail2)
         for i, block in enumerate(self.transformer_blocks if blocks is None else blocks):
-            h = block.forward_cached(h, temb, attn_mask, key_valid, rope, k_all[i], v_all[i])
+            lp = None if paged is None else (store_k[i], store_v[i], prows, plen, nvalid, self.static_chunk_size)
+            h = block.forward_cached(h, temb, attn_mask, key_valid, rope, k_all[i], v_all[i], lp)
         h = self.norm_out(h, temb)
         return self.proj_out(h).transpose(1, 2), in1, in2
 

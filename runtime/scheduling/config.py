@@ -92,6 +92,12 @@ class SchedulerConfig:
     # prefixes in run 63's profile); per-layer inputs are written in place (tests/test_flow_hop_graphs.py reads the
     # generated code). The same values either way (the same kernels' arithmetic); kept as a switch for the A/B
     dit_kv_layer_inputs: bool = True
+    # the cached hops' attention reads the prefix K / V in place from the flow prefix store's pages
+    # (models/hop_attention.py: a Triton kernel through the call's row table) instead of gathering every layer's
+    # prefix into a buffer first (30 % of a long-prefix step's kernels in run 64). The same attention up to the fp32
+    # reduction order (tests/test_hop_attention.py); where Triton does not run (CPU) the op gathers as before.
+    # Opt-in until measured on a GPU; overrides dit_kv_layer_inputs
+    dit_paged_prefix: bool = False
     # the DiT's grouped convolutions from this scheduler's start to its close ("" = the process's, COSYTRT_DIT_CONV;
     # else one of runtime/models/dit_conv.py's choices: auto, cudnn, nhwc, unfold, triton). A process-wide A/B lever
     # (`--ab "dit_conv=nhwc,dit_conv=triton"`): the cached-hop graphs a scheduler captures take it, the whole-history

@@ -227,7 +227,8 @@ class Scheduler:
             self.setup_s["flow_cache_pages"] = time.perf_counter() - t
             if hops is not None and store is not None:  # capture the graphs now, not in the first requests' hops
                 t = time.perf_counter()
-                hops.use_layer_inputs(cfg.dit_kv_layer_inputs)
+                hops.use_kv_form("paged" if cfg.dit_paged_prefix else
+                                 "layers" if cfg.dit_kv_layer_inputs else "stacked")
                 hops.capture_all(store, step_consts(flow, flow.rand_noise.device, flow.rand_noise.dtype))
                 self.setup_s["cached_hop_graphs"] = time.perf_counter() - t
         # process-wide switches this scheduler registered for (CUDA only), each given back on close: the short GIL

@@ -196,17 +196,24 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int64)
 
 
+KV_FORMS = ("layers", "stacked", "paged")  # how hop_step hands the prefix K / V to forward_cached (hop_step's kv)
+
+
 def hop_step(fn: Callable, store: PageStore, arena: SolveArena, meta: torch.Tensor, N: int, P: int,
-             consts: StepConsts, bufs: Optional[dict] = None, layer_inputs: bool = True) -> None:
+             consts: StepConsts, bufs: Optional[dict] = None, kv: str = "layers") -> None:
     """One estimator call advancing the rows of `meta` [R, META + ceil(P/C) + ceil(N/C)] (long, on the device) by
     one Euler step each, in place (arena x, the reserved pages and tail slots). `fn` = DiT.forward_cached or its
     compiled form. Per row the arithmetic is the whole solve's: the same noise columns, t / dt values, CFG mix and
     update; padded frames and rows are masked (mask, prefix_valid) and written as zeros or to the sinks. `bufs`:
     flat buffers for the K/V the call attends over ("k_all", "v_all": per layer and row the gathered prefix, then
     the slots the call writes its new frames' K/V into; a graph set shares one of each among its graphs, so their
-    memory does not grow with the number of buckets), else fresh tensors. `layer_inputs`: `fn` gets each layer's K / V
-    as a tensor of its own (the default; False: the one [depth, ...] tensor, as before session 24 — an A/B switch,
-    `SchedulerConfig.dit_kv_layer_inputs`)."""
+    memory does not grow with the number of buckets), else fresh tensors. `kv`: "layers" (the default): `fn` gets
+    each layer's gathered K / V as a tensor of its own; "stacked": the one [depth, ...] tensor, as before session 24
+    (an A/B switch, `SchedulerConfig.dit_kv_layer_inputs`); "paged": no gather — the buffers hold the new frames'
+    K / V only and the attention reads the prefix in place from the store through the call's row table
+    (models/hop_attention.py, `SchedulerConfig.dit_paged_prefix`)."""
+    if kv not in KV_FORMS:
+        raise ValueError(f"hop_step: kv must be one of {KV_FORMS}, not {kv!r}")
     R = meta.shape[0]
     S, C, L, D, K1, dim = store.steps, store.chunk, store.depth, store.kv_dim, store.k1, store.dim
     dev = meta.device
@@ -227,22 +234,26 @@ def hop_step(fn: Callable, store: PageStore, arena: SolveArena, meta: torch.Tens
     mask = valid.unsqueeze(1).to(x.dtype)
     t = consts.ts.index_select(0, step)
     col = META
-    prefix_valid = None
-    k_all, v_all = buf("k_all", (L, 2 * R * (P + N), D)), buf("v_all", (L, 2 * R * (P + N), D))
+    prefix_valid = paged = None
+    Pk = 0 if kv == "paged" else P  # prefix frames in the K / V buffers
+    k_all, v_all = buf("k_all", (L, 2 * R * (Pk + N), D)), buf("v_all", (L, 2 * R * (Pk + N), D))
     if P:
         pages = -(-P // C)
         p = torch.arange(P, device=dev)
         pv = p.unsqueeze(0) < start.unsqueeze(1)  # [R, P]
         page = torch.where(pv, meta[:, col:col + pages].index_select(1, p // C), ZERO)
         rows = ((page * S + step.unsqueeze(1)) * 2).unsqueeze(0) + cfg.view(2, 1, 1)  # [2 (cfg), R, P]
-        # per (cfg, row): the P prefix positions, then N positions the call overwrites with its own K/V (here row 0
-        # of the zero page: one gather fills the buffer the call attends over, no concatenation per layer)
-        idx = torch.cat((rows * C + p % C, rows.new_zeros((2, R, N))), dim=2).reshape(-1)
-        torch.index_select(wide(store.k), 1, idx, out=wide(k_all))
-        torch.index_select(wide(store.v), 1, idx, out=wide(v_all))
-        prefix_valid = torch.cat((pv, pv))
+        if kv == "paged":  # per (cfg, row) and prefix position: the store row the attention reads
+            paged = (store.k.unbind(0), store.v.unbind(0), (rows * C + p % C).view(2 * R, P), torch.cat((start, start)))
+        else:
+            # per (cfg, row): the P prefix positions, then N positions the call overwrites with its own K/V (here row
+            # 0 of the zero page: one gather fills the buffer the call attends over, no concatenation per layer)
+            idx = torch.cat((rows * C + p % C, rows.new_zeros((2, R, N))), dim=2).reshape(-1)
+            torch.index_select(wide(store.k), 1, idx, out=wide(k_all))
+            torch.index_select(wide(store.v), 1, idx, out=wide(v_all))
+            prefix_valid = torch.cat((pv, pv))
         col += pages
-    k_all, v_all = k_all.view(L, 2 * R, P + N, D), v_all.view(L, 2 * R, P + N, D)
+    k_all, v_all = k_all.view(L, 2 * R, Pk + N, D), v_all.view(L, 2 * R, Pk + N, D)
 
     def tail_rows(slots: torch.Tensor) -> torch.Tensor:  # [2 (conv), 2 (cfg), R] rows of the tail store
         return ((((slots * S + step) * 2).view(1, 1, R) + cfg.view(2, 1, 1)) * 2 + cfg.view(1, 2, 1)).reshape(-1)
@@ -253,16 +264,17 @@ def hop_step(fn: Callable, store: PageStore, arena: SolveArena, meta: torch.Tens
     # write into a slice of ONE [depth, ...] input was functionalised as a fresh copy of the whole input per layer
     # (depth^2 buffer copies a step: run 63's 40 s cell spent most of the DiT's GPU time in them); per-layer inputs
     # are written in place (tests/test_flow_hop_graphs.py reads the generated code)
+    stacked = kv == "stacked"
     vel, in1, in2 = fn(torch.cat((x, x)), torch.cat((mask, mask)), torch.cat((mu, zeros)), torch.cat((t, t)),
                        torch.cat((spks, torch.zeros_like(spks))), torch.cat((cond, zeros)), torch.cat((start, start)),
-                       k_all.unbind(0) if layer_inputs else k_all, v_all.unbind(0) if layer_inputs else v_all,
-                       prefix_valid, tails[0], tails[1])
+                       k_all if stacked else k_all.unbind(0), v_all if stacked else v_all.unbind(0),
+                       prefix_valid, tails[0], tails[1], paged)
     # the new frames' K/V of this step: to the hop's reserved pages (uncommitted and padded frames: the sink page)
     out_pages = meta[:, col:col + -(-N // C)].index_select(1, fr // C)  # [R, N]
     rows = ((out_pages * S + step.unsqueeze(1)) * 2).unsqueeze(0) + cfg.view(2, 1, 1)
     idx = (rows * C + fr % C).reshape(-1)
-    wide(store.k).index_copy_(1, idx, wide(k_all[:, :, P:].reshape(L, 2 * R * N, D)))
-    wide(store.v).index_copy_(1, idx, wide(v_all[:, :, P:].reshape(L, 2 * R * N, D)))
+    wide(store.k).index_copy_(1, idx, wide(k_all[:, :, Pk:].reshape(L, 2 * R * N, D)))
+    wide(store.v).index_copy_(1, idx, wide(v_all[:, :, Pk:].reshape(L, 2 * R * N, D)))
     # the conv input tails at the commit points: in1 / in2 row position m holds frame start - (K-1) + m
     for slot_col, at_col in ((5, 6), (7, 8)):
         at = meta[:, at_col]
@@ -298,7 +310,7 @@ class EagerHops:
     def __init__(self, dit, fn: Callable, slots: int = 8):
         self.dit, self.fn, self._slots = dit, fn, slots
         self.arena: Optional[SolveArena] = None
-        self.layer_inputs = True  # hop_step's layer_inputs (CachedHopGraphs.use_layer_inputs sets it)
+        self.kv = "layers"  # hop_step's kv form (CachedHopGraphs.use_kv_form sets it)
 
     def take(self, n: int, device, dtype) -> tuple[SolveArena, int]:
         """(arena, slot) for a new row of n new frames."""
@@ -312,7 +324,7 @@ class EagerHops:
         """One step of `rows` ((head, prefix pages, new-frame pages) per row) of `arena`."""
         meta = upload(meta_rows(rows, len(rows), N, P, store.chunk), arena.device)
         with torch.inference_mode():  # the store and arena are inference tensors
-            hop_step(self.fn, store, arena, meta, N, P, consts, layer_inputs=self.layer_inputs)
+            hop_step(self.fn, store, arena, meta, N, P, consts, kv=self.kv)
 
 
 # Rows a graph set's fixed arena holds at once (`CachedHopGraphs` slots): every cached hop mid-solve holds one from its
@@ -354,13 +366,15 @@ class CachedHopGraphs:
         self._consts: Optional[StepConsts] = None
         self.eager = EagerHops(dit, self.fn)
         self._failed: set = set()
-        self.layer_inputs = True  # hop_step's layer_inputs, baked into each graph at its capture
+        self.kv = "layers"  # hop_step's kv form, baked into each graph at its capture
 
-    def use_layer_inputs(self, on: bool) -> None:
-        """hop_step's `layer_inputs` from now on (graphs captured with the other form are dropped)."""
+    def use_kv_form(self, kv: str) -> None:
+        """hop_step's `kv` form from now on (KV_FORMS; graphs captured with another form are dropped)."""
+        if kv not in KV_FORMS:
+            raise ValueError(f"cached-hop K / V form must be one of {KV_FORMS}, not {kv!r}")
         with self._lock:
-            if bool(on) != self.layer_inputs:
-                self.layer_inputs = self.eager.layer_inputs = bool(on)
+            if kv != self.kv:
+                self.kv = self.eager.kv = kv
                 self._drop_graphs()
 
     def _drop_graphs(self) -> None:
@@ -434,8 +448,8 @@ class CachedHopGraphs:
                 meta = self._meta_view(key)
                 _, n, p = key
 
-                def step(meta=meta, n=n, p=p, layer_inputs=self.layer_inputs):
-                    hop_step(self.fn, store, arena, meta, n, p, consts, bufs, layer_inputs)
+                def step(meta=meta, n=n, p=p, kv=self.kv):
+                    hop_step(self.fn, store, arena, meta, n, p, consts, bufs, kv)
 
                 if self.cache is None:
                     self.entries[key] = (meta, step)

@@ -1,0 +1,188 @@
+"""The cached hop's DiT attention reading the prefix's K / V in place from the flow prefix store's pages (opt-in:
+`SchedulerConfig.dit_paged_prefix`; the default gathers the prefix into one buffer first, `stages/flow_hop_calls.py`).
+
+Why: a cached hop's Euler step attends its new frames over the request's cached prefix. The default step first
+gathers every layer's prefix K / V rows from the page store into a [rows, prefix + new, D] buffer per layer, then
+runs SDPA over it: in run 64 (H100, 8 requests x 200 new frames over 1500 cached) that gather was 30 % of the step's
+kernel time. Here the attention takes the call's row table instead (for each CFG row and prefix position, the store
+row holding that frame's K / V at this Euler step) and reads the prefix through it, as the LM's split-KV decode
+kernels read each request's KV slot: no gather, no buffer of prefix size.
+
+What is computed, per CFG row b, head h and new frame t (`reference` is the same in torch, and what runs where the
+Triton kernel does not: CPU tensors without Triton's interpreter): softmax over the keys
+  - prefix positions p < plen[b] (the row's own cached frames: every one of them lies in a chunk left of the new
+    frames, so all are visible), read from store row rows[b, p];
+  - new frames u < nvalid[b] with u // chunk <= t // chunk (block-causal in static chunks, the new frames starting
+    on a chunk boundary),
+of q·k / sqrt(head dim), times v. A new frame past nvalid[b] (padding) gets what SDPA gives it under
+`DiT.forward_cached`'s mask where it has any key (its chunk's valid keys and the prefix), zeros where it has none
+(SDPA's mask opens such a row to every key instead); the DiT masks padded frames' attention output to zero either
+way (`key_valid`), so no value past nvalid reaches anything.
+
+The kernel: one program per (block of BM new frames, head, CFG row), an online softmax over the prefix in blocks of
+BN keys (stopping at the row's own plen: nothing depends on the call's padded prefix length or on other rows), then
+over the new frames up to the block's last visible chunk; tensor-core dots with fp32 accumulation. Values: the
+gathered SDPA's up to the order of the fp32 reduction (tests/test_hop_attention.py, through Triton's interpreter).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .bi_attention_triton import runs_on
+
+BM, BN = 64, 64  # new frames per program, keys per loop step
+
+
+def _check(q, k_new, v_new, store_k, store_v, rows, plen, nvalid, heads):
+    B, T, D = q.shape
+    if k_new.shape != (B, T, D) or v_new.shape != (B, T, D):
+        raise ValueError(f"hop attention: new K / V {tuple(k_new.shape)} / {tuple(v_new.shape)} for queries "
+                         f"{tuple(q.shape)}")
+    if store_k.dim() != 2 or store_k.shape[1] != D or store_v.shape != store_k.shape:
+        raise ValueError(f"hop attention: store K / V {tuple(store_k.shape)} / {tuple(store_v.shape)}, want [rows, {D}]")
+    if rows.dim() != 2 or rows.shape[0] != B or plen.shape != (B,) or nvalid.shape != (B,):
+        raise ValueError(f"hop attention: row table {tuple(rows.shape)}, plen {tuple(plen.shape)}, nvalid "
+                         f"{tuple(nvalid.shape)} for {B} rows")
+    if D % heads:
+        raise ValueError(f"hop attention: {D} channels in {heads} heads")
+
+
+def reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, store_k: torch.Tensor,
+              store_v: torch.Tensor, rows: torch.Tensor, plen: torch.Tensor, nvalid: torch.Tensor, heads: int,
+              chunk: int) -> torch.Tensor:
+    """The gathered form: the prefix rows gathered from the store before the new frames' K / V, the mask of
+    `DiT.forward_cached`, SDPA. q, k_new, v_new [B, T, D] (post-RoPE); store_k / store_v [store rows, D]; rows [B, P]
+    (long); plen, nvalid [B] (long). Returns [B, T, D]."""
+    _check(q, k_new, v_new, store_k, store_v, rows, plen, nvalid, heads)
+    B, T, D = q.shape
+    P = rows.shape[1]
+    dev = q.device
+    k = torch.cat((store_k.index_select(0, rows.reshape(-1)).view(B, P, D), k_new), dim=1)
+    v = torch.cat((store_v.index_select(0, rows.reshape(-1)).view(B, P, D), v_new), dim=1)
+    t = torch.arange(T, device=dev)
+    pre = torch.arange(P, device=dev).unsqueeze(0) < plen.unsqueeze(1)                    # [B, P]
+    own = (t.unsqueeze(0) < (t // chunk + 1).unsqueeze(1) * chunk).unsqueeze(0) \
+        & (t.unsqueeze(0) < nvalid.unsqueeze(1)).unsqueeze(1)                                # [B, T(q), T(k)]
+    allowed = torch.cat((pre.unsqueeze(1).expand(B, T, P), own), dim=-1).unsqueeze(1)      # [B, 1, T, P + T]
+    mask = allowed | ~allowed.any(dim=-1, keepdim=True)
+    hd = D // heads
+    qh, kh, vh = (z.view(B, -1, heads, hd).transpose(1, 2) for z in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+    return out.transpose(1, 2).reshape(B, T, D)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def hop_attention_kernel(Q, KN, VN, SK, SV, ROWS, PLEN, NVALID, O, T, scale,
+                             sq_b, sq_t, skn_b, skn_t, svn_b, svn_t, s_row, sr_b, so_b, so_t,
+                             HD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             PREC: tl.constexpr):
+        mb = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        t = mb * BLOCK_M + tl.arange(0, BLOCK_M)          # this program's new frames
+        d = tl.arange(0, HD)
+        j = tl.arange(0, BLOCK_N)
+        tm = t < T
+        q = tl.load(Q + b * sq_b + t[:, None] * sq_t + h * HD + d[None, :], mask=tm[:, None], other=0.0)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        total = tl.full([BLOCK_M], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M, HD], 0.0, tl.float32)
+        plen = tl.load(PLEN + b)
+        for start in range(0, plen, BLOCK_N):               # the prefix, read in place through the row table
+            p = start + j
+            pm = p < plen
+            r = tl.load(ROWS + b * sr_b + p, mask=pm, other=0)
+            k = tl.load(SK + r[:, None] * s_row + h * HD + d[None, :], mask=pm[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+            s = tl.where(pm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            pr = tl.exp(s - m_new[:, None])
+            total = total * alpha + tl.sum(pr, axis=1)
+            v = tl.load(SV + r[:, None] * s_row + h * HD + d[None, :], mask=pm[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=PREC)
+            m = m_new
+        nval = tl.load(NVALID + b)
+        see = (t // CHUNK + 1) * CHUNK                      # a frame sees the new frames before its chunk's end
+        hi = tl.minimum(nval, (tl.minimum(mb * BLOCK_M + BLOCK_M, T) - 1) // CHUNK * CHUNK + CHUNK)
+        for start in range(0, hi, BLOCK_N):                 # the new frames, block-causal
+            u = start + j
+            um = u < nval
+            k = tl.load(KN + b * skn_b + u[:, None] * skn_t + h * HD + d[None, :], mask=um[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+            ok = um[None, :] & (u[None, :] < see[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a frame with no key yet: no NaN from -inf - -inf
+            alpha = tl.exp(m - m_safe)
+            pr = tl.exp(s - m_safe[:, None])
+            total = total * alpha + tl.sum(pr, axis=1)
+            v = tl.load(VN + b * svn_b + u[:, None] * svn_t + h * HD + d[None, :], mask=um[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=PREC)
+            m = m_new
+        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]   # a padded frame with no key at all: zeros
+        tl.store(O + b * so_b + t[:, None] * so_t + h * HD + d[None, :], out.to(O.dtype.element_ty),
+                 mask=tm[:, None])
+
+    return hop_attention_kernel
+
+
+def supports(q: torch.Tensor, store_k: torch.Tensor, heads: int) -> bool:
+    """Whether the kernel takes these: Triton runs for the tensors, a power-of-two head dim of at least 16 (tl.dot),
+    unit stride along the channels."""
+    hd = q.shape[-1] // heads
+    return (runs_on(q) and q.dim() == 3 and hd >= 16 and not hd & (hd - 1) and q.shape[-1] == hd * heads
+            and store_k.stride(-1) == 1)
+
+
+def triton_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, store_k: torch.Tensor,
+                     store_v: torch.Tensor, rows: torch.Tensor, plen: torch.Tensor, nvalid: torch.Tensor, heads: int,
+                     chunk: int, block_m: int = BM, block_n: int = BN, num_warps: int = 4) -> torch.Tensor:
+    """`reference`'s values (module docstring) by the Triton kernel, the prefix read in place."""
+    _check(q, k_new, v_new, store_k, store_v, rows, plen, nvalid, heads)
+    if not supports(q, store_k, heads):
+        raise ValueError(f"hop attention kernel: queries {tuple(q.shape)} on {q.device} in {heads} heads (head dim "
+                         "a power of two >= 16, Triton for the device)")
+    B, T, D = q.shape
+    hd = D // heads
+    o = torch.empty((B, T, D), dtype=q.dtype, device=q.device)
+    if B == 0 or T == 0:
+        return o
+    for z in (q, k_new, v_new, store_v):
+        if z.stride(-1) != 1:
+            raise ValueError("hop attention kernel: the channels must have unit stride")
+    if store_v.stride(0) != store_k.stride(0):
+        raise ValueError("hop attention kernel: the store's K and V need the same row stride")
+    rows = rows.contiguous() if rows.shape[1] else rows.new_zeros((B, 1))
+    _kernel()[(-(-T // block_m), heads, B)](
+        q, k_new, v_new, store_k, store_v, rows, plen, nvalid, o, T, 1.0 / math.sqrt(hd),
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        store_k.stride(0), rows.stride(0), o.stride(0), o.stride(1),
+        HD=hd, CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=block_n,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps)
+    return o
+
+
+@torch.library.custom_op("cosytrt::dit_hop_attention", mutates_args=())
+def hop_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, store_k: torch.Tensor,
+                  store_v: torch.Tensor, rows: torch.Tensor, plen: torch.Tensor, nvalid: torch.Tensor, heads: int,
+                  chunk: int) -> torch.Tensor:
+    """The op `DiT.forward_cached` calls with a paged prefix (opaque under torch.compile): the Triton kernel where
+    it runs for these tensors, else the gathered torch form."""
+    if supports(q, store_k, heads):
+        return triton_attention(q, k_new, v_new, store_k, store_v, rows, plen, nvalid, heads, chunk)
+    return reference(q, k_new, v_new, store_k, store_v, rows, plen, nvalid, heads, chunk)
+
+
+@hop_attention.register_fake
+def _(q, k_new, v_new, store_k, store_v, rows, plen, nvalid, heads, chunk):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
