@@ -34,8 +34,8 @@
 #     and µs per layer against SDPA, ~30 s); COMPILE=0: the LM uncompiled in its CUDA graphs (seconds, not minutes:
 #     run 61's form);
 #   CALL=quick: benchmarks/dit_conv_check.py and benchmarks/gather_width_check.py (no compile, ~1 minute);
-#   CALL=checks: benchmarks/dit_step_gpu.py --compile (the compiled cached-hop step with the stacked against the
-#     per-layer K/V inputs, session 24), benchmarks/dit_conv_check.py (the DiT's grouped conv per implementation),
+#   CALL=checks: benchmarks/dit_step_gpu.py --compile (the compiled cached-hop step: per-layer K/V inputs against the
+#     paged prefix and the Triton conv, sessions 24-25), benchmarks/dit_conv_check.py (the DiT's grouped conv per implementation),
 #     benchmarks/split_kv_gpu_check.py (the split-KV kernels' values and µs, table 3: the in-place slot
 #     read against the gathered copy) and benchmarks/hift_tf32_check.py (the vocoder's wav and ms with TF32 against
 #     fp32) — before CALL=mixed starts the bench process;
@@ -65,16 +65,18 @@ if [ "${CALL:-}" = quick ]; then  # no compile, ~1 minute: the DiT conv per impl
 fi
 if [ "${CALL:-}" = checks ]; then  # before the bench process: the kernels' and the vocoder's checks, ~5-9 minutes
   source benchmarks/device_setup.sh --install || exit 1
-  # the compiled cached-hop step (per-layer K/V inputs, session 24) with the prefix gather in 8-byte words against
-  # 2-byte ones (+narrow) and the DiT's conv by the Triton kernel against cuDNN's forms: ms per step, mel across forms
-  # and against the whole-history hop, top kernels (one compile of forward_cached: the conv is an opaque op; a
-  # "stacked" form would compile again, ~100 s: run 64 measured it)
-  (cd /tmp && timeout "${DIT_STEP_S:-330}" python3 "$OLDPWD/benchmarks/dit_step_gpu.py" "$OUT/dit_step.json" --compile \
-    --forms "${FORMS:-layers,layers+narrow,layers+conv=triton,layers+conv=cudnn}" --cases "${CASES:-1:1,8:1,8:8}" \
+  # the compiled cached-hop step (per-layer K/V inputs, session 24) against the paged prefix (session 25: the
+  # attention reads the prefix from the pages, no gather; its own compile, ~100 s) and the DiT's conv by the Triton
+  # kernel: ms per step, mel across forms and against the whole-history hop, top kernels (FORMS may add
+  # layers+narrow: the 2-byte gather; layers+conv=cudnn; stacked: run 64's old form, another compile).
+  # KERNELS_ONLY=1: stop after these two scripts
+  (cd /tmp && timeout "${DIT_STEP_S:-420}" python3 "$OLDPWD/benchmarks/dit_step_gpu.py" "$OUT/dit_step.json" --compile \
+    --forms "${FORMS:-layers,paged,layers+conv=triton}" --cases "${CASES:-1:1,8:1,8:8}" \
     --profile --no-capture-all) > "$OUT/dit_step.txt" 2>&1
   grep -v Warn "$OUT/dit_step.txt" | tail -40
-  (cd /tmp && timeout 60 python3 "$OLDPWD/benchmarks/dit_conv_check.py") > "$OUT/dit_conv.md" 2>&1
-  tail -9 "$OUT/dit_conv.md"
+  (cd /tmp && timeout 70 python3 "$OLDPWD/benchmarks/dit_conv_check.py") > "$OUT/dit_conv.md" 2>&1
+  tail -12 "$OUT/dit_conv.md"
+  [ "${KERNELS_ONLY:-0}" = 1 ] && exit 0  # the DiT's step and conv only (run 64 measured the two below)
   (cd /tmp && timeout 120 python3 "$OLDPWD/benchmarks/split_kv_gpu_check.py") > "$OUT/split_kv_check.md" 2>&1
   tail -14 "$OUT/split_kv_check.md"
   (cd /tmp && timeout 150 python3 "$OLDPWD/benchmarks/hift_tf32_check.py") > "$OUT/hift_tf32.md" 2>&1

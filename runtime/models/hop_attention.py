@@ -179,6 +179,7 @@ def hop_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, sto
     """The op `DiT.forward_cached` calls with a paged prefix (opaque under torch.compile): the Triton kernel where
     it runs for these tensors, else the gathered torch form."""
     if supports(q, store_k, heads):
+        q, k_new, v_new = (z if z.stride(-1) == 1 else z.contiguous() for z in (q, k_new, v_new))
         return triton_attention(q, k_new, v_new, store_k, store_v, rows, plen, nvalid, heads, chunk)
     return reference(q, k_new, v_new, store_k, store_v, rows, plen, nvalid, heads, chunk)
 
