@@ -444,6 +444,9 @@ def test_kv_forms_give_the_same_hops(flow):
         mels[kv] = [flow_rows(flow, [FlowInput(toks[:upto + LOOKAHEAD], *prompt, False, st)], True, hops=graphs)[0]
                     for upto in hop_ends(P, 300)[:3]]
         assert graphs.counts["hits"] > 0
+        c = flow.estimator.cfg  # the shared K / V buffers: the grid's largest prefix + new frames, or new only (paged)
+        held = (0 if kv == "paged" else 800) + 512
+        assert graphs._bufs["k_all"].numel() == c.depth * 2 * 4 * held * c.heads * c.dim_head
         if kv == "layers":
             assert graphs.entries
             graphs.use_kv_form("stacked")

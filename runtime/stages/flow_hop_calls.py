@@ -376,6 +376,7 @@ class CachedHopGraphs:
             if kv != self.kv:
                 self.kv = self.eager.kv = kv
                 self._drop_graphs()
+                self._bufs = None  # sized for the form (the paged form holds no prefix)
 
     def _drop_graphs(self) -> None:
         """Forget every captured bucket (and the graphs' memory pool with the old cache); the lock is held."""
@@ -392,11 +393,13 @@ class CachedHopGraphs:
         return self.arena
 
     def _buffers(self) -> dict:
-        """Flat K/V buffers for the largest bucket, shared by every graph (replays never overlap)."""
+        """Flat K/V buffers for the largest bucket, shared by every graph (replays never overlap): its prefix and new
+        frames, or (the paged form: the attention reads the prefix from the store) its new frames only."""
         if self._bufs is None:
             c = self.dit.cfg
             D, R = c.heads * c.dim_head, 2 * max(self.grid.batch)
-            n = c.depth * R * (max(self.grid.prefix) + max(self.grid.frames)) * D
+            prefix = 0 if self.kv == "paged" else max(self.grid.prefix)
+            n = c.depth * R * (prefix + max(self.grid.frames)) * D
             sizes = {"k_all": n, "v_all": n}
             with torch.inference_mode():
                 self._bufs = {name: torch.empty(max(1, n), device=self.device, dtype=self.dtype)
