@@ -32,9 +32,12 @@ def test_kernel_equals_conv1d(dtype, tol, layout):
             x = torch.randn(rows, frames, c, generator=g).transpose(1, 2)
         for b in (bias, None):
             ref = F.conv1d(x.double(), w.double(), None if b is None else b.double(), groups=groups)
-            got = tk.grouped_conv1d(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype), groups)
-            assert got.shape == ref.shape and got.dtype == dtype and got.is_contiguous()
-            assert (got.double() - ref).abs().max().item() <= tol
+            for time_major in (True, False):  # the output time-major (the DiT's layout, default) or contiguous
+                got = tk.grouped_conv1d(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype), groups,
+                                        time_major=time_major)
+                assert got.shape == ref.shape and got.dtype == dtype
+                assert got.transpose(1, 2).is_contiguous() if time_major else got.is_contiguous()
+                assert (got.double() - ref).abs().max().item() <= tol
 
 
 def test_tap_major_copy_is_made_once_per_weight():

@@ -7,7 +7,10 @@ layout conversions (`nchwToNhwc` / `nhwcToNchw`): ~1.3-1.5 ms of a one-request s
 GFLOP. Here one program computes BT output frames x the CG channels of one group for one row: K tensor-core dots of
 [BT, CG] x [CG, CG] (the input window shifted by k, the tap-k weights), fp32 accumulation, bias, one store. The input
 is read through its strides, so the DiT's [B, C, T] views of [B, T, C] tensors (what `forward_cached` passes) need no
-transposing copy; the output is a contiguous [B, C, T_out] tensor, as F.conv1d returns.
+transposing copy; the output is written the same way by default (a [B, C, T_out] view of [B, T_out, C] memory, as
+the channels-last cuDNN conv returns it): run 65 found the kernel 2.2-6.6x faster than cuDNN alone but the step
+1.02-1.12x slower with a contiguous [B, C, T_out] output, which the DiT's next ops (Mish, `transpose(1, 2)`, the
+residual add) then read transposed.
 
 Values: the same convolution up to the order of the fp32 accumulation (tests/test_dit_conv_triton.py checks it
 against F.conv1d through Triton's interpreter on CPU, fp32 and fp16, contiguous and transposed inputs).
@@ -90,17 +93,22 @@ def tap_major(weight: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def grouped_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int,
-                   block_t: int = BLOCK_T, num_warps: int = 4) -> torch.Tensor:
+                   block_t: int = BLOCK_T, num_warps: int = 4, time_major: bool = True) -> torch.Tensor:
     """F.conv1d(x, weight, bias, groups=groups) (no padding, stride 1) for x [B, C, T] (any strides), weight
-    [C, C/groups, K] -> contiguous [B, C, T - K + 1]. `block_t` / `num_warps`: the tile (benchmarks/dit_conv_check.py
-    times 64 and 128 frames per program: each program reads every tap's weight tile once)."""
+    [C, C/groups, K] -> [B, C, T - K + 1], laid out time-major (a view of [B, T - K + 1, C] memory, the DiT's layout)
+    or, `time_major=False`, contiguous as F.conv1d returns it. `block_t` / `num_warps`: the tile
+    (benchmarks/dit_conv_check.py times 64 and 128 frames per program: each program reads every tap's weight tile
+    once)."""
     if not supports(x, weight, groups):
         raise ValueError(f"Triton grouped conv: {x.shape[1]} channels in {groups} groups of weight "
                          f"{tuple(weight.shape)} (channels per group must be a power of two >= 16, in = out)")
     b, c, t_in = x.shape
     k = weight.shape[2]
     t_out = t_in - k + 1
-    y = torch.empty((b, c, max(t_out, 0)), dtype=x.dtype, device=x.device)
+    if time_major:
+        y = torch.empty((b, max(t_out, 0), c), dtype=x.dtype, device=x.device).transpose(1, 2)
+    else:
+        y = torch.empty((b, c, max(t_out, 0)), dtype=x.dtype, device=x.device)
     if b == 0 or t_out <= 0:
         return y
     w = tap_major(weight, groups)
