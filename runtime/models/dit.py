@@ -14,7 +14,7 @@ from torch import nn
 
 from . import dit_conv
 from .config import DiTConfig
-from .hop_attention import hop_attention
+from .hop_attention import hop_attention, prefix_mask
 
 
 # ------------------------------------------------------------------------------------------------------------- masks
@@ -363,10 +363,7 @@ class DiT(nn.Module):
             nvalid = valid.sum(dim=(1, 2)).long()
             attn_mask = None
         elif prefix_valid is not None:
-            pre = prefix_valid[:, None, None, :].expand(-1, 1, T, -1)
-            own = attention_mask(torch.ones_like(mask), True, self.static_chunk_size) & valid.unsqueeze(2)
-            allowed = torch.cat((pre, own.expand(B, 1, T, T)), dim=-1)
-            attn_mask = allowed | ~allowed.any(dim=-1, keepdim=True)
+            attn_mask = prefix_mask(prefix_valid, valid[:, 0], self.static_chunk_size)  # [B, 1, T, Tp + T]
         else:
             attn_mask = attention_mask(mask, True, self.static_chunk_size)  # [B, 1, T, T]
         key_valid = valid.transpose(1, 2)  # [B, T, 1]

@@ -51,6 +51,18 @@ def _check(q, k_new, v_new, store_k, store_v, rows, plen, nvalid, heads):
         raise ValueError(f"hop attention: {D} channels in {heads} heads")
 
 
+def prefix_mask(prefix_valid: torch.Tensor, valid: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The attention mask of new frames after a cached prefix [B, 1, T, P + T] (True = may attend): every valid
+    prefix position (prefix_valid [B, P]), and the valid new frames (valid [B, T]) block-causally in `chunk`-frame
+    chunks (the new frames start on a chunk boundary); a query row with no allowed key is opened to every key, as
+    `attention_mask` does, so SDPA gives no NaN. What `DiT.forward_cached` attends with over a gathered prefix."""
+    B, T = valid.shape
+    t = torch.arange(T, device=valid.device)
+    own = (t.unsqueeze(0) < (t // chunk + 1).unsqueeze(1) * chunk).unsqueeze(0) & valid.unsqueeze(1)  # [B, T, T]
+    allowed = torch.cat((prefix_valid.unsqueeze(1).expand(B, T, -1), own), dim=-1).unsqueeze(1)
+    return allowed | ~allowed.any(dim=-1, keepdim=True)
+
+
 def reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, store_k: torch.Tensor,
               store_v: torch.Tensor, rows: torch.Tensor, plen: torch.Tensor, nvalid: torch.Tensor, heads: int,
               chunk: int) -> torch.Tensor:
@@ -63,12 +75,8 @@ def reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, store_k
     dev = q.device
     k = torch.cat((store_k.index_select(0, rows.reshape(-1)).view(B, P, D), k_new), dim=1)
     v = torch.cat((store_v.index_select(0, rows.reshape(-1)).view(B, P, D), v_new), dim=1)
-    t = torch.arange(T, device=dev)
     pre = torch.arange(P, device=dev).unsqueeze(0) < plen.unsqueeze(1)                    # [B, P]
-    own = (t.unsqueeze(0) < (t // chunk + 1).unsqueeze(1) * chunk).unsqueeze(0) \
-        & (t.unsqueeze(0) < nvalid.unsqueeze(1)).unsqueeze(1)                                # [B, T(q), T(k)]
-    allowed = torch.cat((pre.unsqueeze(1).expand(B, T, P), own), dim=-1).unsqueeze(1)      # [B, 1, T, P + T]
-    mask = allowed | ~allowed.any(dim=-1, keepdim=True)
+    mask = prefix_mask(pre, torch.arange(T, device=dev).unsqueeze(0) < nvalid.unsqueeze(1), chunk)
     hd = D // heads
     qh, kh, vh = (z.view(B, -1, heads, hd).transpose(1, 2) for z in (q, k, v))
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)

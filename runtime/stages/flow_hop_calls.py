@@ -243,12 +243,13 @@ def hop_step(fn: Callable, store: PageStore, arena: SolveArena, meta: torch.Tens
         pv = p.unsqueeze(0) < start.unsqueeze(1)  # [R, P]
         page = torch.where(pv, meta[:, col:col + pages].index_select(1, p // C), ZERO)
         rows = ((page * S + step.unsqueeze(1)) * 2).unsqueeze(0) + cfg.view(2, 1, 1)  # [2 (cfg), R, P]
-        if kv == "paged":  # per (cfg, row) and prefix position: the store row the attention reads
-            paged = (store.k.unbind(0), store.v.unbind(0), (rows * C + p % C).view(2 * R, P), torch.cat((start, start)))
+        prefix_rows = rows * C + p % C  # per (cfg, row) and prefix position: the store row holding its K / V
+        if kv == "paged":  # the attention reads them there
+            paged = (store.k.unbind(0), store.v.unbind(0), prefix_rows.view(2 * R, P), torch.cat((start, start)))
         else:
             # per (cfg, row): the P prefix positions, then N positions the call overwrites with its own K/V (here row
             # 0 of the zero page: one gather fills the buffer the call attends over, no concatenation per layer)
-            idx = torch.cat((rows * C + p % C, rows.new_zeros((2, R, N))), dim=2).reshape(-1)
+            idx = torch.cat((prefix_rows, rows.new_zeros((2, R, N))), dim=2).reshape(-1)
             torch.index_select(wide(store.k), 1, idx, out=wide(k_all))
             torch.index_select(wide(store.v), 1, idx, out=wide(v_all))
             prefix_valid = torch.cat((pv, pv))
