@@ -166,20 +166,30 @@ def test_compiled_forward_cached_buckets_equal_eager(flow, scope):
     assert not whole_kv, f"{len(whole_kv)} [depth, rows, prefix + new, D] buffers in the compiled cached hop"
 
 
-def test_compiled_paged_prefix_hops_equal_eager(flow):
+@pytest.mark.parametrize("form, conv", [("paged", ""), ("layers", "triton")])
+def test_compiled_paged_prefix_hops_equal_eager(flow, monkeypatch, form, conv):
     """The paged prefix form (`SchedulerConfig.dit_paged_prefix`: the attention reads the prefix from the store through
     an opaque op) through the compiled forward_cached: the hops equal the eager gathered ones across buckets, and
-    the store's pages reach the op as inputs (no recompile per bucket)."""
+    the store's pages reach the op as inputs (no recompile per bucket). And the Triton conv (`dit_conv=triton`)
+    compiled: an opaque op too (run 66: Dynamo failed inside its launch), the same hops."""
     import torch._dynamo
 
+    from cosytrt.runtime.models import dit_conv
     from cosytrt.runtime.stages.compiled import CompiledDiT
+
+    if conv:
+        from cosytrt.runtime.models import dit_conv_triton
+
+        if not dit_conv_triton.available():
+            pytest.skip("Triton is not installed (the Triton conv falls back to F.conv1d without it)")
+        monkeypatch.setattr(dit_conv, "CONV", conv)
 
     P, n = 20, 250
     prompt, toks = make_prompt(flow, P, 8), make_tokens(flow, n, 108)
     grid = CachedGrid((1, 2), (64, 128, 256, 512), (0, 96, 200, 400, 800))
     compiled = CachedHopGraphs(flow.estimator, grid, "cpu", fn=CompiledDiT.of(flow.estimator, "whole").forward_cached,
                                graphs=False)
-    compiled.use_kv_form("paged")
+    compiled.use_kv_form(form)
     pool_c, pool_e = FlowCachePool(BIG), FlowCachePool(BIG)
     sc, se = pool_c.new_state(), pool_e.new_state()
     torch._dynamo.utils.counters.clear()

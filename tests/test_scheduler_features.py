@@ -427,6 +427,39 @@ def test_dit_conv_switch_holds_for_the_schedulers_life(tts, speaker):
         dit_conv.use("benchmark")
 
 
+def test_a_failed_scheduler_start_gives_back_the_process_switches(tts, speaker, monkeypatch):
+    """A scheduler whose start fails after it switched the process's DiT conv gives the switch back (run 66: the
+    Triton conv's failed compile left it switched, and every later scheduler of the bench process failed the same
+    way), and closes the AR runner it built; the next scheduler runs with the process's own conv and audio."""
+    from cosytrt.runtime.models import dit_conv
+    from cosytrt.runtime.scheduling import scheduler as scheduler_module
+
+    before = dit_conv.CONV
+    reqs = [make_request("Hello there.", speaker=speaker, seed=3, force_tokens=40, stream=True)]
+    ref, _ = run_all(tts, SchedulerConfig(), reqs)
+    closed = []
+    real_runner = scheduler_module.make_ar_runner
+
+    def runner(*a, **k):
+        r = real_runner(*a, **k)
+        real_close = r.close
+        r.close = lambda: (closed.append(True), real_close())
+        return r
+
+    def broken(*a, **k):
+        raise RuntimeError("stage start failed")
+
+    monkeypatch.setattr(scheduler_module, "make_ar_runner", runner)
+    monkeypatch.setattr(scheduler_module, "Token2WavWorker", broken)
+    with pytest.raises(RuntimeError, match="stage start failed"):
+        Scheduler(tts.pipeline, SchedulerConfig(dit_conv="unfold"))
+    assert dit_conv.CONV == before
+    assert closed == [True]
+    monkeypatch.undo()
+    got, _ = run_all(tts, SchedulerConfig(), reqs)
+    assert_same_audio(got, ref)
+
+
 def test_tts_reconfigure_keeps_the_ar_runner_and_the_audio(speaker):
     """TTS.reconfigure swaps the scheduler for one with new settings over the same AR runner (an A/B without
     building the runner's graphs again): the same request gives the same audio; a setting the runner depends on
@@ -536,3 +569,30 @@ def test_ar_pacing_keeps_the_audio_and_paces(tts, speaker):
     assert on_stats["ar"]["pace_waits"] > 0 and on_stats["ar"]["pace_wait_s"] > 0
     # (rows per decode step with and without pacing are not compared: on a loaded CI machine the order in which
     # threads run decides them — 291 rows in 155 vs 153 steps failed such a check once — a timing, not a behaviour)
+
+
+def test_cached_hop_kv_form_is_paged_where_its_kernel_runs(monkeypatch):
+    """`SchedulerConfig.dit_paged_prefix` None (auto, the default since run 66): the cached hops read the prefix from
+    the pages where the paged attention's Triton kernel runs on the scheduler's device (CUDA), else per-layer K / V
+    inputs; an explicit value wins; `auto` / `none` reach the field from `--scheduler` / `--ab`; other values are
+    refused with the field's name."""
+    from cosytrt.engines.errors import InputError
+    from cosytrt.runtime.models import hop_attention
+    from cosytrt.runtime.scheduling.config import config_overrides
+    from cosytrt.runtime.scheduling.scheduler import kv_form
+
+    cpu = torch.device("cpu")
+    assert SchedulerConfig().dit_paged_prefix is None
+    assert kv_form(SchedulerConfig(), cpu) == "layers"
+    assert kv_form(SchedulerConfig(dit_paged_prefix=True), cpu) == "paged"
+    assert kv_form(SchedulerConfig(dit_paged_prefix=False, dit_kv_layer_inputs=False), cpu) == "stacked"
+    cuda = torch.device("cuda")
+    for triton in (True, False):
+        monkeypatch.setattr(hop_attention, "available", lambda: triton)
+        assert kv_form(SchedulerConfig(), cuda) == ("paged" if triton else "layers")
+        assert kv_form(SchedulerConfig(dit_paged_prefix=False), cuda) == "layers"
+        assert kv_form(SchedulerConfig(), cpu) == "layers"
+    assert config_overrides(["dit_paged_prefix=auto"]) == {"dit_paged_prefix": None}
+    assert config_overrides(["dit_paged_prefix=1"]) == {"dit_paged_prefix": True}
+    with pytest.raises(InputError, match="dit_paged_prefix"):
+        SchedulerConfig(dit_paged_prefix="yes")

@@ -60,7 +60,7 @@ class TimestepEmbedding(nn.Module):
 
 @torch.library.custom_op("cosytrt::dit_conv1d", mutates_args=())
 def _opaque_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int) -> torch.Tensor:
-    return dit_conv.pick(x)(x, weight, bias, groups)
+    return dit_conv.opaque_conv(x, weight, bias, groups)
 
 
 @_opaque_conv1d.register_fake
@@ -82,8 +82,9 @@ def _conv1d(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     """`conv(x)` (no padding, stride 1). Under torch.compile the convolution is an opaque op: the framework's own
     shape propagation for convolutions picks a backend from the (symbolic) batch size and so guards on it (seen:
     `batch >= 16`), which costs a second full compile of the DiT per mode. Export (ONNX, AOTInductor) and eager
-    see the plain convolution. Which kernel runs it on a device: `dit_conv.pick` (channels-last conv2d on CUDA)."""
-    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+    see the plain convolution. Which kernel runs it on a device: `dit_conv.pick` (channels-last conv2d on CUDA);
+    when the op is used: `dit_conv.opaque_under_compile` (always for the Triton conv)."""
+    if torch.compiler.is_compiling() and dit_conv.opaque_under_compile():
         return _opaque_conv1d(x, conv.weight, conv.bias, conv.groups)
     return dit_conv.pick(x)(x, conv.weight, conv.bias, conv.groups)
 

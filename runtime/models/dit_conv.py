@@ -56,12 +56,14 @@ def unfold_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return y if bias is None else y + bias[None, :, None]
 
 
-def triton_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int) -> torch.Tensor:
-    """conv1d(x) by the Triton kernel of dit_conv_triton.py where it runs and takes the shapes, else conv1d."""
+def triton_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int,
+                time_major: bool = True) -> torch.Tensor:
+    """conv1d(x) by the Triton kernel of dit_conv_triton.py where it runs and takes the shapes (output time-major,
+    or contiguous with `time_major=False`), else conv1d (also while exporting: no Triton kernel in a graph)."""
     from . import dit_conv_triton as tk
 
-    if tk.runs_on(x) and tk.supports(x, weight, groups):
-        return tk.grouped_conv1d(x, weight, bias, groups)
+    if not exporting() and tk.runs_on(x) and tk.supports(x, weight, groups):
+        return tk.grouped_conv1d(x, weight, bias, groups, time_major=time_major)
     return conv1d(x, weight, bias, groups)
 
 
@@ -106,6 +108,36 @@ def use(name: str) -> Callable[[int], None]:
         CONV = before
 
     return restore
+
+
+def exporting() -> bool:
+    """torch.export (and the ONNX dynamo exporter on it), ONNX or jit tracing in progress. Reads the flag torch.export
+    sets rather than calling `torch.compiler.is_exporting()` inside a Dynamo trace, which some torch versions fold to
+    True under plain torch.compile too (the device's torch 2.11 did: run 66)."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    if flag is None:
+        flag = torch.compiler.is_exporting()
+    return bool(flag) or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+
+
+def opaque_under_compile() -> bool:
+    """Inside a torch.compile trace: whether the DiT's convolution runs as the opaque op (dit.py `_conv1d`). Always
+    for the Triton conv (its weight cache and launch are not traceable: run 66's compiled cached hops failed in
+    Dynamo); never while exporting. Otherwise where Dynamo does not fold `torch.compiler.is_exporting()` to True: so
+    on the device's torch 2.11 the default compiled DiT has traced `pick`'s export choice, F.conv1d, in every
+    measured run, and keeps doing so (torch 2.13 on the CPU takes the opaque op) — unchanged until measured."""
+    if exporting():
+        return False
+    return CONV == "triton" or not torch.compiler.is_exporting()
+
+
+def opaque_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int) -> torch.Tensor:
+    """The opaque op's body (run eagerly, also in CUDA-graph capture): `pick`'s convolution with a contiguous output,
+    as the op's fake declares it (Inductor asserts the strides; the Triton kernel then writes [B, C, T] directly,
+    the channels-last conv's time-major output is copied)."""
+    if CONV == "triton":
+        return triton_conv(x, weight, bias, groups, time_major=False)
+    return pick(x)(x, weight, bias, groups).contiguous()
 
 
 def pick(x: torch.Tensor) -> Conv:

@@ -1,5 +1,6 @@
-"""The cached hop's DiT attention reading the prefix's K / V in place from the flow prefix store's pages (opt-in:
-`SchedulerConfig.dit_paged_prefix`; the default gathers the prefix into one buffer first, `stages/flow_hop_calls.py`).
+"""The cached hop's DiT attention reading the prefix's K / V in place from the flow prefix store's pages
+(`SchedulerConfig.dit_paged_prefix`, auto: on with CUDA and Triton since run 66; otherwise the cached hops gather the
+prefix into one buffer first, `stages/flow_hop_calls.py`).
 
 Why: a cached hop's Euler step attends its new frames over the request's cached prefix. The default step first
 gathers every layer's prefix K / V rows from the page store into a [rows, prefix + new, D] buffer per layer, then
@@ -32,9 +33,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .bi_attention_triton import runs_on
+from .bi_attention_triton import available, runs_on
 
 BM, BN = 64, 64  # new frames per program, keys per loop step
+
+
+def compiled_on(device: torch.device) -> bool:
+    """Whether the kernel runs compiled for tensors on `device` (CUDA with Triton; the interpreter's CPU runs are
+    for tests only): where `SchedulerConfig.dit_paged_prefix`'s auto turns the paged form on."""
+    return device.type == "cuda" and available()
 
 
 def _check(q, k_new, v_new, store_k, store_v, rows, plen, nvalid, heads):

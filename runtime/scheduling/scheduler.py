@@ -163,6 +163,17 @@ def collect_stats(lifecycle: Lifecycle, frontend: FrontendPool, clock: StageCloc
     return st
 
 
+def kv_form(cfg: SchedulerConfig, device: torch.device) -> str:
+    """The cached hops' K / V form (`CachedHopGraphs.use_kv_form`) for this config: `dit_paged_prefix` (None: where
+    the paged attention's Triton kernel runs on `device`), else per-layer inputs or the stacked form."""
+    paged = cfg.dit_paged_prefix
+    if paged is None:
+        from ..models import hop_attention
+
+        paged = hop_attention.compiled_on(device)
+    return "paged" if paged else "layers" if cfg.dit_kv_layer_inputs else "stacked"
+
+
 class Scheduler:
     """Runs many requests through one `Pipeline`'s models with batching across requests (see module docstring).
 
@@ -185,6 +196,18 @@ class Scheduler:
         # where a start's seconds go (stats()["setup_s"]): the AR runner (its compile, decode / prefill graphs), the
         # prefix pool's pages, the cached-hop graphs (a GPU set-up took 80-256 s: BENCHMARKS.md runs 36, 41)
         self.setup_s: dict[str, float] = {}
+        self.runner = None
+        self.flow_cache = None  # FlowCachePool shared by the streams' prefix states
+        # process-wide switches this scheduler registered for, each given back on close (see below)
+        self._process_switches: list[Callable[[int], None]] = []
+        try:
+            self._start(models, cfg, runner, on_finish, admission)
+        except BaseException:  # a failed start gives back what it took: the process's switches (a DiT conv
+            self._undo_start()  # left switched broke every later scheduler of a bench process: run 66)
+            raise
+
+    def _start(self, models, cfg: SchedulerConfig, runner, on_finish, admission) -> None:
+        """The stages, the caches and graphs, the worker threads (`__init__`; undone by `_undo_start` if it fails)."""
         t = time.perf_counter()
         self.runner = runner if runner is not None else make_ar_runner(models, cfg, self.device,
                                                                        self.backends.engine_set)
@@ -196,13 +219,10 @@ class Scheduler:
         self.ar_max_len = self.runner.max_len
         self._compiles_at_start = compile_count() if cfg.compile else None
 
-        # process-wide switches this scheduler registered for, each given back on close (see below)
-        self._process_switches: list[Callable[[int], None]] = []
         if cfg.dit_conv:  # before the cached-hop graphs are captured below: they bake the conv implementation in
             from ..models import dit_conv
 
             self._process_switches.append(dit_conv.use(cfg.dit_conv))
-        self.flow_cache = None  # FlowCachePool shared by the streams' prefix states
         use_cache = cfg.flow_prefix_cache
         if use_cache is None:  # auto: where cached hops have CUDA graphs
             use_cache = self.backends.dit_cached is not None
@@ -227,8 +247,7 @@ class Scheduler:
             self.setup_s["flow_cache_pages"] = time.perf_counter() - t
             if hops is not None and store is not None:  # capture the graphs now, not in the first requests' hops
                 t = time.perf_counter()
-                hops.use_kv_form("paged" if cfg.dit_paged_prefix else
-                                 "layers" if cfg.dit_kv_layer_inputs else "stacked")
+                hops.use_kv_form(kv_form(cfg, self.device))
                 hops.capture_all(store, step_consts(flow, flow.rand_noise.device, flow.rand_noise.dtype))
                 self.setup_s["cached_hop_graphs"] = time.perf_counter() - t
         # process-wide switches this scheduler registered for (CUDA only), each given back on close: the short GIL
@@ -256,6 +275,17 @@ class Scheduler:
         self.frontend = FrontendPool(cfg.frontend_workers, self._prepare, self.ar.put, self.requests.finish)
         self._threads = start_workers([("ar", self.ar.loop), ("dit", self.token2wav.dit_loop),
                                        ("hift", self.token2wav.hift_loop)], self.requests)
+
+    def _undo_start(self) -> None:
+        """After a failed `_start`: the cached-hop graphs and pages, the AR runner it built, the process switches."""
+        if self.flow_cache is not None:
+            if self.backends.dit_cached is not None and self.flow_cache.store is not None:
+                self.backends.dit_cached.release(self.flow_cache.store)
+            self.flow_cache.close()
+        if self._owns_runner and self.runner is not None and hasattr(self.runner, "close"):
+            self.runner.close()
+        while self._process_switches:
+            self._process_switches.pop()(-1)
 
     # ================================================================== public API
     def submit(self, req: Request, lease: Ticket | None = None, after: RequestHandle | None = None) -> RequestHandle:
