@@ -102,3 +102,24 @@ def test_op_picks_the_kernel_where_triton_runs():
     plen, nvalid = torch.tensor([60, 20]), torch.tensor([40, 33])
     out = ha.hop_attention(q, kn, vn, sk, sv, rows, plen, nvalid, H, CHUNK)
     assert torch.equal(out, ha.triton_attention(q, kn, vn, sk, sv, rows, plen, nvalid, H, CHUNK))
+
+
+@pytest.mark.parametrize("tiles", [(16, 16, 1), (32, 128, 4), (128, 32, 8)])
+def test_every_tile_gives_the_gathered_form(tiles):
+    """The tile (COSYTRT_HOP_ATTN_TILES, or per call: new frames per program, keys per step, warps) changes how the
+    kernel walks the keys, not what it computes: smaller and larger blocks than the frames' 25-frame chunks."""
+    _needs_triton()
+    q, kn, vn, sk, sv, rows = _case(3, 70, 130, seed=4)
+    plen, nvalid = torch.tensor([130, 64, 0]), torch.tensor([70, 26, 3])
+    out = ha.triton_attention(q, kn, vn, sk, sv, rows, plen, nvalid, H, CHUNK, *tiles)
+    ref = ha.reference(q, kn, vn, sk, sv, rows, plen, nvalid, H, CHUNK)
+    for b in range(3):
+        n = int(nvalid[b])
+        torch.testing.assert_close(out[b, :n], ref[b, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_tile_setting_is_checked():
+    assert ha._tiles("128x64x8") == (128, 64, 8)
+    for bad in ("64x64", "64x48x4", "8x64x4", "ax64x4"):
+        with pytest.raises(ValueError, match="COSYTRT_HOP_ATTN_TILES"):
+            ha._tiles(bad)

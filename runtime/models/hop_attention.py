@@ -29,13 +29,29 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
 from .bi_attention_triton import available, runs_on
 
-BM, BN = 64, 64  # new frames per program, keys per loop step
+LOG2E = 1.4426950408889634  # the kernel's softmax runs in base 2 (exp2), its scores scaled by log2(e)
+
+
+def _tiles(text: str) -> tuple[int, int, int]:
+    """COSYTRT_HOP_ATTN_TILES = "BMxBNxWARPS" (new frames per program, keys per loop step, warps), read at import:
+    the tile for GPU A/B runs (benchmarks/hop_attention_tiles.py times several in one process)."""
+    try:
+        bm, bn, w = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"COSYTRT_HOP_ATTN_TILES={text!r}: want BMxBNxWARPS, e.g. 64x64x4") from None
+    if any(v < 1 or v & (v - 1) for v in (bm, bn, w)) or bm < 16 or bn < 16:
+        raise ValueError(f"COSYTRT_HOP_ATTN_TILES={text!r}: powers of two, BM and BN at least 16")
+    return bm, bn, w
+
+
+BM, BN, WARPS = _tiles(os.environ.get("COSYTRT_HOP_ATTN_TILES", "64x64x4"))
 
 
 def compiled_on(device: torch.device) -> bool:
@@ -117,11 +133,11 @@ def _kernel():
             pm = p < plen
             r = tl.load(ROWS + b * sr_b + p, mask=pm, other=0)
             k = tl.load(SK + r[:, None] * s_row + h * HD + d[None, :], mask=pm[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale   # log2 units: exp2 below
             s = tl.where(pm[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            pr = tl.exp(s - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            pr = tl.exp2(s - m_new[:, None])
             total = total * alpha + tl.sum(pr, axis=1)
             v = tl.load(SV + r[:, None] * s_row + h * HD + d[None, :], mask=pm[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=PREC)
@@ -138,8 +154,8 @@ def _kernel():
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a frame with no key yet: no NaN from -inf - -inf
-            alpha = tl.exp(m - m_safe)
-            pr = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
+            pr = tl.exp2(s - m_safe[:, None])
             total = total * alpha + tl.sum(pr, axis=1)
             v = tl.load(VN + b * svn_b + u[:, None] * svn_t + h * HD + d[None, :], mask=um[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=PREC)
@@ -161,8 +177,11 @@ def supports(q: torch.Tensor, store_k: torch.Tensor, heads: int) -> bool:
 
 def triton_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, store_k: torch.Tensor,
                      store_v: torch.Tensor, rows: torch.Tensor, plen: torch.Tensor, nvalid: torch.Tensor, heads: int,
-                     chunk: int, block_m: int = BM, block_n: int = BN, num_warps: int = 4) -> torch.Tensor:
-    """`reference`'s values (module docstring) by the Triton kernel, the prefix read in place."""
+                     chunk: int, block_m: int | None = None, block_n: int | None = None,
+                     num_warps: int | None = None) -> torch.Tensor:
+    """`reference`'s values (module docstring) by the Triton kernel, the prefix read in place; the tile: the
+    module's BM / BN / WARPS unless given."""
+    block_m, block_n, num_warps = block_m or BM, block_n or BN, num_warps or WARPS
     _check(q, k_new, v_new, store_k, store_v, rows, plen, nvalid, heads)
     if not supports(q, store_k, heads):
         raise ValueError(f"hop attention kernel: queries {tuple(q.shape)} on {q.device} in {heads} heads (head dim "
@@ -179,7 +198,7 @@ def triton_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         raise ValueError("hop attention kernel: the store's K and V need the same row stride")
     rows = rows.contiguous() if rows.shape[1] else rows.new_zeros((B, 1))
     _kernel()[(-(-T // block_m), heads, B)](
-        q, k_new, v_new, store_k, store_v, rows, plen, nvalid, o, T, 1.0 / math.sqrt(hd),
+        q, k_new, v_new, store_k, store_v, rows, plen, nvalid, o, T, LOG2E / math.sqrt(hd),
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         store_k.stride(0), rows.stride(0), o.stride(0), o.stride(1),
         HD=hd, CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=block_n,
