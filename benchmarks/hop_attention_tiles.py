@@ -18,6 +18,7 @@ import sys
 import torch
 
 from cosytrt.runtime.models import hop_attention as ha
+from cosytrt.tools.bench.timing import time_cuda
 
 HEADS, HD, CHUNK, STEPS = 16, 64, 50, 10
 CASES = [(1, 100, 200), (8, 100, 200), (8, 200, 1500), (16, 200, 800), (4, 100, 1950)]  # requests, new, prefix
@@ -47,17 +48,8 @@ def case(requests: int, new: int, prefix: int, dtype=torch.bfloat16, device="cud
     return [t.to(device) for t in (q, kn, vn, sk, sv, rows, plen, nvalid)]
 
 
-def time_us(fn, reps: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
+def time_us(fn) -> float:
+    return time_cuda(fn, reps=50, warmup=3) * 1000  # median µs per call
 
 
 def main(argv=None) -> int:
