@@ -70,13 +70,14 @@ if [ "${CALL:-}" = quick ]; then  # no compile, ~1 minute: the DiT conv per impl
 fi
 if [ "${CALL:-}" = checks ]; then  # before the bench process: the kernels' and the vocoder's checks, ~5-9 minutes
   source benchmarks/device_setup.sh --install || exit 1
-  # the compiled cached-hop step (per-layer K/V inputs, session 24) against the paged prefix (session 25: the
-  # attention reads the prefix from the pages, no gather; its own compile, ~100 s) and the DiT's conv by the Triton
-  # kernel: ms per step, mel across forms and against the whole-history hop, top kernels (FORMS may add
-  # layers+narrow: the 2-byte gather; layers+conv=cudnn; stacked: run 64's old form, another compile).
+  # the compiled cached-hop step (the paged prefix, the CUDA default since run 66) with the DiT's grouped conv as
+  # the default traces it (F.conv1d: 1.1 of 2.2 ms per step at one request in run 66, cuDNN's "analytic" kernel in
+  # 16 launches per conv) against the opaque op running the channels-last cuDNN conv or the Triton kernel (session
+  # 26); each form its own compile (~155 s): ms per step, mel across forms and against the whole-history hop, top
+  # kernels (FORMS may add layers / stacked: the gathered forms; +narrow: the 2-byte gather).
   # KERNELS_ONLY=1: stop after these two scripts
   (cd /tmp && timeout "${DIT_STEP_S:-420}" python3 "$OLDPWD/benchmarks/dit_step_gpu.py" "$OUT/dit_step.json" --compile \
-    --forms "${FORMS:-layers,paged,layers+conv=triton}" --cases "${CASES:-1:1,8:1,8:8}" \
+    --forms "${FORMS:-paged,paged+conv=nhwc,paged+conv=triton}" --cases "${CASES:-1:1,8:8}" \
     --profile --no-capture-all) > "$OUT/dit_step.txt" 2>&1
   grep -v Warn "$OUT/dit_step.txt" | tail -40
   (cd /tmp && timeout 70 python3 "$OLDPWD/benchmarks/dit_conv_check.py") > "$OUT/dit_conv.md" 2>&1

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from cosytrt.runtime.models.checkpoint import read_state_dict
@@ -280,6 +281,50 @@ def test_dit_conv_and_attention_choices_compute_the_same(flow, monkeypatch, conv
         got = [flow.estimator(*args, streaming=s) for s in (False, True)]
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("folded", [False, True])
+def test_dit_conv_under_torch_compile(monkeypatch, folded):
+    """Under torch.compile an explicit conv choice runs as the opaque op (the implementation as it runs eagerly, its
+    output contiguous as the op's fake says); the default (auto) is the opaque op only where Dynamo does not fold
+    `torch.compiler.is_exporting()` to True inside the trace — the device's torch 2.11 does (simulated here), and
+    there the default traces `pick`'s F.conv1d, as in every measured run. torch.export never sees the op."""
+    from cosytrt.runtime.models import dit, dit_conv
+
+    if folded:
+        monkeypatch.setattr(torch.compiler, "is_exporting", lambda: torch.compiler.is_compiling())
+    conv = torch.nn.Conv1d(32, 32, 31, groups=4)
+    x = torch.randn(2, 32, 70)
+    ref = F.conv1d(x, conv.weight, conv.bias, groups=4)
+    for choice, opaque in (("unfold", True), ("auto", not folded)):
+        monkeypatch.setattr(dit_conv, "CONV", choice)
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(str(gm.graph))
+            return gm
+
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got = torch.compile(lambda t: dit._conv1d(conv, t), backend=backend, fullgraph=True)(x)
+        torch._dynamo.reset()
+        assert ("dit_conv1d" in graphs[0]) == opaque, (choice, folded)
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        with torch.no_grad():
+            exported = torch.export.export(_ConvModule(conv), (x,), strict=True)
+        assert "dit_conv1d" not in str(exported.graph), choice
+
+
+class _ConvModule(torch.nn.Module):
+    def __init__(self, conv):
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, t):
+        from cosytrt.runtime.models import dit
+
+        return dit._conv1d(self.conv, t)
 
 
 def test_dit_conv_default_is_channels_last_conv2d_on_cuda_only(monkeypatch):

@@ -121,14 +121,18 @@ def exporting() -> bool:
 
 
 def opaque_under_compile() -> bool:
-    """Inside a torch.compile trace: whether the DiT's convolution runs as the opaque op (dit.py `_conv1d`). Always
-    for the Triton conv (its weight cache and launch are not traceable: run 66's compiled cached hops failed in
-    Dynamo); never while exporting. Otherwise where Dynamo does not fold `torch.compiler.is_exporting()` to True: so
-    on the device's torch 2.11 the default compiled DiT has traced `pick`'s export choice, F.conv1d, in every
-    measured run, and keeps doing so (torch 2.13 on the CPU takes the opaque op) — unchanged until measured."""
+    """Inside a torch.compile trace: whether the DiT's convolution runs as the opaque op (dit.py `_conv1d`), i.e. the
+    implementation `pick` names runs as it does eagerly. Never while exporting. Always for an explicit choice
+    (COSYTRT_DIT_CONV / `SchedulerConfig.dit_conv` other than auto): the Triton conv's weight cache and launch are
+    not traceable (run 66's compiled cached hops failed in Dynamo), and an A/B of implementations should compare
+    them, not what Inductor makes of each. The default (auto): where Dynamo does not fold
+    `torch.compiler.is_exporting()` to True — so on the device's torch 2.11 the default compiled DiT has traced
+    `pick`'s export choice, F.conv1d, in every measured run (run 66's profile: cuDNN's `analytic` implicit-GEMM kernel,
+    16 launches per conv, 1.1 of a 2.2 ms cached-hop step at one request), and keeps doing so until an A/B says
+    otherwise (torch 2.13 on the CPU takes the opaque op)."""
     if exporting():
         return False
-    return CONV == "triton" or not torch.compiler.is_exporting()
+    return CONV != "auto" or not torch.compiler.is_exporting()
 
 
 def opaque_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: int) -> torch.Tensor:
