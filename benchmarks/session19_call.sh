@@ -33,8 +33,9 @@
 #     sharing the GPU, apart from the lock's); it first runs benchmarks/split_kv_gpu_check.py (the kernels' values
 #     and µs per layer against SDPA, ~30 s); COMPILE=0: the LM uncompiled in its CUDA graphs (seconds, not minutes:
 #     run 61's form);
-#   CALL=quick: benchmarks/dit_conv_check.py, benchmarks/gather_width_check.py and benchmarks/hop_attention_tiles.py
-#     (the paged prefix attention per tile; no compile, ~2 minutes);
+#   CALL=quick: benchmarks/dit_conv_check.py, benchmarks/gather_width_check.py, benchmarks/hop_attention_tiles.py
+#     (the paged prefix attention per tile) and benchmarks/green_ctx_probe.py (the AR step beside a DiT-sized load,
+#     the load in an SM partition or not); no compile, ~3 minutes;
 #   CALL=checks: benchmarks/dit_step_gpu.py --compile (the compiled cached-hop step: per-layer K/V inputs against the
 #     paged prefix and the Triton conv, sessions 24-25), benchmarks/dit_conv_check.py (the DiT's grouped conv per implementation),
 #     benchmarks/split_kv_gpu_check.py (the split-KV kernels' values and µs, table 3: the in-place slot
@@ -66,6 +67,9 @@ if [ "${CALL:-}" = quick ]; then  # no compile, ~1 minute: the DiT conv per impl
   # 8.5 ms compiled step at 8 x 200 over 1500)
   (cd /tmp && timeout 120 python3 "$OLDPWD/benchmarks/hop_attention_tiles.py" "$OUT/hop_tiles.md") > "$OUT/hop_tiles.txt" 2>&1
   tail -8 "$OUT/hop_tiles.txt"
+  # an SM partition for the DiT-sized work (CUDA green contexts) against the AR step's wait beside it (session 26)
+  (cd /tmp && timeout 120 python3 "$OLDPWD/benchmarks/green_ctx_probe.py" "$OUT/green_ctx.md") > "$OUT/green_ctx.txt" 2>&1
+  tail -8 "$OUT/green_ctx.txt"
   exit 0
 fi
 if [ "${CALL:-}" = checks ]; then  # before the bench process: the kernels' and the vocoder's checks, ~5-9 minutes

@@ -1,0 +1,157 @@
+"""Does confining the DiT-sized work to a CUDA green context (an SM partition) keep the AR's decode step fast beside it?
+(~1 minute on a GPU, no model: a probe before any scheduler change.)
+
+Why: in run 66 (H100, 12 req/s of mixed streams, compiled) the AR thread was 97 % busy at 5.8 ms per decode step of
+~15 rows, while the same step alone takes ~1.2-1.9 ms (runs 11, 43): its small kernels wait for SMs that the DiT's and
+the vocoder's large kernels hold, even on a highest-priority stream (priority orders the blocks waiting to start, it
+does not take SMs back). A green context gives a stream a set of SMs that other green contexts cannot use; with the
+DiT / HiFT streams in one of (all SMs - N), N SMs stay free for the AR.
+
+What it runs: an "AR step" — 24 layers of [rows, 896] x [896, 4864] and [rows, 4864] x [4864, 896] bf16 matmuls (the
+0.5B LM's MLP weight bytes, ~0.6 GB a step) captured in one CUDA graph on a high-priority stream — timed by CUDA events
+(a) alone, (b) beside a "DiT load" (a queue of [8192, 4096] x [4096, 4096] bf16 matmuls on another stream) and (c)
+with that load on a green-context stream of (SMs - N) SMs for several N; and the load's TFLOP/s in each, so the cost
+to the DiT shows too. torch's green-context API changed between releases (2.10: `create(num_sms, device_id)` with
+`set_context` / `pop_context`; 2.12+: keyword `create(num_sms=...)` and `.Stream()`): both are tried, and the table
+says which ran or why none did.
+
+  usage (GPU machine): python3 benchmarks/green_ctx_probe.py [OUT.md] [--rows 16] [--reserve 8,16,32]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+HIDDEN, FFN, LAYERS = 896, 4864, 24
+
+
+def green_stream(sms: int):
+    """(a stream whose kernels run on `sms` SMs of a new green context, how it was made) or (None, why not)."""
+    try:
+        from torch.cuda.green_contexts import GreenContext
+    except Exception as e:  # noqa: BLE001 - an older torch, a build without it
+        return None, f"no torch.cuda.green_contexts: {type(e).__name__}: {e}"
+    errors = []
+    try:  # 2.12+: keyword arguments, the context's own Stream()
+        ctx = GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
+        if hasattr(ctx, "Stream"):
+            return (ctx, ctx.Stream()), "GreenContext.create(num_sms=...).Stream()"
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"keyword create: {type(e).__name__}: {e}")
+    try:  # 2.10-2.11: positional, a stream made while the context is current belongs to it
+        ctx = GreenContext.create(sms, torch.cuda.current_device())
+        ctx.set_context()
+        try:
+            stream = torch.cuda.Stream()
+        finally:
+            ctx.pop_context()
+        return (ctx, stream), "GreenContext.create(num_sms, device) + set_context / Stream / pop_context"
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"positional create: {type(e).__name__}: {e}")
+    return None, "; ".join(errors)[:600]
+
+
+def ar_graph(rows: int):
+    """The AR-like step in a CUDA graph on a highest-priority stream: (replay fn, its stream)."""
+    w1 = [torch.randn(HIDDEN, FFN, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+    w2 = [torch.randn(FFN, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+    x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream(priority=-100)
+
+    def step():
+        h = x
+        for a, b in zip(w1, w2):
+            h = h + (h @ a).relu() @ b
+        return h
+
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+        stream.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            step()
+    return g.replay, stream
+
+
+def time_ar(replay, stream, steps: int = 60) -> float:
+    """Median ms per AR step (events on its stream)."""
+    times = []
+    with torch.cuda.stream(stream):
+        for _ in range(steps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(stream)
+            replay()
+            b.record(stream)
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+    return statistics.median(times[5:])
+
+
+def run_case(replay, ar_stream, load_stream, load_ops: int = 1000) -> tuple[float, float | None]:
+    """(AR ms per step, load TFLOP/s or None): the load queued on `load_stream` first (None: no load)."""
+    if load_stream is None:
+        return time_ar(replay, ar_stream), None
+    a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(load_stream):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(load_stream)
+        for _ in range(load_ops):
+            torch.mm(a, b)
+        end.record(load_stream)
+    ms = time_ar(replay, ar_stream)
+    busy = not end.query()  # the load still ran when the AR steps ended: they were timed beside it
+    end.synchronize()
+    tflops = load_ops * 2 * 8192 * 4096 * 4096 / (start.elapsed_time(end) / 1e3) / 1e12
+    return ms, tflops if busy else -tflops
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", nargs="?", default=None)
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--reserve", default="8,16,32", help="SMs kept out of the load's green context")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no GPU: nothing to probe")
+        return 0
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    replay, ar_stream = ar_graph(args.rows)
+    lines = [f"{torch.cuda.get_device_name(0)}, {sms} SMs, torch {torch.__version__}, AR-like step of {args.rows} rows",
+             "", "| setting | AR ms per step | load TFLOP/s (negative: the load ended before the AR's steps) |",
+             "|---|---|---|"]
+
+    def row(name, ms, tf):
+        lines.append(f"| {name} | {ms:.3f} | {'—' if tf is None else f'{tf:.0f}'} |")
+        print(lines[-1], flush=True)
+
+    row("AR alone", *run_case(replay, ar_stream, None))
+    row("AR beside the load (a plain stream)", *run_case(replay, ar_stream, torch.cuda.Stream()))
+    for n in (int(v) for v in args.reserve.split(",")):
+        made, how = green_stream(sms - n)
+        if made is None:
+            lines.append(f"| load in a green context of {sms - n} SMs | not run: {how} | |")
+            print(lines[-1], flush=True)
+            break
+        _ctx, stream = made
+        try:
+            row(f"load in a green context of {sms - n} SMs ({n} kept for the AR; {how})",
+                *run_case(replay, ar_stream, stream))
+        except Exception as e:  # noqa: BLE001 - shown, the probe goes on
+            lines.append(f"| load in a green context of {sms - n} SMs | failed: {type(e).__name__}: {e} |"[:400])
+            print(lines[-1], flush=True)
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
