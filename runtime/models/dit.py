@@ -83,7 +83,8 @@ def _conv1d(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     shape propagation for convolutions picks a backend from the (symbolic) batch size and so guards on it (seen:
     `batch >= 16`), which costs a second full compile of the DiT per mode. Export (ONNX, AOTInductor) and eager
     see the plain convolution. Which kernel runs it on a device: `dit_conv.pick` (channels-last conv2d on CUDA);
-    when the op is used: `dit_conv.opaque_under_compile` (always for the Triton conv)."""
+    when the op is used: `dit_conv.opaque_under_compile` (always for an explicit choice, the Triton conv's included;
+    for the default only where the torch version's Dynamo does not fold `is_exporting()` to True)."""
     if torch.compiler.is_compiling() and dit_conv.opaque_under_compile():
         return _opaque_conv1d(x, conv.weight, conv.bias, conv.groups)
     return dit_conv.pick(x)(x, conv.weight, conv.bias, conv.groups)
