@@ -111,6 +111,33 @@ def run_case(replay, ar_stream, load_stream, load_ops: int = 1000) -> tuple[floa
     return ms, tflops if busy else -tflops
 
 
+def graphs_on(stream) -> list[str]:
+    """Can the DiT's CUDA graphs move into the green context: a graph captured as the scheduler captures them (on the
+    primary context) replayed on the green stream, and one captured on the green stream itself, each checked
+    against eager."""
+    x = torch.randn(64, 256, device="cuda")
+    w = torch.randn(256, 256, device="cuda")
+    want = (x @ w).relu()
+    out = []
+    for name in ("captured on a plain stream, replayed on the green one", "captured and replayed on the green one"):
+        try:
+            cap = torch.cuda.Stream() if name.startswith("captured on a plain") else stream
+            with torch.cuda.stream(cap):
+                (x @ w).relu()
+                cap.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=cap):
+                    y = (x @ w).relu()
+            with torch.cuda.stream(stream):
+                y.zero_()
+                g.replay()
+            stream.synchronize()
+            out.append(f"{name}: {'ok' if torch.allclose(y, want, atol=1e-3) else 'WRONG VALUES'}")
+        except Exception as e:  # noqa: BLE001 - what the driver says is the answer
+            out.append(f"{name}: {type(e).__name__}: {e}"[:300])
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", default=None)
@@ -139,6 +166,10 @@ def main(argv=None) -> int:
             print(lines[-1], flush=True)
             break
         _ctx, stream = made
+        if n == int(args.reserve.split(",")[0]):
+            for line in graphs_on(stream):
+                lines.append(f"| CUDA graph {line} | | |")
+                print(lines[-1], flush=True)
         try:
             row(f"load in a green context of {sms - n} SMs ({n} kept for the AR; {how})",
                 *run_case(replay, ar_stream, stream))
