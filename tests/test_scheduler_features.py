@@ -596,3 +596,42 @@ def test_cached_hop_kv_form_is_paged_where_its_kernel_runs(monkeypatch):
     assert config_overrides(["dit_paged_prefix=1"]) == {"dit_paged_prefix": True}
     with pytest.raises(InputError, match="dit_paged_prefix"):
         SchedulerConfig(dit_paged_prefix="yes")
+
+
+def test_hift_takes_least_slack_first_when_oversubscribed():
+    """More streams' vocoder windows ready than a call takes (`hift_max_batch`): `hift_slack_priority` (default) puts
+    a stream's first chunk and an underrunning stream in the call ahead of buffered streams queued before them;
+    off, queue order. One job per request per call either way; offline finals all come along; under the batch size
+    nothing is reordered away."""
+    from cosytrt.runtime.scheduling.policies import pick_hift_jobs
+
+    now = 100.0
+
+    class J(_Job):
+        def __init__(self, name, metrics, stream=True):
+            super().__init__(name, metrics)
+            self.r.stream = object() if stream else None
+            self.t_enqueue = 90.0
+
+    buffered = [J(f"buffered{i}", _metrics(t_submit=90.0, ttfa=0.5, audio_seconds=12.0 + i)) for i in range(4)]
+    first = J("first", _metrics(t_submit=99.5))
+    underrun = J("underrun", _metrics(t_submit=95.0, ttfa=0.5, audio_seconds=3.0))
+    offline = J("offline", _metrics(t_submit=99.0), stream=False)
+    queue = buffered + [first, underrun, offline]
+    cfg = SchedulerConfig(hift_max_batch=3)
+    jobs, wait = pick_hift_jobs(queue, cfg, now, more_coming=True)
+    assert wait is None and [j.name for j in jobs] == ["underrun", "first", "buffered0", "offline"]
+    jobs, _ = pick_hift_jobs(queue, replace(cfg, hift_slack_priority=False), now, more_coming=True)
+    assert [j.name for j in jobs] == ["buffered0", "buffered1", "buffered2", "offline"]
+    jobs, _ = pick_hift_jobs(queue, replace(cfg, hift_max_batch=8), now, more_coming=True)
+    assert [j.name for j in jobs] == [j.name for j in queue]
+
+
+def test_hift_slack_priority_keeps_the_audio(tts, speaker):
+    """The vocoder's slack-first pick (five streams, two per vocoder call, so the pick orders them) gives every
+    stream the audio of queue order."""
+    reqs = lockstep(speaker, n=5)
+    base = SchedulerConfig(hift_max_batch=2)
+    on, _ = run_all(tts, base, reqs)
+    off, _ = run_all(tts, replace(base, hift_slack_priority=False), reqs)
+    assert_same_audio(on, off)

@@ -124,10 +124,14 @@ def dit_order(ready: list, now: float, slack_priority: bool) -> list:
     least playback slack first (each request's slack read once), so a new request's first hop goes ahead of the
     later hops of streams that still have audio buffered (lower time to first audio under load) and an underrunning
     stream goes first of all; ties keep queue order. Otherwise queue order (the oldest job first)."""
-    if not slack_priority:
-        return list(ready)
-    slack = [playback_slack(j.r.metrics, now) for j in ready]
-    return [ready[i] for i in sorted(range(len(ready)), key=lambda i: (slack[i], i))]
+    return slack_order(ready, now) if slack_priority else list(ready)
+
+
+def slack_order(jobs: list, now: float) -> list:
+    """`jobs` (each with `.r.metrics`) by least playback slack first (each request's slack read once); ties keep
+    their order. The DiT's (`dit_order`) and the vocoder's (`pick_hift_jobs`) priority."""
+    slack = [playback_slack(j.r.metrics, now) for j in jobs]
+    return [jobs[i] for i in sorted(range(len(jobs)), key=lambda i: (slack[i], i))]
 
 
 def _job_kind(job) -> tuple[tuple, int]:
@@ -206,7 +210,9 @@ def pick_hift_jobs(queue: list, cfg: SchedulerConfig, now: float, more_coming: b
     """The next vocoder jobs: (jobs, None) to run now, or ([], seconds | None) to wait. Streaming jobs (at most
     `hift_max_batch`) advance their HiFT streams together; offline finals are grouped by `hift_offline_groups`.
     Waits up to `hift_max_wait_ms` after the oldest ready job for a fuller batch while DiT work is in flight, except
-    when a stream's first chunk is ready (its listener is waiting for the first audio)."""
+    when a stream's first chunk is ready (its listener is waiting for the first audio). More ready streams than a
+    batch holds: `hift_slack_priority` takes the least playback slack first (a first chunk, an underrunning stream),
+    as the DiT does (`dit_order`); otherwise queue order."""
     ready = first_per_request(queue)
     if not ready:
         return [], None
@@ -214,8 +220,10 @@ def pick_hift_jobs(queue: list, cfg: SchedulerConfig, now: float, more_coming: b
     first_audio = any(j.r.metrics.ttfa is None and j.r.stream is not None for j in ready)
     if len(ready) < cfg.hift_max_batch and left > 0 and more_coming and not first_audio:
         return [], left
-    streams = [j for j in ready if j.r.stream is not None][:cfg.hift_max_batch]
-    return streams + [j for j in ready if j.r.stream is None], None
+    streams = [j for j in ready if j.r.stream is not None]
+    if len(streams) > cfg.hift_max_batch and cfg.hift_slack_priority:
+        streams = slack_order(streams, now)
+    return streams[:cfg.hift_max_batch] + [j for j in ready if j.r.stream is None], None
 
 
 def hift_offline_groups(lengths: list[int], cfg: SchedulerConfig) -> list[list[int]]:
