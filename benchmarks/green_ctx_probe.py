@@ -25,6 +25,8 @@ import sys
 
 import torch
 
+from cosytrt.tools.table import emit
+
 HIDDEN, FFN, LAYERS = 896, 4864, 24
 
 
@@ -176,11 +178,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - shown, the probe goes on
             lines.append(f"| load in a green context of {sms - n} SMs | failed: {type(e).__name__}: {e} |"[:400])
             print(lines[-1], flush=True)
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit("\n".join(lines), args.out)
     return 0
 
 

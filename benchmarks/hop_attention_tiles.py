@@ -17,6 +17,8 @@ import sys
 
 import torch
 
+from cosytrt.tools.table import emit
+
 from cosytrt.runtime.models import hop_attention as ha
 from cosytrt.tools.bench.timing import time_cuda
 
@@ -84,11 +86,7 @@ def main(argv=None) -> int:
             [f"{best / gathered:.2f}", f"{worst:.3g}"]
         lines.append("| " + " | ".join(row) + " |")
         print(lines[-1], flush=True)
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit("\n".join(lines), args.out)
     return 0
 
 

@@ -53,3 +53,11 @@ def _is_num(s: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def emit(text: str, out: str | None = None) -> None:
+    """A report's text to stdout and, given a path, to that file (the benchmarks/ scripts' markdown tables)."""
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
