@@ -17,10 +17,9 @@ import sys
 
 import torch
 
-from cosytrt.tools.table import emit
-
 from cosytrt.runtime.models import hop_attention as ha
 from cosytrt.tools.bench.timing import time_cuda
+from cosytrt.tools.table import emit
 
 HEADS, HD, CHUNK, STEPS = 16, 64, 50, 10
 CASES = [(1, 100, 200), (8, 100, 200), (8, 200, 1500), (16, 200, 800), (4, 100, 1950)]  # requests, new, prefix
