@@ -1,4 +1,5 @@
-"""The DiT's Triton kernels compile for the GPUs this project serves on (sm_90: H100 / H200) without a GPU:
+"""The project's Triton kernels (the DiT's hop attention and conv, the LM's split-KV decode attention and batch-
+invariant kernels) compile for the GPUs this project serves on (sm_90: H100 / H200) without a GPU:
 `triton.compile` for a CUDA target runs Triton's whole pipeline (TTIR, TTGIR, LLVM IR, PTX, ptxas to a cubin) on the
 CPU. The interpreter tests check what the kernels compute; these catch what only the compiler refuses (a construct
 the interpreter runs but the code generator does not, a tile over the shared memory) before device time is spent,
@@ -44,6 +45,23 @@ for bm, bn, w in json.loads(sys.argv[1]):
 for bt in json.loads(sys.argv[2]):
     res[f"conv {bt}"] = build(dit_conv_triton._kernel(), dict.fromkeys(("X", "W", "BIAS", "Y"), "*bf16"),
                               {"K": 31, "CG": 64, "BT": bt, "HAS_BIAS": True, "PREC": "tf32"}, 4)
+from cosytrt.runtime.models import bi_attention_triton, bi_norm_triton, decode_attention_triton as dat
+split, merge = dat._kernels()
+for indirect in (False, True):  # the LM's decode attention: 2 kv heads of 64, 7 query heads each (padded to 16)
+    res[f"split_kv indirect={indirect}"] = build(split, {**dict.fromkeys(("Q", "K", "V"), "*bf16"),
+                                                         **dict.fromkeys(("ROWS", "POS"), "*i64"),
+                                                         **dict.fromkeys(("M", "L", "ACC"), "*fp32"), "scale": "fp32"},
+                                                 {"HD": 64, "GP": dat.MIN_ROWS, "SPL": dat.SPLIT, "PREC": "tf32",
+                                                  "INDIRECT": indirect}, 4)
+res["split_kv merge"] = build(merge, {"POS": "*i64", **dict.fromkeys(("M", "L", "ACC"), "*fp32"), "O": "*bf16"},
+                              {"HD": 64, "GP": dat.MIN_ROWS, "SPL": dat.SPLIT}, 4)
+res["bi attention"] = build(bi_attention_triton._kernel(), {**dict.fromkeys(("Q", "K", "V", "O"), "*bf16"),
+                                                             **dict.fromkeys(("QPOS", "KVLEN"), "*i64"),
+                                                             "scale": "fp32"},
+                            {"HD": 64, "GP": 8, "BLK": bi_attention_triton.BLOCK}, 4)
+rms, silu = bi_norm_triton._kernels()
+res["bi rms_norm"] = build(rms, {**dict.fromkeys(("X", "W", "Y"), "*bf16"), "eps": "fp32"}, {"BLOCK": 1024}, 4)
+res["bi silu_mul"] = build(silu, dict.fromkeys(("G", "U", "Y"), "*bf16"), {"BLOCK": 1024}, 4)
 print("RESULT " + json.dumps(res))
 """
 
@@ -72,5 +90,13 @@ def test_hop_attention_kernel_compiles_for_sm90(built, tiles):
 @pytest.mark.parametrize("bt", CONV_TILES)
 def test_dit_conv_kernel_compiles_for_sm90(built, bt):
     r = built[f"conv {bt}"]
+    assert "error" not in r, r.get("error")
+    assert r["cubin"] and r["shared"] <= SM90_SHARED
+
+
+@pytest.mark.parametrize("name", ["split_kv indirect=False", "split_kv indirect=True", "split_kv merge",
+                                  "bi attention", "bi rms_norm", "bi silu_mul"])
+def test_lm_kernels_compile_for_sm90(built, name):
+    r = built[name]
     assert "error" not in r, r.get("error")
     assert r["cubin"] and r["shared"] <= SM90_SHARED
