@@ -343,6 +343,7 @@ def test_cached_hop_graphs_in_scheduler(tts, speakers):
     assert_streams_match(outs, refs)
     hg = st["flow_cache"]["hop_graphs"]
     assert st["frames_reused"] > 0 and hg["hits"] > 0 and hg["misses"] == 0
+    assert hg["kv_form"] == "layers"  # dit_paged_prefix auto on the CPU: the per-layer gathered form (stats say which)
 
 
 @pytest.mark.parametrize("max_active", [0, 1])

@@ -505,9 +505,10 @@ class CachedHopGraphs:
         self.eager.run(store, arena, rows, N, P, consts)
 
     def stats(self) -> dict:
-        """Counts, the grid, and per call shape "b,n,p" (requests, new frames, prefix frames) and per bucket key the
-        calls so far (`trtbuild coverage`'s derive_cached_grid takes the shapes)."""
-        return {**self.counts, "grid": self.grid.to_dict(), "graphs": self.graphs, "static_bytes": self.static_bytes,
+        """Counts, the K / V form, the grid, and per call shape "b,n,p" (requests, new frames, prefix frames) and per
+        bucket key the calls so far (`trtbuild coverage`'s derive_cached_grid takes the shapes)."""
+        return {**self.counts, "kv_form": self.kv, "grid": self.grid.to_dict(), "graphs": self.graphs,
+                "static_bytes": self.static_bytes,
                 "shapes": {",".join(map(str, k)): v for k, v in sorted(self.shapes.items())},
                 "replays": {",".join(map(str, k)): v for k, v in sorted(self.replays.items())}}
 
