@@ -232,12 +232,10 @@ class SchedulerConfig:
                      "ar_pace_lead_s", "shed_lag_s"):
             if getattr(self, name) < 0:
                 raise InputError(f"SchedulerConfig.{name} must be >= 0, got {getattr(self, name)!r}")
-        if not any(self.dit_paged_prefix is v for v in (None, True, False)):
-            raise InputError(f"SchedulerConfig.dit_paged_prefix must be None (auto), True or False, got "
-                             f"{self.dit_paged_prefix!r}")
-        if not any(self.flow_prefix_cache is v for v in (None, True, False)):
-            raise InputError(f"SchedulerConfig.flow_prefix_cache must be None (auto), True or False, got "
-                             f"{self.flow_prefix_cache!r}")
+        for name in ("dit_paged_prefix", "flow_prefix_cache"):  # auto-or-bool fields
+            if not any(getattr(self, name) is v for v in (None, True, False)):
+                raise InputError(f"SchedulerConfig.{name} must be None (auto), True or False, got "
+                                 f"{getattr(self, name)!r}")
         b = self.flow_cache_budget_bytes
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
             raise InputError(f"SchedulerConfig.flow_cache_budget_bytes must be None or an int >= 0, got {b!r}")

@@ -203,11 +203,11 @@ class Scheduler:
         try:
             self._start(models, cfg, runner, on_finish, admission)
         except BaseException:  # a failed start gives back what it took: the process's switches (a DiT conv
-            self._undo_start()  # left switched broke every later scheduler of a bench process: run 66)
+            self._release()  # left switched broke every later scheduler of a bench process: run 66)
             raise
 
     def _start(self, models, cfg: SchedulerConfig, runner, on_finish, admission) -> None:
-        """The stages, the caches and graphs, the worker threads (`__init__`; undone by `_undo_start` if it fails)."""
+        """The stages, the caches and graphs, the worker threads (`__init__`; undone by `_release` if it fails)."""
         t = time.perf_counter()
         self.runner = runner if runner is not None else make_ar_runner(models, cfg, self.device,
                                                                        self.backends.engine_set)
@@ -276,17 +276,6 @@ class Scheduler:
         self._threads = start_workers([("ar", self.ar.loop), ("dit", self.token2wav.dit_loop),
                                        ("hift", self.token2wav.hift_loop)], self.requests)
 
-    def _undo_start(self) -> None:
-        """After a failed `_start`: the cached-hop graphs and pages, the AR runner it built, the process switches."""
-        if self.flow_cache is not None:
-            if self.backends.dit_cached is not None and self.flow_cache.store is not None:
-                self.backends.dit_cached.release(self.flow_cache.store)
-            self.flow_cache.close()
-        if self._owns_runner and self.runner is not None and hasattr(self.runner, "close"):
-            self.runner.close()
-        while self._process_switches:
-            self._process_switches.pop()(-1)
-
     # ================================================================== public API
     def submit(self, req: Request, lease: Ticket | None = None, after: RequestHandle | None = None) -> RequestHandle:
         """Queue a request; returns at once (or after waiting for admission, see `SchedulerConfig.on_full`).
@@ -336,7 +325,13 @@ class Scheduler:
             if t is not threading.current_thread():
                 t.join(timeout=10)
         self.frontend.shutdown()
-        if self._owns_runner:
+        self._release()
+
+    def _release(self) -> None:
+        """What the scheduler holds beyond its threads, given back (`close`, or a failed `_start`, which may have
+        made only part of it): the AR runner it built, the prefix pool's pages and the cached-hop graphs that read
+        them, the process-wide switches."""
+        if self._owns_runner and self.runner is not None:
             self.runner.close()
         if self.flow_cache is not None:  # the pages and the cached-hop graphs that read them
             if self.backends.dit_cached is not None:
