@@ -93,6 +93,35 @@ if [ "${CALL:-}" = checks ]; then  # before the bench process: the kernels' and 
   tail -8 "$OUT/hift_tf32.md"
   exit 0
 fi
+if [ "${CALL:-}" = oldlong ]; then
+  # #18's 40 s baseline: the wheel of c5f2d40 (carried as dist_old/, built with `git worktree add /tmp/old c5f2d40 &&
+  # pip wheel --no-deps /tmp/old -w dist_old`) under HEAD's open-loop cell of CALL=long (the same arrivals: HEAD's
+  # generator, seed 0, 40 s streams, 24 s of arrivals, 42 s drain), its compiled variant set up as its own serving
+  # bench did (cold: 5-9 minutes), in the background: call again with CALL=oldlong to keep waiting; results in
+  # $OUT/old_long.json and old_long.log. Run it beside no other GPU process.
+  source benchmarks/device_setup.sh --install || exit 1
+  D=/tmp/oldlong; mkdir -p $D
+  if [ ! -e $D/started ]; then
+    rm -rf /tmp/site_old && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/site_old .whl/*.whl dist_old/*.whl || exit 1
+    (cd /tmp && python3 -c '
+import json, sys
+from cosytrt.tools.bench.workload import OpenLoopSpec, generate, parse_lengths
+cells = [{"rate": r, "arrivals": [dict(index=a.index, t=a.t, tokens=a.tokens, stream=a.stream, seed=a.seed)
+          for a in generate(OpenLoopSpec(r, 24.0, 0, 1.0, parse_lengths("40:0"), 2.0, 40.0))]}
+         for r in map(float, sys.argv[1].split(","))]
+json.dump(cells, open(sys.argv[2], "w"))' "${RATES:-2,3}" $D/arrivals.json) || exit 1
+    repo=$(pwd); touch $D/started
+    (cd /tmp && PYTHONPATH=/tmp/site_old setsid nohup python3 -X faulthandler "$repo/benchmarks/old_open_loop.py" \
+      $D/arrivals.json $D/old_long.json --drain-s "${DRAIN:-42}" < /dev/null > $D/old_long.log 2>&1 &)
+  fi
+  start=$(date +%s)
+  while [ ! -s $D/old_long.json ] && pgrep -f "old_open_loop.p[y]" > /dev/null \
+      && [ $(( $(date +%s) - start )) -lt "${WAIT_S:-540}" ]; do sleep 5; done
+  cp $D/old_long.log "$OUT/old_long.log"; [ -s $D/old_long.json ] && gzip -c $D/old_long.json > "$OUT/old_long.json.gz"
+  grep -v Warn $D/old_long.log | tail -20 | cut -c1-900
+  exit 0
+fi
 if [ "${CALL:-}" = attn ]; then
   source benchmarks/device_setup.sh --install || exit 1
   (cd /tmp && timeout 120 python3 "$OLDPWD/benchmarks/split_kv_gpu_check.py") 2>&1 | tee "$OUT/split_kv_check.md" | tail -14

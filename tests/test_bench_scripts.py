@@ -38,7 +38,8 @@ def test_budget_skips_parts_and_bad_arguments_fail(tmp_path):
 
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
 def test_the_one_command_wrappers_are_valid_bash():
-    for name in ("batch_invariance_run.sh", "device_run.sh", "session15_call.sh", "open_loop_old_new.sh"):
+    for name in ("batch_invariance_run.sh", "device_run.sh", "session15_call.sh", "open_loop_old_new.sh",
+                 "session19_call.sh", "bench_job.sh"):
         assert subprocess.run(["bash", "-n", os.path.join(ROOT, "benchmarks", name)]).returncode == 0, name
 
 
@@ -78,3 +79,81 @@ def test_smoke_token_check_streams_with_scheduler_overrides(tmp_path):
         assert row["audio_max_abs_diff_same_tokens"] <= 2e-3
         kinds = row["stats_dit_kinds"]
         assert any(k.endswith("/step") for k in kinds) == on, kinds
+
+
+def test_old_open_loop_harness_drives_and_summarises(tmp_path):
+    """benchmarks/old_open_loop.py (the #18 baseline of an old wheel under HEAD's open-loop cell): arrivals submitted
+    at their times, chunk times and sizes recorded as HEAD's playback summary reads them, a request still running at
+    the end of the cell cancelled and counted unfinished, a refused submit counted failed. A fake TTS stands in for
+    the old wheel's (the GPU run is BENCHMARKS.md's)."""
+    import importlib.util
+    import threading
+    import time as _time
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("old_open_loop", os.path.join(ROOT, "benchmarks", "old_open_loop.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    pb = mod.load_playback()
+
+    class Metrics:
+        def __init__(self):
+            self.t_submit, self.chunk_times, self.ttfa = _time.perf_counter(), [], None
+
+    class Handle:
+        def __init__(self, n_chunks, gap):
+            self.metrics, self.error, self._chunks = Metrics(), None, []
+            self._done, self._cancelled = threading.Event(), False
+
+            def run():
+                for _ in range(n_chunks):
+                    _time.sleep(gap)
+                    if self._cancelled:
+                        break
+                    self.metrics.chunk_times.append(_time.perf_counter() - self.metrics.t_submit)
+                    self.metrics.ttfa = self.metrics.ttfa or self.metrics.chunk_times[0]
+                    self._chunks.append(np.zeros(2400, np.float32))  # 0.1 s at 24 kHz
+                if self._cancelled:
+                    self.error = RuntimeError("cancelled")
+                self._done.set()
+            threading.Thread(target=run, daemon=True).start()
+
+        def result(self, timeout=None):
+            if not self._done.wait(timeout):
+                raise TimeoutError
+            if self.error:
+                raise self.error
+
+        def cancel(self):
+            self._cancelled = True
+            self._done.wait(2)
+
+        def chunks(self, timeout=None):
+            yield from self._chunks
+            if self.error:
+                raise self.error
+
+    class FakeTTS:
+        sample_rate = 24000
+
+        def submit(self, req):
+            if req == "refuse":
+                raise ValueError("busy")
+            return Handle(*req)
+
+    arrivals = [{"t": 0.0, "tokens": 5, "stream": True, "seed": 0},
+                {"t": 0.05, "tokens": 5, "stream": True, "seed": 1},
+                {"t": 0.1, "tokens": 50, "stream": True, "seed": 2},
+                {"t": 0.1, "tokens": 5, "stream": True, "seed": 3}]
+    reqs = {0: (2, 0.02), 1: (2, 0.02), 2: (50, 0.05), 3: "refuse"}
+    cells = mod.run_cells(FakeTTS(), [{"rate": 4, "arrivals": arrivals}], 0.3, 0.3, lambda a: reqs[a["seed"]], pb,
+                          log=lambda m: None)
+    c = cells[0]
+    st = [r["status"] for r in c["records"]]
+    assert st == [pb.OK, pb.OK, pb.UNFINISHED, pb.FAILED], st
+    assert c["completed"] == 2 and c["unfinished"] == 1 and c["failed"] == 1
+    first = c["records"][0]
+    assert len(first["chunk_t"]) == 2 and first["chunk_s"] == [0.1, 0.1]
+    assert 0.0 < first["chunk_t"][0] < first["chunk_t"][1] < 0.3
+    assert c["ttfa"]["p50"] is not None and c["saturated"]  # one request unfinished behind its listener
