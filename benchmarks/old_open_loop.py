@@ -60,17 +60,7 @@ def drive(tts, arrivals: list[dict], duration_s: float, drain_s: float, make_req
     deadline = t0 + duration_s + drain_s
     th.join(max(0.0, deadline - time.perf_counter()))
     stop.set()
-    cut = set()
-    for i, h in enumerate(handles):
-        if h is None:
-            continue
-        try:
-            h.result(timeout=max(0.0, deadline - time.perf_counter()))
-        except TimeoutError:
-            cut.add(i)
-            h.cancel()
-        except Exception:  # noqa: BLE001 - recorded below
-            pass
+    cut = pb.wait_or_cancel(handles, deadline)
     th.join()
     end = time.perf_counter() - t0
     records = []

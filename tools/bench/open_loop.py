@@ -31,7 +31,8 @@ from .common import jsonable, log, make_pipeline, random_models, scheduler_confi
 from .gil_probe import GilProbe
 from .gpu_util import GpuUtilProbe
 from ...runtime.scheduling.admission import OverloadedError
-from .playback import FAILED, NOT_SUBMITTED, OK, SHED, UNFINISHED, RequestRecord, saturated, summarize
+from .playback import (FAILED, NOT_SUBMITTED, OK, SHED, UNFINISHED, RequestRecord, saturated, summarize,
+                       wait_or_cancel)
 from .workload import Arrival, OpenLoopSpec, generate
 
 TEXT = "a" * 40
@@ -290,7 +291,6 @@ def drive(tts, arrivals: list[Arrival], duration_s: float, drain_s: float, speak
 
     handles: list = [None] * len(arrivals)
     errors: list = [None] * len(arrivals)
-    cut: set[int] = set()  # cancelled at the end of the cell
     stop = threading.Event()
     t0 = time.perf_counter() + 0.02
 
@@ -310,16 +310,7 @@ def drive(tts, arrivals: list[Arrival], duration_s: float, drain_s: float, speak
     deadline = t0 + duration_s + drain_s
     th.join(max(0.0, deadline - time.perf_counter()))
     stop.set()
-    for i, h in enumerate(handles):
-        if h is None:
-            continue
-        try:
-            h.result(timeout=max(0.0, deadline - time.perf_counter()))
-        except TimeoutError:
-            cut.add(i)
-            h.cancel()
-        except Exception:  # noqa: BLE001 - its error is recorded below
-            pass
+    cut = wait_or_cancel(handles, deadline)  # cancelled at the end of the cell
     th.join()
     end = time.perf_counter() - t0
     return [_record(a, handles[a.index], t0, tts.sample_rate, errors[a.index], a.index in cut)

@@ -4,6 +4,7 @@ timelines, tests/test_bench_open_loop.py checks the math on hand-made ones."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -58,6 +59,24 @@ class RequestRecord:
     error: str | None = None
     marks: dict = field(default_factory=dict)  # RequestMetrics.marks: seconds after submit (see ttfa_parts)
     ttfa_s: float | None = None          # RequestMetrics.ttfa: first chunk, seconds after submit
+
+
+def wait_or_cancel(handles: Sequence, deadline: float) -> set:
+    """The end of an open-loop cell: wait for each submitted handle (None: never submitted) until `deadline`
+    (`time.perf_counter()`), cancel those still running then; returns their indices (counted unfinished). A handle
+    that failed is left for its record to tell."""
+    cut = set()
+    for i, h in enumerate(handles):
+        if h is None:
+            continue
+        try:
+            h.result(timeout=max(0.0, deadline - time.perf_counter()))
+        except TimeoutError:
+            cut.add(i)
+            h.cancel()
+        except Exception:  # noqa: BLE001 - its error is recorded by the caller
+            pass
+    return cut
 
 
 # time to first audio split at RequestMetrics.marks: (part, mark it starts at, mark it ends at); None = submit / ttfa
