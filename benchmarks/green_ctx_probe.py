@@ -93,8 +93,28 @@ def time_ar(replay, stream, steps: int = 60) -> float:
     return statistics.median(times[5:])
 
 
-def run_case(replay, ar_stream, load_stream, load_ops: int = 1000) -> tuple[float, float | None]:
-    """(AR ms per step, load TFLOP/s or None): the load queued on `load_stream` first (None: no load)."""
+LOAD_GRAPH_OPS = 50  # matmuls per load graph (`graph_capture`)
+
+
+def load_graph(capture_stream):
+    """The load as the scheduler's DiT runs: matmuls in a CUDA graph captured on `capture_stream` (a plain stream,
+    as the scheduler captures its graphs today, or the green one); returns its replay."""
+    a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    with torch.cuda.stream(capture_stream):
+        torch.mm(a, b)
+        capture_stream.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=capture_stream):
+            for _ in range(LOAD_GRAPH_OPS):
+                torch.mm(a, b)
+    torch.cuda.synchronize()
+    return g
+
+
+def run_case(replay, ar_stream, load_stream, load_ops: int = 1000, graph=None) -> tuple[float, float | None]:
+    """(AR ms per step, load TFLOP/s or None): the load queued on `load_stream` first (None: no load); `graph`: the
+    load as replays of that CUDA graph (`load_graph`) instead of eager matmuls."""
     if load_stream is None:
         return time_ar(replay, ar_stream), None
     a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
@@ -103,8 +123,12 @@ def run_case(replay, ar_stream, load_stream, load_ops: int = 1000) -> tuple[floa
     with torch.cuda.stream(load_stream):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(load_stream)
-        for _ in range(load_ops):
-            torch.mm(a, b)
+        if graph is not None:
+            for _ in range(load_ops // LOAD_GRAPH_OPS):
+                graph.replay()
+        else:
+            for _ in range(load_ops):
+                torch.mm(a, b)
         end.record(load_stream)
     ms = time_ar(replay, ar_stream)
     busy = not end.query()  # the load still ran when the AR steps ended: they were timed beside it
@@ -161,6 +185,8 @@ def main(argv=None) -> int:
 
     row("AR alone", *run_case(replay, ar_stream, None))
     row("AR beside the load (a plain stream)", *run_case(replay, ar_stream, torch.cuda.Stream()))
+    plain = torch.cuda.Stream()
+    row("AR beside the load as a CUDA graph (a plain stream)", *run_case(replay, ar_stream, plain, graph=load_graph(plain)))
     for n in (int(v) for v in args.reserve.split(",")):
         made, how = green_stream(sms - n)
         if made is None:
@@ -172,12 +198,17 @@ def main(argv=None) -> int:
             for line in graphs_on(stream):
                 lines.append(f"| CUDA graph {line} | | |")
                 print(lines[-1], flush=True)
-        try:
-            row(f"load in a green context of {sms - n} SMs ({n} kept for the AR; {how})",
-                *run_case(replay, ar_stream, stream))
-        except Exception as e:  # noqa: BLE001 - shown, the probe goes on
-            lines.append(f"| load in a green context of {sms - n} SMs | failed: {type(e).__name__}: {e} |"[:400])
-            print(lines[-1], flush=True)
+        cases = [("", lambda: None)]
+        if n == int(args.reserve.split(",")[0]):  # the DiT's form: its CUDA graphs, captured off or on the context
+            cases += [(", as a CUDA graph captured on a plain stream", lambda: load_graph(torch.cuda.Stream())),
+                      (", as a CUDA graph captured on the green stream", lambda: load_graph(stream))]
+        for what, graph in cases:
+            try:
+                row(f"load in a green context of {sms - n} SMs ({n} kept for the AR; {how}){what}",
+                    *run_case(replay, ar_stream, stream, graph=graph()))
+            except Exception as e:  # noqa: BLE001 - shown, the probe goes on
+                lines.append(f"| load in a green context of {sms - n} SMs{what} | failed: {type(e).__name__}: {e} |"[:400])
+                print(lines[-1], flush=True)
     emit("\n".join(lines), args.out)
     return 0
 
