@@ -12,8 +12,10 @@ What it runs: an "AR step" — 24 layers of [rows, 896] x [896, 4864] and [rows,
 (a) alone, (b) beside a "DiT load" (a queue of [8192, 4096] x [4096, 4096] bf16 matmuls on another stream) and (c)
 with that load on a green-context stream of (SMs - N) SMs for several N; and the load's TFLOP/s in each, so the cost
 to the DiT shows too. torch's green-context API changed between releases (2.10: `create(num_sms, device_id)` with
-`set_context` / `pop_context`; 2.12+: keyword `create(num_sms=...)` and `.Stream()`): both are tried, and the table
-says which ran or why none did.
+`set_context` / `pop_context`, a stream of the context current in between; later: `.Stream()`, a stream of the
+context from `cuGreenCtxStreamCreate`): `.Stream()` first, and the table says which ran or why none did. Whether the
+confinement holds shows in the numbers (a stream outside the context would leave the AR as slow as beside the
+plain-stream load).
 
   usage (GPU machine): python3 benchmarks/green_ctx_probe.py [OUT.md] [--rows 16] [--reserve 8,16,32]
 """
@@ -43,14 +45,15 @@ def green_stream(sms: int):
             return (ctx, ctx.Stream()), "GreenContext.create(num_sms=...).Stream()"
     except Exception as e:  # noqa: BLE001
         errors.append(f"keyword create: {type(e).__name__}: {e}")
-    try:  # 2.10-2.11: positional, a stream made while the context is current belongs to it
+    try:  # older: no Stream(); set_context makes a stream of the context current (torch.cuda.Stream() would come
+        # from torch's stream pool, made in the primary context: not confined), so take that one
         ctx = GreenContext.create(sms, torch.cuda.current_device())
         ctx.set_context()
         try:
-            stream = torch.cuda.Stream()
+            stream = torch.cuda.current_stream()
         finally:
             ctx.pop_context()
-        return (ctx, stream), "GreenContext.create(num_sms, device) + set_context / Stream / pop_context"
+        return (ctx, stream), "GreenContext.create(num_sms, device) + set_context / current_stream / pop_context"
     except Exception as e:  # noqa: BLE001
         errors.append(f"positional create: {type(e).__name__}: {e}")
     return None, "; ".join(errors)[:600]
