@@ -635,3 +635,48 @@ def test_hift_slack_priority_keeps_the_audio(tts, speaker):
     on, _ = run_all(tts, base, reqs)
     off, _ = run_all(tts, replace(base, hift_slack_priority=False), reqs)
     assert_same_audio(on, off)
+
+
+def test_dit_green_reserve_sms_is_checked_and_refused_off_cuda(tts, monkeypatch):
+    """`dit_green_reserve_sms` (the DiT / HiFT streams in an SM partition): a negative or non-int value is refused by
+    the config; on the CPU a scheduler asking for it fails to start with the reason (no silent no-op) and gives back
+    what it took; `green_streams` refuses a reserve that leaves no SM to either side and a torch whose green
+    contexts have no `Stream()`, and makes its streams from `GreenContext.create(num_sms=...)` otherwise (a fake
+    context here: the GPU's numbers are benchmarks/green_ctx_probe.py's)."""
+    from cosytrt.engines.errors import InputError
+    from cosytrt.runtime.scheduling import sm_partition
+
+    for bad in (-1, True, 1.5):
+        with pytest.raises(InputError, match="dit_green_reserve_sms must be an int >= 0"):
+            SchedulerConfig(dit_green_reserve_sms=bad)
+    with pytest.raises(InputError, match="needs a CUDA device"):
+        Scheduler(tts.pipeline, SchedulerConfig(dit_green_reserve_sms=8))
+    reqs = [make_request("Hello there.", seed=3, force_tokens=30)]
+    run_all(tts, SchedulerConfig(), reqs)  # the next scheduler starts and runs
+
+    class Props:
+        multi_processor_count = 132
+
+    made = []
+
+    class FakeContext:
+        @staticmethod
+        def create(num_sms=None, device_id=None):
+            made.append((num_sms, device_id))
+            return FakeContext()
+
+        def Stream(self):
+            return f"stream{len(made)}"
+
+    import torch.cuda.green_contexts as gc
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setattr(gc, "GreenContext", FakeContext)
+    for reserve in (0, 132, 200):
+        with pytest.raises(InputError, match="leave SMs to both sides"):
+            sm_partition.green_streams("cuda:0", reserve, 2)
+    g = sm_partition.green_streams("cuda:0", 16, 2)
+    assert made == [(116, 0)] and g.sms == 116 and g.total_sms == 132 and len(g.streams) == 2
+    monkeypatch.delattr(FakeContext, "Stream")
+    with pytest.raises(InputError, match="without Stream"):
+        sm_partition.green_streams("cuda:0", 16, 2)

@@ -77,6 +77,14 @@ class SchedulerConfig:
     # 64.3; 1 req/s TTFA p50 / p95 0.095 / 0.116 vs 0.092 / 0.105 s (18 streams). Earlier: a gain on graphs_ar at
     # 8 req/s (run 42), none on the compiled variant at 8 req/s (run 44)
     hift_own_stream: bool = True
+    # on CUDA: SMs kept free of the DiT's and the vocoder's kernels for the AR (0: off). The DiT and HiFT threads then
+    # launch on streams of a CUDA green context holding the device's other SMs (`sm_partition.green_streams`); the AR
+    # stays on all of them. Why: under load the AR's decode step (~300 small kernels in a graph) takes 5.8 ms at 15
+    # rows against ~1.5 ms alone (run 66): each kernel waits for SMs that the DiT's and the vocoder's large kernels
+    # hold, which stream priority does not take back. Ordering and placement only (the same kernels on the same data:
+    # the same audio). Needs a torch whose green contexts give streams (`GreenContext.Stream`); off by default until
+    # measured (benchmarks/green_ctx_probe.py first, then an open-loop A/B)
+    dit_green_reserve_sms: int = 0
     # on CUDA, with dit_step_level: DiT steps the DiT thread may have launched and not yet seen complete (it plans the
     # next step while they run; `Token2WavWorker._fence`). 1: one step ahead. More lets the thread run further ahead
     # of the GPU when its host work per step varies (run 51: the DiT thread waited for its GPU work 43-45 % of the
@@ -225,6 +233,9 @@ class SchedulerConfig:
         if self.dit_conv not in ("",) + dit_conv_impls.CHOICES:
             raise InputError(f"SchedulerConfig.dit_conv must be '' (the process's) or one of "
                              f"{', '.join(dit_conv_impls.CHOICES)}, got {self.dit_conv!r}")
+        r = self.dit_green_reserve_sms
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise InputError(f"SchedulerConfig.dit_green_reserve_sms must be an int >= 0 (0: off), got {r!r}")
         if not isinstance(self.dit_max_active, int) or isinstance(self.dit_max_active, bool) or self.dit_max_active < 0:
             raise InputError(f"SchedulerConfig.dit_max_active must be an int >= 0 (0: no bound), got "
                              f"{self.dit_max_active!r}")

@@ -200,6 +200,7 @@ class Scheduler:
         self.flow_cache = None  # FlowCachePool shared by the streams' prefix states
         # process-wide switches this scheduler registered for, each given back on close (see below)
         self._process_switches: list[Callable[[int], None]] = []
+        self._green = None  # the DiT / HiFT streams' SM partition (dit_green_reserve_sms)
         try:
             self._start(models, cfg, runner, on_finish, admission)
         except BaseException:  # a failed start gives back what it took: the process's switches (a DiT conv
@@ -268,9 +269,13 @@ class Scheduler:
         self.voices = VoiceMemo()  # a saved voice's prompt uploads, digest and LM prompt embeddings, made once
         self.requests = Lifecycle(cfg, on_finish, on_dead=self._on_dead, admission=admission)
         self.admission = self.requests.admission
+        if cfg.dit_green_reserve_sms:  # the DiT / HiFT streams' SM partition (CUDA only: refused elsewhere)
+            from .sm_partition import green_streams
+
+            self._green = green_streams(self.device, cfg.dit_green_reserve_sms, 2)
         self.token2wav = Token2WavWorker(models, self.backends, cfg, self.sample_rate, self.device, self.clock,
                                          self.requests.finish, more_tokens=self._more_tokens,
-                                         flow_cache=self.flow_cache)
+                                         flow_cache=self.flow_cache, green=self._green)
         self.ar = ARWorker(self.runner, cfg, self.token2wav, self.requests.finish, self.clock, self.device)
         self.frontend = FrontendPool(cfg.frontend_workers, self._prepare, self.ar.put, self.requests.finish)
         self._threads = start_workers([("ar", self.ar.loop), ("dit", self.token2wav.dit_loop),
@@ -309,6 +314,8 @@ class Scheduler:
         st = collect_stats(self.requests, self.frontend, self.clock, self.ar, self.token2wav, self.backends,
                            self._compiles_at_start)
         st.setup_s = {k: round(v, 3) for k, v in self.setup_s.items()}
+        if self._green is not None:
+            st.sm_partition = {"dit_hift_sms": self._green.sms, "device_sms": self._green.total_sms}
         if self.flow_cache is not None:
             st.flow_cache = self.flow_cache.stats()
             if self.backends.dit_cached is not None:
@@ -339,6 +346,9 @@ class Scheduler:
             self.flow_cache.close()
         while self._process_switches:
             self._process_switches.pop()(-1)
+        if self._green is not None:  # the DiT / HiFT streams' SM partition (its streams drained first)
+            self._green.close()
+            self._green = None
 
     # ================================================================== wiring
     def _on_dead(self, r: RequestState) -> None:

@@ -47,7 +47,7 @@ class Token2WavWorker:
 
     def __init__(self, models, backends: StageBackends, config: SchedulerConfig, sample_rate: int, device,
                  clock: StageClock, finish: Callable[[RequestState, BaseException | None], None],
-                 more_tokens: Callable[[], bool], flow_cache=None):
+                 more_tokens: Callable[[], bool], flow_cache=None, green=None):
         self.flow, self.hift = models.flow, models.hift
         self.backends = backends
         self.token2wav = Token2Wav(self.flow, self.hift, backends, flow_cache=flow_cache)
@@ -76,6 +76,12 @@ class Token2WavWorker:
         # hift_own_stream: the HiFT thread's stream (None: the DiT's, the device's default stream)
         self._hift_stream = (torch.cuda.Stream(self.device, priority=-100)
                              if self._cuda and config.hift_own_stream else None)
+        # dit_green_reserve_sms: the DiT thread and the HiFT thread launch on streams of an SM partition (`green`: a
+        # sm_partition.GreenPartition with two streams); the vocoder shares the DiT's without hift_own_stream
+        self._dit_stream = None
+        if green is not None:
+            self._dit_stream = green.streams[0]
+            self._hift_stream = green.streams[1] if config.hift_own_stream else green.streams[0]
         if self._cuda:
             from ..models.hift_stream import warm_decode_windows
 
@@ -121,7 +127,9 @@ class Token2WavWorker:
 
     # ---------------------------------------------------------------- DiT thread
     def dit_loop(self) -> None:
-        with torch.inference_mode():
+        if self._dit_stream is not None:  # what the set-up left on the default stream (pages, warm-ups) first
+            self._dit_stream.wait_stream(torch.cuda.default_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(self._dit_stream):  # None: the current (default) stream
             while True:
                 how, group = self._next_dit_work()
                 try:
@@ -418,6 +426,8 @@ class Token2WavWorker:
 
     # ---------------------------------------------------------------- HiFT thread
     def hift_loop(self) -> None:
+        if self._dit_stream is not None:  # an SM partition's streams: the set-up's default-stream work first
+            self._hift_stream.wait_stream(torch.cuda.default_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(self._hift_stream):  # None: the current (default) stream
             while True:
                 jobs = self._next_hift_jobs()

@@ -1,0 +1,53 @@
+"""An SM partition for the DiT and the vocoder (`SchedulerConfig.dit_green_reserve_sms`): a CUDA green context
+holding all but N of the device's SMs, and streams of it for the DiT and HiFT threads, so the AR's small decode
+kernels (on an ordinary stream, free to use every SM) never wait for SMs that the DiT's and the vocoder's large
+kernels hold. benchmarks/green_ctx_probe.py measures the effect on an AR-sized step beside a DiT-sized load.
+
+torch's green-context API (beta) changed between releases; this uses `GreenContext.create(num_sms=..., device_id=...)`
+and `.Stream()` (a stream made by cuGreenCtxStreamCreate, whose kernels run on the context's SMs). A torch without
+`.Stream()` is refused with the reason: its `set_context` switches the calling thread's current stream, which the
+scheduler's threads cannot share."""
+from __future__ import annotations
+
+import torch
+
+from ...engines.errors import InputError
+
+
+class GreenPartition:
+    """The green context and its streams (kept alive together: the streams belong to the context)."""
+
+    def __init__(self, ctx, streams: list, sms: int, total_sms: int):
+        self.ctx, self.streams, self.sms, self.total_sms = ctx, streams, sms, total_sms
+
+    def close(self) -> None:
+        """Wait for the streams' work; the context itself is destroyed with its last reference."""
+        for s in self.streams:
+            s.synchronize()
+        self.streams = []
+
+
+def green_streams(device, reserve_sms: int, count: int) -> GreenPartition:
+    """`count` streams of a new green context of (the device's SMs - `reserve_sms`) SMs on CUDA `device`. Raises
+    InputError when it cannot be made (no CUDA, a reserve that leaves no SM to either side, a torch without the API)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise InputError("dit_green_reserve_sms needs a CUDA device")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).multi_processor_count
+    if not 0 < reserve_sms < total:
+        raise InputError(f"dit_green_reserve_sms must leave SMs to both sides: 0 < {reserve_sms} < {total} "
+                         "(the device's SMs)")
+    try:
+        from torch.cuda.green_contexts import GreenContext
+    except Exception as e:  # noqa: BLE001 - an older torch, a build without it
+        raise InputError(f"dit_green_reserve_sms needs torch.cuda.green_contexts ({type(e).__name__}: {e})") from e
+    if not hasattr(GreenContext, "Stream"):
+        raise InputError(f"dit_green_reserve_sms: this torch ({torch.__version__}) has green contexts without "
+                         "Stream(); its set_context switches the calling thread's stream instead")
+    try:
+        ctx = GreenContext.create(num_sms=total - reserve_sms, device_id=index)
+        streams = [ctx.Stream() for _ in range(count)]
+    except Exception as e:  # noqa: BLE001 - the driver's answer (a CUDA < 12.8 driver, an SM count it cannot split)
+        raise InputError(f"dit_green_reserve_sms={reserve_sms}: no green context ({type(e).__name__}: {e})") from e
+    return GreenPartition(ctx, streams, total - reserve_sms, total)
