@@ -14,12 +14,16 @@ import torch
 
 
 class GraphCache:
-    def __init__(self, fn: Callable | None, device: torch.device | str = "cuda", warmup: int = 2):
+    def __init__(self, fn: Callable | None, device: torch.device | str = "cuda", warmup: int = 2,
+                 stream: torch.cuda.Stream | None = None):
         self.fn = fn
         self.device = torch.device(device)
         self.warmup = warmup
         self.pool = None
-        self._stream = None  # the capture stream (created with the first capture)
+        # the capture stream (None: created with the first capture). A stream of a CUDA green context confines the
+        # graphs' kernels to its SMs when they are replayed there; a graph captured on an ordinary stream is not
+        # confined by replaying it on a green one (BENCHMARKS.md run 67)
+        self._stream = stream
         self.graphs: dict = {}  # key -> (graph, static_inputs, static_outputs)
 
     def __contains__(self, key) -> bool:

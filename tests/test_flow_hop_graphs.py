@@ -488,3 +488,19 @@ def test_wide_views_gather_the_same_bits():
     odd = torch.zeros(2, 3, dtype=torch.bfloat16)  # 6 bytes a row
     assert wide(odd) is odd and wide(torch.zeros(4, 8).t()).dtype == torch.float32
     assert wide(torch.zeros(4, 8, dtype=torch.int64)).dtype == torch.int64
+
+
+def test_capture_stream_switch_drops_graphs_captured_elsewhere(flow):
+    """`use_capture_stream` (the scheduler's SM partition, dit_green_reserve_sms): the graphs are captured on the
+    given stream from then on (only graphs captured on a green context's stream run confined to its SMs, run 67),
+    graphs captured on another stream are dropped, and the same stream again keeps them."""
+    hops = CachedHopGraphs(flow.estimator, CachedGrid((1,), (64,), (0,)), "cpu", graphs=True)  # no capture on CPU
+    green = object()  # stands in for a green context's stream
+    hops.entries["k"] = "captured on the cache's own stream"
+    hops.use_capture_stream(green)
+    assert hops.entries == {} and hops.cache._stream is green
+    hops.entries["k"] = "captured on the green stream"
+    hops.use_capture_stream(green)
+    assert hops.entries == {"k": "captured on the green stream"} and hops.cache._stream is green
+    hops.use_capture_stream(None)
+    assert hops.entries == {} and hops.cache._stream is None

@@ -81,9 +81,15 @@ class SchedulerConfig:
     # launch on streams of a CUDA green context holding the device's other SMs (`sm_partition.green_streams`); the AR
     # stays on all of them. Why: under load the AR's decode step (~300 small kernels in a graph) takes 5.8 ms at 15
     # rows against ~1.5 ms alone (run 66): each kernel waits for SMs that the DiT's and the vocoder's large kernels
-    # hold, which stream priority does not take back. Ordering and placement only (the same kernels on the same data:
-    # the same audio). Needs a torch whose green contexts give streams (`GreenContext.Stream`); off by default until
-    # measured (benchmarks/green_ctx_probe.py first, then an open-loop A/B)
+    # hold, which stream priority does not take back. Run 67 (H100, benchmarks/green_ctx_probe.py): an AR-like step
+    # of 16 rows took 0.38 ms alone and 6.2 ms beside a GEMM load on a plain stream; with the load in a green context
+    # keeping 8 / 32 / 64 SMs for the AR, 2.2 / 0.93 / 0.60 ms, the load giving up 14 / 25 / 39 % of its TFLOP/s.
+    # Only graphs CAPTURED on a green stream run confined there (one captured on a plain stream and replayed on the
+    # green one: 6.5 ms, unconfined): the scheduler captures its cached-hop graphs on the partition's DiT stream
+    # (`CachedHopGraphs.use_capture_stream`) and the DiT's eager / compiled launches are confined; the pipeline's
+    # whole-history DiT buckets and the vocoder's graphs, captured when the pipeline was built, are not (yet).
+    # Placement only (the same kernels on the same data: the same audio). Needs a torch whose green contexts give
+    # streams (`GreenContext.Stream`: torch 2.11 on the device does); off by default until an open-loop A/B
     dit_green_reserve_sms: int = 0
     # on CUDA, with dit_step_level: DiT steps the DiT thread may have launched and not yet seen complete (it plans the
     # next step while they run; `Token2WavWorker._fence`). 1: one step ahead. More lets the thread run further ahead

@@ -224,6 +224,12 @@ class Scheduler:
             from ..models import dit_conv
 
             self._process_switches.append(dit_conv.use(cfg.dit_conv))
+        if cfg.dit_green_reserve_sms:  # the DiT / HiFT streams' SM partition (CUDA only: refused elsewhere), made
+            from .sm_partition import green_streams  # before the cached-hop graphs: captured on its DiT stream
+
+            self._green = green_streams(self.device, cfg.dit_green_reserve_sms, 2)
+        if self.backends.dit_cached is not None and hasattr(self.backends.dit_cached, "use_capture_stream"):
+            self.backends.dit_cached.use_capture_stream(self._green.streams[0] if self._green is not None else None)
         use_cache = cfg.flow_prefix_cache
         if use_cache is None:  # auto: where cached hops have CUDA graphs
             use_cache = self.backends.dit_cached is not None
@@ -269,10 +275,6 @@ class Scheduler:
         self.voices = VoiceMemo()  # a saved voice's prompt uploads, digest and LM prompt embeddings, made once
         self.requests = Lifecycle(cfg, on_finish, on_dead=self._on_dead, admission=admission)
         self.admission = self.requests.admission
-        if cfg.dit_green_reserve_sms:  # the DiT / HiFT streams' SM partition (CUDA only: refused elsewhere)
-            from .sm_partition import green_streams
-
-            self._green = green_streams(self.device, cfg.dit_green_reserve_sms, 2)
         self.token2wav = Token2WavWorker(models, self.backends, cfg, self.sample_rate, self.device, self.clock,
                                          self.requests.finish, more_tokens=self._more_tokens,
                                          flow_cache=self.flow_cache, green=self._green)

@@ -354,6 +354,7 @@ class CachedHopGraphs:
         self.dtype = dtype or next(dit.parameters()).dtype
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self._slots = slots
+        self._capture_stream = None  # use_capture_stream
         self.cache = GraphCache(None, self.device, warmup=1) if self.graphs else None
         self.entries: dict = {}
         self.counts = dict(hits=0, misses=0, captured=0, capture_failed=0)
@@ -379,12 +380,21 @@ class CachedHopGraphs:
                 self._drop_graphs()
                 self._bufs = None  # sized for the form (the paged form holds no prefix)
 
+    def use_capture_stream(self, stream) -> None:
+        """Capture the graphs on `stream` from now on (None: a stream of the cache's own); graphs captured on
+        another are dropped. The scheduler passes its SM partition's DiT stream (dit_green_reserve_sms): only graphs
+        captured on a green context's stream run confined to its SMs when replayed there (run 67)."""
+        with self._lock:
+            if stream is not self._capture_stream:
+                self._capture_stream = stream
+                self._drop_graphs()
+
     def _drop_graphs(self) -> None:
         """Forget every captured bucket (and the graphs' memory pool with the old cache); the lock is held."""
         self.entries.clear()
         self._failed.clear()
         if self.cache is not None:
-            self.cache = GraphCache(None, self.device, warmup=1)
+            self.cache = GraphCache(None, self.device, warmup=1, stream=self._capture_stream)
 
     def _arena(self) -> SolveArena:
         if self.arena is None:
