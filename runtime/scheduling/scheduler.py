@@ -348,9 +348,8 @@ class Scheduler:
             self.flow_cache.close()
         while self._process_switches:
             self._process_switches.pop()(-1)
-        if self._green is not None:  # the DiT / HiFT streams' SM partition (its streams drained first)
-            self._green.close()
-            self._green = None
+        if self._green is not None:  # the DiT / HiFT streams' SM partition: its streams drained; the context itself
+            self._green.close()     # goes with this scheduler (a worker that outlived close's join still holds it)
 
     # ================================================================== wiring
     def _on_dead(self, r: RequestState) -> None:
