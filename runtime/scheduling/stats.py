@@ -106,7 +106,7 @@ class SchedulerStats:
     waits_s: dict = field(default_factory=dict)     # per wait (StageClock.wait): wall / CPU seconds, count
     flow_cache: dict = field(default_factory=dict)  # the flow prefix cache pool's numbers (stages/flow_cache.py)
     setup_s: dict = field(default_factory=dict)     # seconds of the scheduler's start, by part (Scheduler.__init__)
-    sm_partition: dict | None = None                # dit_green_reserve_sms: the DiT / HiFT streams' SMs of the device's
+    sm_partition: dict | None = None                # dit_green_reserve_sms: the DiT / HiFT streams' SMs, the device's
 
     def to_dict(self) -> dict:
         out = {"in_flight": self.in_flight, "closing": self.closing, "completed": self.completed,

@@ -77,7 +77,8 @@ class Token2WavWorker:
         self._hift_stream = (torch.cuda.Stream(self.device, priority=-100)
                              if self._cuda and config.hift_own_stream else None)
         # dit_green_reserve_sms: the DiT thread and the HiFT thread launch on streams of an SM partition (`green`: a
-        # sm_partition.GreenPartition with two streams); the vocoder shares the DiT's without hift_own_stream
+        # sm_partition.GreenPartition with two streams, made without a priority); the vocoder shares the DiT's without
+        # hift_own_stream
         self._dit_stream = None
         if green is not None:
             self._dit_stream = green.streams[0]
