@@ -8,22 +8,30 @@ Graphs are captured largest-first so smaller ones reuse the pool (nano-vllm / sg
 from __future__ import annotations
 
 import gc
+import weakref
 from typing import Callable
 
 import torch
 
+_CACHES: "weakref.WeakSet[GraphCache]" = weakref.WeakSet()  # every GraphCache with a group (`capture_group_on`)
+
 
 class GraphCache:
     def __init__(self, fn: Callable | None, device: torch.device | str = "cuda", warmup: int = 2,
-                 stream: torch.cuda.Stream | None = None):
+                 stream: torch.cuda.Stream | None = None, group: str | None = None):
         self.fn = fn
         self.device = torch.device(device)
         self.warmup = warmup
         self.pool = None
+        self.group = group  # e.g. "dit" / "hift": `capture_group_on` captures a group's graphs again elsewhere
+        self._fns: dict = {}  # key -> the key's own function, where capture was given one
+        if group is not None:
+            _CACHES.add(self)
         # the capture stream (None: created with the first capture). A stream of a CUDA green context confines the
         # graphs' kernels to its SMs when they are replayed there; a graph captured on an ordinary stream is not
         # confined by replaying it on a green one (BENCHMARKS.md run 67)
         self._stream = stream
+        self._asked = stream  # the capture stream asked for (None: the cache's own)
         self.graphs: dict = {}  # key -> (graph, static_inputs, static_outputs)
 
     def __contains__(self, key) -> bool:
@@ -35,7 +43,9 @@ class GraphCache:
         the example inputs ARE the static buffers (the caller fills them and calls `run(key)` with no inputs; buffers
         shared by several keys) instead of being copied. `collect`: a garbage collection before the capture (a
         caller capturing many graphs does one itself)."""
-        fn = fn or self.fn
+        if fn is not None:
+            self._fns[key] = fn
+        fn = fn or self._fns.get(key) or self.fn
         static_in = tuple(example_inputs) if static else static_copies(example_inputs)
         # ONE capture stream for all of this cache's graphs: the caching allocator reuses a freed block only for
         # allocations on the stream that freed it, so graphs captured on a new stream each could not share the
@@ -57,6 +67,17 @@ class GraphCache:
             self.pool = graph.pool()
         self.graphs[key] = (graph, static_in, static_out)
 
+    def recapture(self, stream: torch.cuda.Stream | None) -> None:
+        """Capture every graph again, in its first capture's order (largest first), on `stream` (None: a new stream
+        of the cache's own), keeping each key's static input buffers (callers' copies into them stay valid); the
+        old graphs and their pool go first. What `capture_group_on` runs."""
+        keep = [(key, static_in) for key, (_, static_in, _) in self.graphs.items()]
+        self.graphs, self.pool = {}, None
+        self._stream = self._asked = stream
+        gc.collect()
+        for key, static_in in keep:
+            self.capture(key, static_in, static=True, collect=False)
+
     def run(self, key, *inputs):
         graph, static_in, static_out = self.graphs[key]
         with torch.inference_mode():  # the static inputs are inference tensors
@@ -65,6 +86,29 @@ class GraphCache:
                     dst.copy_(src, non_blocking=True)
         graph.replay()
         return static_out
+
+
+def capture_group_on(group: str, device, stream: torch.cuda.Stream | None) -> int:
+    """Capture the graphs of every live GraphCache of `group` on `device` again on `stream` (None: on a stream of
+    each cache's own), where they were captured on another; returns how many caches were. A CUDA green context's
+    stream confines the kernels of graphs captured on it when they replay there, not those of graphs captured on an
+    ordinary stream (BENCHMARKS.md run 67): the scheduler's SM partition (dit_green_reserve_sms) moves the pipeline's
+    DiT and vocoder graphs with this, and back when a later scheduler has none."""
+    def index(d: torch.device):
+        return d.index if d.index is not None else (torch.cuda.current_device() if d.type == "cuda" else 0)
+
+    device = torch.device(device)
+    n = 0
+    for cache in list(_CACHES):
+        if (cache.group != group or cache.device.type != device.type or index(cache.device) != index(device)
+                or cache._asked is stream):
+            continue
+        if cache.graphs:
+            cache.recapture(stream)
+            n += 1
+        else:  # nothing captured yet: its first captures go there
+            cache._stream = cache._asked = stream
+    return n
 
 
 def static_copies(inputs: tuple) -> tuple:

@@ -22,7 +22,7 @@ class CudaGraphRunner(EngineRunner):
                  example: Callable[[Bucket], tuple], progress: bool = False):
         super().__init__("<cuda graphs>", spec, device)
         self.fn = fn
-        self.cache = GraphCache(fn, device)
+        self.cache = GraphCache(fn, device, group=spec.stage)  # "dit" / "hift": `capture_group_on` can move them
         static = sorted((b for b in buckets if not b.dynamic), key=lambda b: -b.cost)
         it = static
         if progress:

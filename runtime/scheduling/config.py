@@ -86,8 +86,9 @@ class SchedulerConfig:
     # keeping 8 / 32 / 64 SMs for the AR, 2.2 / 0.93 / 0.60 ms, the load giving up 14 / 25 / 39 % of its TFLOP/s.
     # Only graphs CAPTURED on a green stream run confined there (one captured on a plain stream and replayed on the
     # green one: 6.5 ms, unconfined): the scheduler captures its cached-hop graphs on the partition's DiT stream
-    # (`CachedHopGraphs.use_capture_stream`) and the DiT's eager / compiled launches are confined; the pipeline's
-    # whole-history DiT buckets and the vocoder's graphs, captured when the pipeline was built, are not (yet).
+    # (`CachedHopGraphs.use_capture_stream`) and captures the pipeline's DiT buckets and vocoder graphs again on the
+    # partition's DiT / HiFT streams at its start (`engines.cuda_graphs.capture_group_on`; back to streams of their
+    # own for a later scheduler without a partition; stats()["setup_s"]["graphs_recaptured"]).
     # Placement only (the same kernels on the same data: the same audio). Needs a torch whose green contexts give
     # streams (`GreenContext.Stream`: torch 2.11 on the device does); off by default until an open-loop A/B
     dit_green_reserve_sms: int = 0

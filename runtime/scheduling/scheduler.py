@@ -228,8 +228,17 @@ class Scheduler:
             from .sm_partition import green_streams  # before the cached-hop graphs: captured on its DiT stream
 
             self._green = green_streams(self.device, cfg.dit_green_reserve_sms, 2)
-        if self.backends.dit_cached is not None and hasattr(self.backends.dit_cached, "use_capture_stream"):
-            self.backends.dit_cached.use_capture_stream(self._green.streams[0] if self._green is not None else None)
+        if self.device.type == "cuda":  # graphs replay confined only where they were captured (run 67): the DiT's
+            from ...engines.cuda_graphs import capture_group_on  # and vocoder's go to the partition's streams (or
+
+            g = self._green  # back to streams of their own without one); the cached-hop graphs are captured below
+            dit_s = g.streams[0] if g is not None else None
+            hift_s = (g.streams[1] if cfg.hift_own_stream else g.streams[0]) if g is not None else None
+            t = time.perf_counter()
+            if capture_group_on("dit", self.device, dit_s) + capture_group_on("hift", self.device, hift_s):
+                self.setup_s["graphs_recaptured"] = time.perf_counter() - t
+            if self.backends.dit_cached is not None and hasattr(self.backends.dit_cached, "use_capture_stream"):
+                self.backends.dit_cached.use_capture_stream(dit_s)
         use_cache = cfg.flow_prefix_cache
         if use_cache is None:  # auto: where cached hops have CUDA graphs
             use_cache = self.backends.dit_cached is not None

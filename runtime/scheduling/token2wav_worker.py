@@ -82,7 +82,8 @@ class Token2WavWorker:
         self._dit_stream = None
         if green is not None:
             self._dit_stream = green.streams[0]
-            self._hift_stream = green.streams[1] if config.hift_own_stream else green.streams[0]
+            self._hift_stream = green.streams[1] if config.hift_own_stream else green.streams[0]  # (as the scheduler
+            # captured the vocoder's graphs: `capture_group_on`)
         if self._cuda:
             from ..models.hift_stream import warm_decode_windows
 

@@ -294,7 +294,7 @@ class GraphedEagerSet:
         buckets = [b for b in profile.buckets("hift", "stream") if not b.dynamic]
         if not buckets:
             return None
-        cache = GraphCache(fn, device)
+        cache = GraphCache(fn, device, group="hift")
         spf = hift.samples_per_frame
         for b in sorted(buckets, key=lambda b: -b.cost):
             cache.capture(b.key, (torch.full((b.batch, hift.cfg.in_channels, b.length), -4.0, device=device),
@@ -332,7 +332,7 @@ def _tail_graphs(hift, batches: list[int], frames: int, device: str):
     from ...engines.cuda_graphs import GraphCache
 
     spf = hift.samples_per_frame
-    cache = GraphCache(lambda m, src: hift.decode(m, src, finalize=True), device)
+    cache = GraphCache(lambda m, src: hift.decode(m, src, finalize=True), device, group="hift")
     for b in batches:
         cache.capture(b, (torch.full((b, hift.cfg.in_channels, frames), -4.0, device=device),
                           torch.zeros(b, 1, frames * spf, device=device)))
