@@ -93,7 +93,8 @@ def capture_group_on(group: str, device, stream: torch.cuda.Stream | None) -> in
     each cache's own), where they were captured on another; returns how many caches were. A CUDA green context's
     stream confines the kernels of graphs captured on it when they replay there, not those of graphs captured on an
     ordinary stream (BENCHMARKS.md run 67): the scheduler's SM partition (dit_green_reserve_sms) moves the pipeline's
-    DiT and vocoder graphs with this, and back when a later scheduler has none."""
+    DiT and vocoder graphs with this, and back when a later scheduler has none. Call it while nothing replays those
+    graphs (a scheduler's start: the pipeline serves one scheduler at a time)."""
     def index(d: torch.device):
         return d.index if d.index is not None else (torch.cuda.current_device() if d.type == "cuda" else 0)
 
