@@ -88,6 +88,14 @@ class GraphCache:
         return static_out
 
 
+def indexed_device(d) -> torch.device:
+    """`d` as a torch.device with its index ("cuda" and "cuda:0" name the same device)."""
+    d = torch.device(d)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 def capture_group_on(group: str, device, stream: torch.cuda.Stream | None) -> int:
     """Capture the graphs of every live GraphCache of `group` on `device` again on `stream` (None: on a stream of
     each cache's own), where they were captured on another; returns how many caches were. A CUDA green context's
@@ -95,14 +103,10 @@ def capture_group_on(group: str, device, stream: torch.cuda.Stream | None) -> in
     ordinary stream (BENCHMARKS.md run 67): the scheduler's SM partition (dit_green_reserve_sms) moves the pipeline's
     DiT and vocoder graphs with this, and back when a later scheduler has none. Call it while nothing replays those
     graphs (a scheduler's start: the pipeline serves one scheduler at a time)."""
-    def index(d: torch.device):
-        return d.index if d.index is not None else (torch.cuda.current_device() if d.type == "cuda" else 0)
-
-    device = torch.device(device)
+    device = indexed_device(device)
     n = 0
     for cache in list(_CACHES):
-        if (cache.group != group or cache.device.type != device.type or index(cache.device) != index(device)
-                or cache._asked is stream):
+        if cache.group != group or indexed_device(cache.device) != device or cache._asked is stream:
             continue
         if cache.graphs:
             cache.recapture(stream)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ...engines.cuda_graphs import indexed_device
 from ...engines.errors import InputError
 
 
@@ -30,10 +31,9 @@ class GreenPartition:
 def green_streams(device, reserve_sms: int, count: int) -> GreenPartition:
     """`count` streams of a new green context of (the device's SMs - `reserve_sms`) SMs on CUDA `device`. Raises
     InputError when it cannot be made (no CUDA, a reserve that leaves no SM to either side, a torch without the API)."""
-    device = torch.device(device)
-    if device.type != "cuda":
+    if torch.device(device).type != "cuda":
         raise InputError("dit_green_reserve_sms needs a CUDA device")
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = indexed_device(device).index
     total = torch.cuda.get_device_properties(index).multi_processor_count
     if not 0 < reserve_sms < total:
         raise InputError(f"dit_green_reserve_sms must leave SMs to both sides: 0 < {reserve_sms} < {total} "

@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ...engines.cuda_graphs import GraphCache, upload
+from ...engines.cuda_graphs import GraphCache, indexed_device, upload
 from .flow_cache import TRASH, ZERO, PageStore
 
 _INPUTS = ("x", "mask", "mu", "t", "spks", "cond", "offsets", "k_all", "v_all", "prefix_valid", "tail1", "tail2")
@@ -96,14 +96,6 @@ def hop_shapes(dit, b: int, n: int, p: int) -> dict:
     return shapes
 
 
-def _device(d) -> torch.device:
-    """`d` as a torch.device with its index ("cuda" and "cuda:0" name the same device)."""
-    d = torch.device(d)
-    if d.type == "cuda" and d.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return d
-
-
 # ------------------------------------------------------------------------------------------------ solver state
 
 class SolveArena:
@@ -113,7 +105,7 @@ class SolveArena:
 
     def __init__(self, slots: int, frames: int, mel_dim: int, spk_dim: int, device, dtype, growable: bool):
         self.growable = growable
-        self.mel_dim, self.spk_dim, self.device, self.dtype = mel_dim, spk_dim, _device(device), dtype
+        self.mel_dim, self.spk_dim, self.device, self.dtype = mel_dim, spk_dim, indexed_device(device), dtype
         self._lock = threading.Lock()
         self._alloc(slots, frames)
         self.free = list(range(slots, 0, -1))
@@ -315,7 +307,7 @@ class EagerHops:
 
     def take(self, n: int, device, dtype) -> tuple[SolveArena, int]:
         """(arena, slot) for a new row of n new frames."""
-        if self.arena is None or self.arena.device != _device(device) or self.arena.dtype != dtype:
+        if self.arena is None or self.arena.device != indexed_device(device) or self.arena.dtype != dtype:
             c = self.dit.cfg
             self.arena = SolveArena(self._slots, max(n, 64), c.mel_dim, c.spk_dim, device, dtype, growable=True)
         return self.arena, self.arena.take(n)
@@ -350,7 +342,7 @@ class CachedHopGraphs:
                  graphs: Optional[bool] = None, slots: int = GRAPH_ARENA_SLOTS):
         self.dit, self.grid = dit, grid
         self.fn = fn or dit.forward_cached
-        self.device = _device(device)
+        self.device = indexed_device(device)
         self.dtype = dtype or next(dit.parameters()).dtype
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         self._slots = slots
@@ -425,7 +417,7 @@ class CachedHopGraphs:
         return (0 if self.arena is None else self.arena.nbytes) + meta + bufs
 
     def take(self, n: int, device, dtype) -> tuple[SolveArena, int]:
-        if _device(device) == self.device and dtype == self.dtype:
+        if indexed_device(device) == self.device and dtype == self.dtype:
             slot = self._arena().take(n)
             if slot is not None:
                 return self.arena, slot
