@@ -666,7 +666,7 @@ def test_dit_green_reserve_sms_is_checked_and_refused_off_cuda(tts, monkeypatch)
             return FakeContext()
 
         def Stream(self):
-            return f"stream{len(made)}"
+            return object()  # a distinct stream per call
 
     import torch.cuda.green_contexts as gc
 
@@ -674,9 +674,12 @@ def test_dit_green_reserve_sms_is_checked_and_refused_off_cuda(tts, monkeypatch)
     monkeypatch.setattr(gc, "GreenContext", FakeContext)
     for reserve in (0, 132, 200):
         with pytest.raises(InputError, match="leave SMs to both sides"):
-            sm_partition.green_streams("cuda:0", reserve, 2)
-    g = sm_partition.green_streams("cuda:0", 16, 2)
+            sm_partition.green_streams("cuda:0", reserve, True)
+    g = sm_partition.green_streams("cuda:0", 16, True)  # the vocoder on a stream of its own (hift_own_stream)
     assert made == [(116, 0)] and g.sms == 116 and g.total_sms == 132 and len(g.streams) == 2
+    assert g.dit is g.streams[0] and g.hift is g.streams[1] and g.dit is not g.hift
+    shared = sm_partition.green_streams("cuda:0", 16, False)  # the vocoder on the DiT's stream
+    assert len(shared.streams) == 1 and shared.hift is shared.dit
     monkeypatch.delattr(FakeContext, "Stream")
     with pytest.raises(InputError, match="without Stream"):
-        sm_partition.green_streams("cuda:0", 16, 2)
+        sm_partition.green_streams("cuda:0", 16, True)

@@ -227,13 +227,12 @@ class Scheduler:
         if cfg.dit_green_reserve_sms:  # the DiT / HiFT streams' SM partition (CUDA only: refused elsewhere), made
             from .sm_partition import green_streams  # before the cached-hop graphs: captured on its DiT stream
 
-            self._green = green_streams(self.device, cfg.dit_green_reserve_sms, 2)
+            self._green = green_streams(self.device, cfg.dit_green_reserve_sms, cfg.hift_own_stream)
         if self.device.type == "cuda":  # graphs replay confined only where they were captured (run 67): the DiT's
             from ...engines.cuda_graphs import capture_group_on  # and vocoder's go to the partition's streams (or
 
             g = self._green  # back to streams of their own without one); the cached-hop graphs are captured below
-            dit_s = g.streams[0] if g is not None else None
-            hift_s = (g.streams[1] if cfg.hift_own_stream else g.streams[0]) if g is not None else None
+            dit_s, hift_s = (g.dit, g.hift) if g is not None else (None, None)
             t = time.perf_counter()
             if capture_group_on("dit", self.device, dit_s) + capture_group_on("hift", self.device, hift_s):
                 self.setup_s["graphs_recaptured"] = time.perf_counter() - t

@@ -16,10 +16,12 @@ from ...engines.errors import InputError
 
 
 class GreenPartition:
-    """The green context and its streams (kept alive together: the streams belong to the context)."""
+    """The green context and its streams (kept alive together: the streams belong to the context): `dit`, the DiT
+    thread's, and `hift`, the vocoder thread's (the DiT's own when the vocoder shares it)."""
 
     def __init__(self, ctx, streams: list, sms: int, total_sms: int):
         self.ctx, self.streams, self.sms, self.total_sms = ctx, streams, sms, total_sms
+        self.dit, self.hift = streams[0], streams[-1]
 
     def close(self) -> None:
         """Wait for the streams' work; the context itself is destroyed with its last reference."""
@@ -28,9 +30,10 @@ class GreenPartition:
         self.streams = []
 
 
-def green_streams(device, reserve_sms: int, count: int) -> GreenPartition:
-    """`count` streams of a new green context of (the device's SMs - `reserve_sms`) SMs on CUDA `device`. Raises
-    InputError when it cannot be made (no CUDA, a reserve that leaves no SM to either side, a torch without the API)."""
+def green_streams(device, reserve_sms: int, own_hift: bool) -> GreenPartition:
+    """A new green context of (the device's SMs - `reserve_sms`) SMs on CUDA `device` with a stream for the DiT and,
+    with `own_hift` (SchedulerConfig.hift_own_stream), another for the vocoder. Raises InputError when it cannot be
+    made (no CUDA, a reserve that leaves no SM to either side, a torch without the API)."""
     if torch.device(device).type != "cuda":
         raise InputError("dit_green_reserve_sms needs a CUDA device")
     index = indexed_device(device).index
@@ -47,7 +50,7 @@ def green_streams(device, reserve_sms: int, count: int) -> GreenPartition:
                          "Stream(); its set_context switches the calling thread's stream instead")
     try:
         ctx = GreenContext.create(num_sms=total - reserve_sms, device_id=index)
-        streams = [ctx.Stream() for _ in range(count)]
+        streams = [ctx.Stream() for _ in range(2 if own_hift else 1)]
     except Exception as e:  # noqa: BLE001 - the driver's answer (a CUDA < 12.8 driver, an SM count it cannot split)
         raise InputError(f"dit_green_reserve_sms={reserve_sms}: no green context ({type(e).__name__}: {e})") from e
     return GreenPartition(ctx, streams, total - reserve_sms, total)

@@ -76,14 +76,12 @@ class Token2WavWorker:
         # hift_own_stream: the HiFT thread's stream (None: the DiT's, the device's default stream)
         self._hift_stream = (torch.cuda.Stream(self.device, priority=-100)
                              if self._cuda and config.hift_own_stream else None)
-        # dit_green_reserve_sms: the DiT thread and the HiFT thread launch on streams of an SM partition (`green`: a
-        # sm_partition.GreenPartition with two streams, made without a priority); the vocoder shares the DiT's without
-        # hift_own_stream
+        # dit_green_reserve_sms: the DiT thread and the HiFT thread launch on the streams of an SM partition (`green`:
+        # a sm_partition.GreenPartition, its streams made without a priority; the ones the scheduler captured the
+        # DiT's and the vocoder's graphs on)
         self._dit_stream = None
         if green is not None:
-            self._dit_stream = green.streams[0]
-            self._hift_stream = green.streams[1] if config.hift_own_stream else green.streams[0]  # (as the scheduler
-            # captured the vocoder's graphs: `capture_group_on`)
+            self._dit_stream, self._hift_stream = green.dit, green.hift
         if self._cuda:
             from ..models.hift_stream import warm_decode_windows
 
