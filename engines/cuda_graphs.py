@@ -45,7 +45,7 @@ class GraphCache:
         caller capturing many graphs does one itself)."""
         if fn is not None:
             self._fns[key] = fn
-        fn = fn or self._fns.get(key) or self.fn
+        fn = self._fns.get(key, self.fn)
         static_in = tuple(example_inputs) if static else static_copies(example_inputs)
         # ONE capture stream for all of this cache's graphs: the caching allocator reuses a freed block only for
         # allocations on the stream that freed it, so graphs captured on a new stream each could not share the

@@ -13,7 +13,7 @@ def test_capture_group_on_moves_a_groups_graphs_and_back(monkeypatch):
     captured = []
 
     def fake_capture(self, key, example_inputs, static=False, collect=True, fn=None):
-        fn = fn or self._fns.get(key) or self.fn
+        fn = self._fns.get(key, self.fn)
         captured.append((self.group, key, static, example_inputs, fn, self._stream))
         self.graphs[key] = ("graph", tuple(example_inputs), "out")
 
