@@ -665,13 +665,18 @@ def test_dit_green_reserve_sms_is_checked_and_refused_off_cuda(tts, monkeypatch)
             made.append((num_sms, device_id))
             return FakeContext()
 
-        def Stream(self):
-            return object()  # a distinct stream per call
-
     import torch.cuda.green_contexts as gc
 
+    class FakeStream:
+        synced = 0
+
+        def synchronize(self):
+            self.synced += 1
+
+    FakeContext.Stream = lambda self: FakeStream()  # a distinct stream per call
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
     monkeypatch.setattr(gc, "GreenContext", FakeContext)
+    monkeypatch.setattr(sm_partition, "_PARTITIONS", {})
     for reserve in (0, 132, 200):
         with pytest.raises(InputError, match="leave SMs to both sides"):
             sm_partition.green_streams("cuda:0", reserve, True)
@@ -680,6 +685,11 @@ def test_dit_green_reserve_sms_is_checked_and_refused_off_cuda(tts, monkeypatch)
     assert g.dit is g.streams[0] and g.hift is g.streams[1] and g.dit is not g.hift
     shared = sm_partition.green_streams("cuda:0", 16, False)  # the vocoder on the DiT's stream
     assert len(shared.streams) == 1 and shared.hift is shared.dit
+    # a scheduler's close drains the streams and keeps the context: freeing blocks allocated on a destroyed green
+    # context's stream aborted the process (run 68); a later scheduler asking for the same partition gets it again
+    g.close()
+    assert g.dit.synced == 1 and g.hift.synced == 1 and len(g.streams) == 2
+    assert sm_partition.green_streams("cuda:0", 16, True) is g and len(made) == 2
     monkeypatch.delattr(FakeContext, "Stream")
     with pytest.raises(InputError, match="without Stream"):
-        sm_partition.green_streams("cuda:0", 16, True)
+        sm_partition.green_streams("cuda:0", 24, True)

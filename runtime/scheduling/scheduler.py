@@ -356,8 +356,8 @@ class Scheduler:
             self.flow_cache.close()
         while self._process_switches:
             self._process_switches.pop()(-1)
-        if self._green is not None:  # the DiT / HiFT streams' SM partition: its streams drained; the context itself
-            self._green.close()     # goes with this scheduler (a worker that outlived close's join still holds it)
+        if self._green is not None:  # the DiT / HiFT streams' SM partition: its streams drained; the context stays
+            self._green.close()     # for the process (sm_partition: the allocator's blocks and the graphs' pools)
 
     # ================================================================== wiring
     def _on_dead(self, r: RequestState) -> None:
