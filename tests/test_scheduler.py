@@ -575,3 +575,50 @@ def test_dit_fence_keeps_steps_ahead_in_flight(monkeypatch, ahead):
     for bad in (0, -1, 1.5):
         with pytest.raises(InputError, match="dit_steps_ahead"):
             SchedulerConfig(dit_steps_ahead=bad)
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 2])
+def test_hift_fence_keeps_calls_ahead_in_flight(monkeypatch, ahead):
+    """`_hift_fence` (after each vocoder call, on CUDA): with `hift_calls_ahead` N > 0 the HiFT thread waits for the
+    call launched N calls earlier, oldest first, and hands over the chunks whose copies completed after each wait;
+    0 (the default) records nothing and never waits (launches stay unbounded, as before)."""
+    from collections import deque
+
+    from cosytrt.engines.errors import InputError
+    from cosytrt.runtime.scheduling import token2wav_worker as tw
+
+    log = []
+
+    class Event:
+        count = 0
+
+        def __init__(self):
+            Event.count += 1
+            self.n = Event.count
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            log.append(("wait", self.n))
+
+    monkeypatch.setattr(tw.torch.cuda, "Event", Event)
+    w = tw.Token2WavWorker.__new__(tw.Token2WavWorker)
+    w._cuda, w._hift_in_flight, w.config = True, deque(), SchedulerConfig(hift_calls_ahead=ahead)
+    w.clock = StageClock(cuda=False)
+    w._drain_transfers = lambda: log.append(("drain",))
+    for i in range(5):
+        w._hift_fence()
+        assert len(w._hift_in_flight) == min(i + 1, ahead)
+    if ahead == 0:
+        assert log == [] and Event.count == 0 and "hift_fence" not in w.clock.waits_s()
+    else:
+        assert log == [x for n in range(1, 6 - ahead) for x in (("wait", n), ("drain",))]
+        assert w.clock.waits_s()["hift_fence"]["count"] == 5 - ahead
+    w._cuda = False  # CPU: nothing to wait for
+    before = len(log)
+    w._hift_fence()
+    assert len(log) == before
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InputError, match="hift_calls_ahead"):
+            SchedulerConfig(hift_calls_ahead=bad)

@@ -117,7 +117,7 @@ def test_open_loop_waits_delta_and_its_table():
     assert d["dit_idle"]["wall_share"] == pytest.approx(0.2)
     assert _waits_line(d) == "; waits dit_fence 0.30, dit_idle 0.20" and _waits_line({}) == ""
     host = {"dit": {"wall_share": 0.21}}
-    assert _waits_row(host, d) == ["0.21", "0.30", "0.20", "—", "—"]
+    assert _waits_row(host, d) == ["0.21", "0.30", "0.20", "—", "—", "—"]
 
 
 def test_scheduler_reports_the_dit_and_hift_threads_idle_waits():
@@ -141,3 +141,55 @@ def test_open_loop_table_part_only_for_cells_that_have_the_key():
     part = _open_loop_table(cells, "waits", lambda c: ["0.50"], "**T**", ["DiT idle"])
     assert part == ["**T**\n\n| setting | req/s | DiT idle |\n|---|---|---|\n| a | 12 | 0.50 |"]
     assert _open_loop_table(cells[1:], "waits", lambda c: [], "**T**", []) == []
+
+
+def test_step_timer_times_every_nth_step_once_its_events_completed(monkeypatch):
+    """`StepTimer` (the AR step's anatomy, every `every`-th decode step on CUDA): the runner call's host seconds, the
+    GPU span of its timing events (read only once the end event completed: it never blocks) and the host seconds
+    after it, added to the AR counters; on the CPU it times nothing. The bench turns the counters into ms per timed
+    step and the report shows them."""
+    from cosytrt.runtime.scheduling import stage_clock
+    from cosytrt.runtime.scheduling.stats import ARCounters
+    from cosytrt.tools.bench.open_loop import _anatomy_line, stats_delta
+    from cosytrt.tools.bench.report import _anatomy_cell
+
+    class Event:
+        done = False
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            pass
+
+        def query(self):
+            return Event.done
+
+        def elapsed_time(self, end):
+            return 4.0  # ms
+
+    monkeypatch.setattr(stage_clock.torch.cuda, "Event", Event)
+    c = ARCounters()
+    t = stage_clock.StepTimer(True, c, every=2)
+    toks = []
+    for _ in range(4):
+        tok = t.start()
+        toks.append(tok)
+        t.launched(tok)
+        t.end(tok)
+    assert [tok is not None for tok in toks] == [False, True, False, True]
+    assert c.timed_steps == 0  # their end events have not completed: nothing read yet
+    Event.done = True
+    t.end(t.start())  # an untimed step settles what completed
+    assert c.timed_steps == 2 and c.timed_gpu_s == pytest.approx(0.008)
+    assert c.timed_launch_s >= 0 and c.timed_rest_s >= 0
+    cpu = stage_clock.StepTimer(False, ARCounters(), every=1)
+    assert cpu.start() is None
+    before = {"ar": {"decode_steps": 10, "decode_rows": 20, "timed_steps": 1, "timed_launch_s": 0.001,
+                     "timed_gpu_s": 0.002, "timed_rest_s": 0.003}}
+    after = {"ar": {"decode_steps": 30, "decode_rows": 60, "timed_steps": 3, "timed_launch_s": 0.003,
+                    "timed_gpu_s": 0.010, "timed_rest_s": 0.009}}
+    ar = stats_delta(before, after, 1.0)["ar_steps"]
+    assert ar["anatomy_ms"] == pytest.approx({"launch": 1.0, "gpu": 4.0, "rest": 3.0})
+    assert _anatomy_cell(ar) == "1.00 / 4.00 / 3.00" and _anatomy_cell({}) == "—"
+    assert "its GPU span 4.00 ms" in _anatomy_line(ar) and _anatomy_line(None) == ""

@@ -21,7 +21,7 @@ from ..models.sampling import PackedRows, pack_rows, sample_batch, select_packed
 from ..stages.ar_runner import ARRunner, PrefillRow
 from .config import SchedulerConfig
 from .policies import admit, ar_step_due
-from .stage_clock import StageClock
+from .stage_clock import StageClock, StepTimer
 from .state import RequestState
 from .stats import ARCounters
 
@@ -57,6 +57,7 @@ class ARWorker:
         self.waiting: deque[RequestState] = deque()   # admission queue: frontend done, no KV slot yet
         self.running: list[RequestState] = []         # in a KV slot (AR thread only)
         self.counters = ARCounters()
+        self.timer = StepTimer(torch.device(device).type == "cuda", self.counters)  # every 8th step's anatomy
         self.stopped = False
         self.step_s = 0.003  # decode step wall time, moving average (ar_pace_lead_s)
         # the runner samples the decode step itself (`ar_graph_sampling`: in its decode graphs on CUDA)
@@ -261,6 +262,7 @@ class ARWorker:
             return self.runner.decode(*inputs(rs))
 
         packed, ids = self._pack(rows), None
+        tok = self.timer.start()
         if packed is None:
             rows_ok, logits = self._logits(decode, rows)
         else:
@@ -271,9 +273,11 @@ class ARWorker:
                 index = {id(r): i for i, r in enumerate(rows)}
                 rows_ok, logits = self._logits(decode, rows)
                 packed = packed.subset([index[id(r)] for r in rows_ok])
+        self.timer.launched(tok)
         for r in rows_ok:
             r.pos += 1
         self._sample(rows_ok, logits, t0, ids, packed)
+        self.timer.end(tok)
         self.counters.decode(len(rows))
         self.step_s += STEP_EMA * (time.perf_counter() - t0 - self.step_s)
 

@@ -33,6 +33,15 @@ class SchedulerConfig:
     # Ordering only (each stream's windows stay in order; the audio is the same). Run 66 (12 req/s): HiFT 86 % busy,
     # the vocoder part of the first audio 0.30 s at p95 — not yet A/B'd (`--ab hift_slack_priority`)
     hift_slack_priority: bool = True
+    # on CUDA, > 0: vocoder calls the HiFT thread may have launched and not yet seen complete (`Token2WavWorker.
+    # _hift_fence`, as dit_steps_ahead for the DiT); 0: no bound (today's default). Why: at 12 req/s of mixed
+    # streams (runs 66 and 68, H100) the vocoder part of the first audio was 0.30 s at p95 (0.05 at p50) while the
+    # HiFT thread sat idle 76 % of the cell: it launches every window as it comes, so the vocoder's stream holds a
+    # queue of launched calls (its GPU ~80 % busy) that a first chunk joins at the back, past the reach of
+    # hift_slack_priority. With a bound the queue waits on the host, where a first chunk goes first and more windows
+    # share a call. Ordering and grouping only (the HiFT's rows are exact per row: tests/test_scheduler.py). Not
+    # yet run on a GPU (A/B: `--ab "hift_calls_ahead=0,hift_calls_ahead=2"`)
+    hift_calls_ahead: int = 0
     hift_max_wait_ms: float = 5.0
     hift_max_frames: int = 8192       # rows x longest mel frames of one offline HiFT call
     max_padding_waste: float = 1.5    # padded work / real work allowed when grouping DiT and HiFT rows
@@ -90,7 +99,11 @@ class SchedulerConfig:
     # partition's DiT / HiFT streams at its start (`engines.cuda_graphs.capture_group_on`; back to streams of their
     # own for a later scheduler without a partition; stats()["setup_s"]["graphs_recaptured"]).
     # Placement only (the same kernels on the same data: the same audio). Needs a torch whose green contexts give
-    # streams (`GreenContext.Stream`: torch 2.11 on the device does); off by default until an open-loop A/B
+    # streams (`GreenContext.Stream`: torch 2.11 on the device does). The partition lives for the process (a later
+    # scheduler with the same reserve reuses it: sm_partition). Off by default — under traffic it lost (run 68, H100,
+    # compiled, mixed streams): 32 SMs kept for the AR gave 86.6 / 87.6 audio s/s at 12 / 16 req/s against 102.1 /
+    # 99.2 without, TTFA p95 1.52 / 6.21 s against 1.12 / 3.87, and the AR's step got slower, not faster (8.5 vs 6.5
+    # ms per step): the probe's mechanism is not what bounds the AR in the real process
     dit_green_reserve_sms: int = 0
     # on CUDA, with dit_step_level: DiT steps the DiT thread may have launched and not yet seen complete (it plans the
     # next step while they run; `Token2WavWorker._fence`). 1: one step ahead. More lets the thread run further ahead
@@ -240,9 +253,10 @@ class SchedulerConfig:
         if self.dit_conv not in ("",) + dit_conv_impls.CHOICES:
             raise InputError(f"SchedulerConfig.dit_conv must be '' (the process's) or one of "
                              f"{', '.join(dit_conv_impls.CHOICES)}, got {self.dit_conv!r}")
-        r = self.dit_green_reserve_sms
-        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
-            raise InputError(f"SchedulerConfig.dit_green_reserve_sms must be an int >= 0 (0: off), got {r!r}")
+        for name in ("dit_green_reserve_sms", "hift_calls_ahead"):
+            r = getattr(self, name)
+            if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+                raise InputError(f"SchedulerConfig.{name} must be an int >= 0 (0: off), got {r!r}")
         if not isinstance(self.dit_max_active, int) or isinstance(self.dit_max_active, bool) or self.dit_max_active < 0:
             raise InputError(f"SchedulerConfig.dit_max_active must be an int >= 0 (0: no bound), got "
                              f"{self.dit_max_active!r}")

@@ -21,6 +21,14 @@ class ARCounters:
     pace_waits: int = 0               # waits instead of a decode step while every stream was far enough ahead of its
     pace_wait_s: float = 0.0          # listener (ar_pace_lead_s); pace_wait_s: their seconds
     multi_step_calls: int = 0         # runner calls of ar_decode_steps steps each (their steps count in decode_steps)
+    # every 8th single decode step on CUDA (stage_clock.StepTimer): how many, and their seconds in the runner call
+    # (host), on the GPU from just before to just after that call (its kernels and their waits for SMs), and on the
+    # host after it (sampling, the wait for the ids, bookkeeping; with ar_graph_sampling the runner call itself
+    # samples and reads the ids back, so its wait counts in the call)
+    timed_steps: int = 0
+    timed_launch_s: float = 0.0
+    timed_gpu_s: float = 0.0
+    timed_rest_s: float = 0.0
 
     def prefill(self, rows: int) -> None:
         self.prefill_calls += 1

@@ -68,6 +68,7 @@ class Token2WavWorker:
         self.hift_cond = threading.Condition()
         self.hift_queue: list[HiftJob] = []
         self.transfers: deque = deque()  # CUDA: (r, host, event, final, t_launch, rows), FIFO
+        self._hift_in_flight: deque = deque()  # CUDA events of vocoder calls launched, not yet waited for
         self.dit_counters, self.hift_counters = DitCounters(), BatchCounters()
         self.stopped = False
         self._pending: list[DitJob] = []  # jobs made by `tokens` in this AR step, queued by `flush`
@@ -434,7 +435,24 @@ class Token2WavWorker:
                 if jobs:
                     with self.clock.span("hift"):
                         self._run_hift(jobs)
+                    self._hift_fence()
                 self._drain_transfers()
+
+    def _hift_fence(self) -> None:
+        """CUDA with `hift_calls_ahead` > 0: at most that many vocoder calls launched and not yet seen complete; the
+        host waits for the oldest (handing over the chunks whose copies completed meanwhile), so the rest of the
+        ready windows queue on the host, where `pick_hift_jobs` orders and groups them, not on the GPU stream."""
+        ahead = self.config.hift_calls_ahead
+        if not self._cuda or ahead <= 0:
+            return
+        ev = torch.cuda.Event()
+        ev.record()  # on the HiFT thread's stream (hift_loop's current stream)
+        self._hift_in_flight.append(ev)
+        if len(self._hift_in_flight) > ahead:
+            with self.clock.wait("hift_fence"):
+                while len(self._hift_in_flight) > ahead:
+                    self._hift_in_flight.popleft().synchronize()
+                    self._drain_transfers()
 
     def _dit_active(self) -> bool:
         return bool(self.dit_busy or self.dit or self.active)

@@ -151,7 +151,11 @@ def stats_delta(before: dict, after: dict, wall_s: float) -> dict:
     # pacing waits
     ar = _deltas(before, after, "ar", ("decode_steps", "decode_rows", "prefill_calls", "decode_graph_replays",
                                        "sampled_graph_replays", "first_audio_hold_s", "pace_wait_s",
-                                       "multi_step_calls"))
+                                       "multi_step_calls", "timed_steps", "timed_launch_s", "timed_gpu_s",
+                                       "timed_rest_s"))
+    if ar.get("timed_steps"):  # the timed steps' anatomy, ms per step (stage_clock.StepTimer)
+        n = ar["timed_steps"]
+        ar["anatomy_ms"] = {k: 1e3 * (ar[f"timed_{k}_s"] or 0.0) / n for k in ("launch", "gpu", "rest")}
     if ar.get("decode_steps"):
         ar["rows_per_step"] = (ar["decode_rows"] or 0) / ar["decode_steps"]
         ar["sampled_share"] = None if ar["sampled_graph_replays"] is None else \
@@ -230,6 +234,15 @@ def _host_line(host: dict | None, multi_step_calls: int | None) -> str:
     if multi_step_calls:
         out += f", {multi_step_calls} multi-step calls"
     return out + "; blocked in spans " + ", ".join(f"{k} {100 * v['blocked']:.0f} %" for k, v in host.items())
+
+
+def _anatomy_line(ar: dict | None) -> str:
+    """The log line's AR step anatomy (`stage_clock.StepTimer`): ms per timed step."""
+    a = (ar or {}).get("anatomy_ms")
+    if not a:
+        return ""
+    return (f"; AR step (every 8th): runner call {a['launch']:.2f} ms, its GPU span {a['gpu']:.2f} ms, after it "
+            f"{a['rest']:.2f} ms")
 
 
 def _hop_graphs(stats: dict) -> dict:
@@ -604,6 +617,7 @@ def _rate_sweep(bench, out, tts, label, spec, rates, drain_s, speaker) -> None:
             + (f"; AR {cell['ar_steps']['rows_per_step']:.2f} rows/step, {100 * cell['ar_steps']['sampled_share']:.0f} "
                "% sampled in graph" if (cell.get("ar_steps") or {}).get("sampled_share") is not None else "")
             + _host_line(cell.get("host"), (cell.get("ar_steps") or {}).get("multi_step_calls"))
+            + _anatomy_line(cell.get("ar_steps"))
             + _waits_line(cell.get("waits"))
             + (f"; WARNING: {cell['compiles']} graph(s) compiled during the cell" if cell["compiles"] else ""))
         kp = cell.get("kernel_profile")

@@ -314,19 +314,21 @@ def open_loop_tables(res: dict) -> str:
                                       "alloc retries / cudaFree",
                                       "prefix pool: hops fallen back / planned, peak / budget GB"], res_rows))
     parts += _open_loop_table(
-        cells, "host", lambda c: _host_row(c["host"]),
+        cells, "host", lambda c: _host_row(c["host"]) + [_anatomy_cell(c.get("ar_steps"))],
         "**Open loop: the worker threads' host time inside their batches** (`StageClock.host_s`: wall and CPU seconds "
         "of each thread inside its spans as shares of the cell; blocked = (wall - CPU) / wall: waiting for the "
-        "interpreter lock or descheduled — a CUDA wait spins, so it counts as CPU; the AR per decode step)",
+        "interpreter lock or descheduled — a CUDA wait spins, so it counts as CPU; the AR per decode step; every "
+        "8th single step's anatomy: the runner call's host ms, the GPU span around it — its kernels and their waits "
+        "for SMs —, the host ms after it: sampling, the wait for the ids, bookkeeping)",
         ["AR wall / CPU share", "AR blocked", "AR wall / CPU ms per step", "DiT wall / CPU share", "DiT blocked",
-         "HiFT wall / CPU share", "HiFT blocked"])
+         "HiFT wall / CPU share", "HiFT blocked", "AR step, every 8th: runner call / its GPU span / after, ms"])
     parts += _open_loop_table(
         cells, "waits", lambda c: _waits_row(c.get("host") or {}, c["waits"]),
         "**Open loop: where the DiT and HiFT threads' time goes** (shares of the cell's wall time: inside their spans "
         "(`StageClock.host_s`, launching and bookkeeping); the DiT fence = waiting for its launched steps to complete "
-        "on the GPU (`dit_steps_ahead`; a spin); idle = waiting for work; the rest of the thread's time is picking "
-        "work and handing it on outside both)",
-        ["DiT in spans", "DiT fence", "DiT idle", "HiFT in spans", "HiFT idle"])
+        "on the GPU (`dit_steps_ahead`; a spin), the HiFT fence the same for its calls (`hift_calls_ahead`); idle = "
+        "waiting for work; the rest of the thread's time is picking work and handing it on outside both)",
+        ["DiT in spans", "DiT fence", "DiT idle", "HiFT in spans", "HiFT fence", "HiFT idle"])
     from .playback import TTFA_PARTS
 
     ttfa_rows = [[c.get("setting"), c.get("rate")]
@@ -426,6 +428,13 @@ def _host_row(host: dict) -> list:
     return out
 
 
+def _anatomy_cell(ar: dict | None) -> str:
+    """A timed AR step's parts (`stage_clock.StepTimer`), ms: the runner call on the host, the GPU span from just
+    before to just after it, the host after it."""
+    a = (ar or {}).get("anatomy_ms")
+    return f"{a['launch']:.2f} / {a['gpu']:.2f} / {a['rest']:.2f}" if a else "—"
+
+
 def _open_loop_table(cells: list, key: str, row, title: str, columns: list) -> list[str]:
     """[one markdown part]: `title` over a table of the cells that have `key` (setting, req/s, then `row(cell)`
     under `columns`), or [] when none has it."""
@@ -439,7 +448,7 @@ def _waits_row(host: dict, waits: dict) -> list:
         return "—" if v is None else f"{v:.2f}"
 
     return [share(host, "dit"), share(waits, "dit_fence"), share(waits, "dit_idle"), share(host, "hift"),
-            share(waits, "hift_idle")]
+            share(waits, "hift_fence"), share(waits, "hift_idle")]
 
 
 def _hop_row(h: dict) -> list:
