@@ -537,16 +537,9 @@ def test_prefix_of_a_queued_final_is_freed_before_it_runs():
     assert waiting_final.stream.flow_cache.closes == 1 and w.dit_counters.prefixes_freed_early == 1
 
 
-@pytest.mark.parametrize("ahead", [1, 3])
-def test_dit_fence_keeps_steps_ahead_in_flight(monkeypatch, ahead):
-    """`_fence` (after each step-level DiT call, on CUDA): the host waits for the step launched `dit_steps_ahead`
-    calls earlier, oldest first, so at most that many launched steps are not yet seen complete."""
-    from collections import deque
-    from types import SimpleNamespace
-
-    from cosytrt.runtime.scheduling import token2wav_worker as tw
-
-    waited = []
+def _numbered_events(monkeypatch, tw, log: list):
+    """A fake torch.cuda.Event for token2wav_worker `tw`, numbered in creation order; `synchronize` appends
+    ("wait", its number) to `log`. Returns the class (its `count`: events made)."""
 
     class Event:
         count = 0
@@ -559,16 +552,29 @@ def test_dit_fence_keeps_steps_ahead_in_flight(monkeypatch, ahead):
             pass
 
         def synchronize(self):
-            waited.append(self.n)
+            log.append(("wait", self.n))
 
     monkeypatch.setattr(tw.torch.cuda, "Event", Event)
+    return Event
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_dit_fence_keeps_steps_ahead_in_flight(monkeypatch, ahead):
+    """`_fence` (after each step-level DiT call, on CUDA): the host waits for the step launched `dit_steps_ahead`
+    calls earlier, oldest first, so at most that many launched steps are not yet seen complete."""
+    from collections import deque
+
+    from cosytrt.runtime.scheduling import token2wav_worker as tw
+
+    log = []
+    _numbered_events(monkeypatch, tw, log)
     w = tw.Token2WavWorker.__new__(tw.Token2WavWorker)
     w._cuda, w._in_flight, w.config = True, deque(), SchedulerConfig(dit_steps_ahead=ahead)
     w.clock = StageClock(cuda=False)
     for i in range(6):
         w._fence()
         assert len(w._in_flight) == min(i + 1, ahead)
-    assert waited == list(range(1, 7 - ahead))
+    assert [n for _, n in log] == list(range(1, 7 - ahead))
     assert w.clock.waits_s()["dit_fence"]["count"] == 6 - ahead  # each wait counted (stats()["waits_s"])
     from cosytrt.engines.errors import InputError
 
@@ -588,21 +594,7 @@ def test_hift_fence_keeps_calls_ahead_in_flight(monkeypatch, ahead):
     from cosytrt.runtime.scheduling import token2wav_worker as tw
 
     log = []
-
-    class Event:
-        count = 0
-
-        def __init__(self):
-            Event.count += 1
-            self.n = Event.count
-
-        def record(self):
-            pass
-
-        def synchronize(self):
-            log.append(("wait", self.n))
-
-    monkeypatch.setattr(tw.torch.cuda, "Event", Event)
+    Event = _numbered_events(monkeypatch, tw, log)
     w = tw.Token2WavWorker.__new__(tw.Token2WavWorker)
     w._cuda, w._hift_in_flight, w.config = True, deque(), SchedulerConfig(hift_calls_ahead=ahead)
     w.clock = StageClock(cuda=False)
