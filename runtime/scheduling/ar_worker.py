@@ -57,7 +57,7 @@ class ARWorker:
         self.waiting: deque[RequestState] = deque()   # admission queue: frontend done, no KV slot yet
         self.running: list[RequestState] = []         # in a KV slot (AR thread only)
         self.counters = ARCounters()
-        self.timer = StepTimer(torch.device(device).type == "cuda", self.counters)  # every 8th step's anatomy
+        self.timer = StepTimer(self.device.type == "cuda", self.counters)  # every 8th step's anatomy
         self.stopped = False
         self.step_s = 0.003  # decode step wall time, moving average (ar_pace_lead_s)
         # the runner samples the decode step itself (`ar_graph_sampling`: in its decode graphs on CUDA)

@@ -74,15 +74,16 @@ class Token2WavWorker:
         self._pending: list[DitJob] = []  # jobs made by `tokens` in this AR step, queued by `flush`
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
-        # hift_own_stream: the HiFT thread's stream (None: the DiT's, the device's default stream)
-        self._hift_stream = (torch.cuda.Stream(self.device, priority=-100)
-                             if self._cuda and config.hift_own_stream else None)
         # dit_green_reserve_sms: the DiT thread and the HiFT thread launch on the streams of an SM partition (`green`:
         # a sm_partition.GreenPartition, its streams made without a priority; the ones the scheduler captured the
-        # DiT's and the vocoder's graphs on)
-        self._dit_stream = None
+        # DiT's and the vocoder's graphs on). Otherwise the DiT on the device's default stream and, with
+        # hift_own_stream, the HiFT thread on a stream of its own (None: the DiT's)
         if green is not None:
             self._dit_stream, self._hift_stream = green.dit, green.hift
+        else:
+            self._dit_stream = None
+            self._hift_stream = (torch.cuda.Stream(self.device, priority=-100)
+                                 if self._cuda and config.hift_own_stream else None)
         if self._cuda:
             from ..models.hift_stream import warm_decode_windows
 
@@ -382,15 +383,22 @@ class Token2WavWorker:
         launched ones run), never more (a newly ready hop must not queue behind many launched steps). The mel of a
         finished row goes to the HiFT thread before its last step has completed on the GPU: HiFT runs on the same
         stream, after it (or waits for it by event: `hift_own_stream`)."""
-        if not self._cuda:
-            return
+        if self._cuda:
+            self._bound_in_flight(self._in_flight, self.config.dit_steps_ahead, "dit_fence")
+
+    def _bound_in_flight(self, in_flight: deque, ahead: int, wait: str, after_wait=None) -> None:
+        """Record an event on the current stream into `in_flight`, then wait (counted as `wait` in the clock) for the
+        oldest events until at most `ahead` remain, calling `after_wait` after each: the DiT's and the vocoder's
+        fences."""
         ev = torch.cuda.Event()
         ev.record()
-        self._in_flight.append(ev)
-        if len(self._in_flight) > self.config.dit_steps_ahead:
-            with self.clock.wait("dit_fence"):
-                while len(self._in_flight) > self.config.dit_steps_ahead:
-                    self._in_flight.popleft().synchronize()
+        in_flight.append(ev)
+        if len(in_flight) > ahead:
+            with self.clock.wait(wait):
+                while len(in_flight) > ahead:
+                    in_flight.popleft().synchronize()
+                    if after_wait is not None:
+                        after_wait()
 
     def _dit_done(self, results: list[tuple[DitJob, torch.Tensor]], share: float) -> None:
         """Finished DiT jobs: their new mel to the HiFT queue."""
@@ -443,16 +451,8 @@ class Token2WavWorker:
         host waits for the oldest (handing over the chunks whose copies completed meanwhile), so the rest of the
         ready windows queue on the host, where `pick_hift_jobs` orders and groups them, not on the GPU stream."""
         ahead = self.config.hift_calls_ahead
-        if not self._cuda or ahead <= 0:
-            return
-        ev = torch.cuda.Event()
-        ev.record()  # on the HiFT thread's stream (hift_loop's current stream)
-        self._hift_in_flight.append(ev)
-        if len(self._hift_in_flight) > ahead:
-            with self.clock.wait("hift_fence"):
-                while len(self._hift_in_flight) > ahead:
-                    self._hift_in_flight.popleft().synchronize()
-                    self._drain_transfers()
+        if self._cuda and ahead > 0:  # events on the HiFT thread's stream (hift_loop's current stream)
+            self._bound_in_flight(self._hift_in_flight, ahead, "hift_fence", self._drain_transfers)
 
     def _dit_active(self) -> bool:
         return bool(self.dit_busy or self.dit or self.active)
