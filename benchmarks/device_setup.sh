@@ -16,6 +16,12 @@ render_report() {  # tables and PNGs next to $1/results.json
   fi
 }
 
+pack_job() {  # a finished job's folder $1 (results, tables and PNGs rendered next to them) as one archive $2
+  local dir=$1 name; name=$(basename "$1")
+  [ -f "$dir/bench_tables.md" ] || render_report "$dir"
+  tar czf "$2" -C "$(dirname "$dir")" "$name"
+}
+
 [ "${1:-}" = "--install" ] || return 0
 
 rm -rf /tmp/site  # a warm machine keeps the last call's install: pip --target would not replace it

@@ -681,3 +681,30 @@ def test_keep_alive_serves_queued_jobs_over_one_pipeline(tmp_path, one_torch_thr
     assert len(runners) == 1                                    # both settings over one AR runner
     boot = json.loads((tmp_path / "boot" / "results.json").read_text())["open_loop"]
     assert boot["cells"] == [] and boot["pipeline_setup_s"] > 0  # its own --rates 99 did not run
+
+
+def test_bench_plans_parse_as_keep_alive_jobs(tmp_path):
+    """Every job line of benchmarks/plans/*.txt (what benchmarks/bench_plan.sh queues on the GPU machine, split as a
+    shell splits it) parses as the keep-alive process's job flags — a plan's typo would otherwise cost a device call."""
+    import shlex
+    from argparse import Namespace
+    from pathlib import Path
+
+    from cosytrt.tools.bench.cli import job_parser
+
+    plans = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "plans").glob("*.txt"))
+    if not plans:
+        pytest.skip("no benchmarks/plans in this checkout")
+    boot = Namespace(device="cpu", model="tiny", dtype="float32", graph_profile=None, engines=None,
+                     variants="compiled", compile_cache=None)
+    parse = job_parser(boot)
+    for plan in plans:
+        names = []
+        for line in plan.read_text().splitlines():
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            name, *flags = shlex.split(line)
+            names.append(name)
+            args, specs, rates, ab = parse(flags, str(tmp_path / name))
+            assert rates and specs, line
+        assert len(names) == len(set(names)), f"{plan.name}: a job name twice"
