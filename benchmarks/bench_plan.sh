@@ -28,7 +28,7 @@ while read -r name rest; do
   # queues the job (once) and starts the bench process if none runs; returns at once (WAIT_S=0, its own $OUT)
   eval "args=($rest)"  # the flags as a shell would split them (quotes kept together)
   OUT=$(mktemp -d) JOB=$name WAIT_S=0 bash benchmarks/bench_job.sh "${args[@]}" > "$D/queue_$name.log" 2>&1
-  grep -E "^(queued|started)" "$D/queue_$name.log"
+  grep -E "^(queued|started)" "$D/queue_$name.log" || tail -5 "$D/queue_$name.log"  # (an install that failed)
   sleep 0.1  # the process takes the oldest queue file first (by mtime; same mtime: by name)
 done < "$plan"
 [ ${#jobs[@]} -gt 0 ] || { echo "no jobs in $plan"; exit 2; }
