@@ -21,14 +21,11 @@ mkdir -p "$D/queue" "$D/done"
 export COSYTRT_COMMIT=${COSYTRT_COMMIT:-$(cat benchmarks/COMMIT 2>/dev/null || echo unknown)}
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 source benchmarks/device_setup.sh
-# Found by its command line, not by `$!`: that is setsid's pid, and setsid forks when it leads its process group, so
-# the saved pid was gone while the bench process ran on and a second call started a second one beside it (run 50).
-alive() { pgrep -f -- "--keep-alive $D " > /dev/null; }
 if [ ! -e "$D/done/$job" ] && [ ! -e "$D/queue/$job.json" ]; then
   python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@" > "$D/queue/$job.json.tmp" \
     && mv "$D/queue/$job.json.tmp" "$D/queue/$job.json" && echo "queued job $job: $*"
 fi
-if [ ! -f "$D/done/$job/DONE" ] && ! alive; then
+if [ ! -f "$D/done/$job/DONE" ] && ! bench_alive "$D"; then
   source benchmarks/device_setup.sh --install || exit 1
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
   (cd /tmp && setsid nohup python3 -X faulthandler -m cosytrt.tools.bench --out "$D/boot" --compile-cache /tmp/cc.bin \
@@ -37,15 +34,13 @@ if [ ! -f "$D/done/$job/DONE" ] && ! alive; then
   sleep 2
   echo "started the bench process (pid $(pgrep -f -- "--keep-alive $D " | tr '\n' ' '), log $D/daemon.log)"
 fi
-shown=0
-while :; do
-  n=$(wc -l < "$D/daemon.log")
-  if [ "$n" -gt "$shown" ]; then sed -n "$((shown + 1)),${n}p" "$D/daemon.log" | grep -v "^\s*$" | cut -c1-600; shown=$n; fi
-  [ -f "$D/done/$job/DONE" ] && { echo "job $job: $(cat "$D/done/$job/DONE")"; break; }
-  alive || { echo "the bench process ended (see the log above)"; break; }
-  [ $(( $(date +%s) - start )) -ge "$wait_s" ] && { echo "job $job still running after ${wait_s}s: call again with JOB=$job"; break; }
-  sleep 2
-done
+job_done() { [ -f "$D/done/$job/DONE" ]; }
+follow_bench "$D" "$start" "$wait_s" job_done
+case $? in
+  0) echo "job $job: $(cat "$D/done/$job/DONE")" ;;
+  1) echo "the bench process ended (see the log above)" ;;
+  *) echo "job $job still running after ${wait_s}s: call again with JOB=$job" ;;
+esac
 cp -r "$D/done/$job/." "$OUT/" 2>/dev/null
 cp "$D/daemon.log" "$OUT/daemon_log.txt"
 [ -f "$OUT/DONE" ] && render_report "$OUT"

@@ -19,7 +19,7 @@ D=${BENCHD:-/tmp/benchd}
 wait_s=${WAIT_S:-520}
 start=$(date +%s)
 mkdir -p "$D/fetched"
-source benchmarks/device_setup.sh  # pack_job, hand_back_cache, render_report
+source benchmarks/device_setup.sh  # follow_bench, pack_job, hand_back_cache
 jobs=()
 while read -r name rest; do
   [ -z "$name" ] || [[ "$name" == \#* ]] && continue
@@ -32,19 +32,13 @@ while read -r name rest; do
   sleep 0.1  # the process takes the oldest queue file first (by mtime; same mtime: by name)
 done < "$plan"
 [ ${#jobs[@]} -gt 0 ] || { echo "no jobs in $plan"; exit 2; }
-alive() { pgrep -f -- "--keep-alive $D " > /dev/null; }
-shown=0
-while :; do
-  if [ -f "$D/daemon.log" ]; then
-    n=$(wc -l < "$D/daemon.log")
-    if [ "$n" -gt "$shown" ]; then sed -n "$((shown + 1)),${n}p" "$D/daemon.log" | grep -v "^\s*$" | cut -c1-300; shown=$n; fi
-  fi
-  left=0; for j in "${jobs[@]}"; do [ -f "$D/done/$j/DONE" ] || left=$((left + 1)); done
-  [ "$left" = 0 ] && { echo "every job of $plan is done"; break; }
-  alive || { echo "the bench process ended (see the log above)"; break; }
-  [ $(( $(date +%s) - start )) -ge "$wait_s" ] && { echo "$left job(s) still to run after ${wait_s}s: call again"; break; }
-  sleep 2
-done
+all_done() { local j; for j in "${jobs[@]}"; do [ -f "$D/done/$j/DONE" ] || return 1; done; }
+follow_bench "$D" "$start" "$wait_s" all_done
+case $? in
+  0) echo "every job of $plan is done" ;;
+  1) echo "the bench process ended (see the log above)" ;;
+  *) echo "jobs still to run after ${wait_s}s: call again" ;;
+esac
 packed=0; most=6  # a call brings back at most 8 files: the jobs, the log and (CC=1) up to 3 cache parts
 [ "${CC:-0}" = 1 ] && most=3
 for j in "${jobs[@]}"; do

@@ -2,7 +2,7 @@
 # cosytrt, .whl/: soxr, soundfile, kaldi-native-fbank; .whl_serve/ when carried: the server's) into /tmp/site next to
 # the machine's own torch, exports PYTHONPATH, restores a carried torch.compile cache (compile_cache/cc.bin.gz.part-*)
 # to /tmp/cc.bin and pre-loads any other carried caches (compile_cache_*/) into the machine's on-disk caches; and
-# defines hand_back_cache and render_report. Installs only when sourced with `--install` (else: the functions only).
+# defines hand_back_cache, render_report, bench_alive, follow_bench and pack_job. Installs only when sourced with `--install` (else: the functions only).
 hand_back_cache() {  # the compile cache the bench process used, in <= 15 MB parts under $OUT/cc (fetched back here)
   if [ -s /tmp/cc.bin ]; then
     mkdir -p "$OUT/cc" && gzip -c /tmp/cc.bin | split -b 15M - "$OUT/cc/cc.bin.gz.part-" && ls -la "$OUT/cc"
@@ -14,6 +14,27 @@ render_report() {  # tables and PNGs next to $1/results.json
     (cd /tmp && python3 -m cosytrt.tools.bench.report "$1/results.json" --out "$1" > "$1/report_log.txt" 2>&1) \
       || echo "report failed (see report_log.txt): render it here with python -m cosytrt.tools.bench.report"
   fi
+}
+
+# Found by its command line, not by `$!`: that is setsid's pid, and setsid forks when it leads its process group, so
+# the saved pid was gone while the bench process ran on and a second call started a second one beside it (run 50).
+bench_alive() {  # is the bench process serving folder $1 (`--keep-alive $1`) running?
+  pgrep -f -- "--keep-alive $1 " > /dev/null
+}
+
+follow_bench() {  # D START WAIT_S CMD...: print the new lines of D/daemon.log every 2 s until CMD succeeds (returns
+  local d=$1 start=$2 wait_s=$3 shown=0 n  # 0), the bench process ends (1) or WAIT_S seconds since START passed (2)
+  shift 3
+  while :; do
+    if [ -f "$d/daemon.log" ]; then
+      n=$(wc -l < "$d/daemon.log")
+      if [ "$n" -gt "$shown" ]; then sed -n "$((shown + 1)),${n}p" "$d/daemon.log" | grep -v "^\s*$" | cut -c1-600; shown=$n; fi
+    fi
+    "$@" && return 0
+    bench_alive "$d" || return 1
+    [ $(( $(date +%s) - start )) -ge "$wait_s" ] && return 2
+    sleep 2
+  done
 }
 
 pack_job() {  # a finished job's folder $1 (results, tables and PNGs rendered next to them) as one archive $2
