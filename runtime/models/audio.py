@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import os
 from typing import Union
 
@@ -49,6 +51,8 @@ def _to_mono(x: np.ndarray, what: str) -> np.ndarray:
         return x
     if x.ndim != 2:
         raise InputError(f"audio {what}: expected 1-D or 2-D (channels) samples, got shape {tuple(x.shape)}")
+    if x.size == 0:  # (a mean over an empty axis would be NaN samples)
+        return x.reshape(0)
     channel_axis = int(np.argmin(x.shape))  # (frames, channels) from soundfile, (channels, frames) from torch
     return x.mean(axis=channel_axis)
 
@@ -61,12 +65,22 @@ def resample(wav: np.ndarray, sr: int, target_sr: int) -> np.ndarray:
     return soxr.resample(wav, sr, target_sr, quality="HQ").astype(np.float32, copy=False)
 
 
-def load_wav(path_or_array: AudioInput, target_sr: int, sr: int | None = None) -> np.ndarray:
+def _sample_rate(sr, what: str) -> int:
+    """`sr` as a positive int (an integral float too); InputError otherwise (0, NaN, 16000.5, a string)."""
+    if isinstance(sr, bool) or not isinstance(sr, numbers.Real) or not math.isfinite(sr) or sr != int(sr) \
+            or int(sr) <= 0:
+        raise InputError(f"audio {what}: invalid sample rate {sr!r} (a positive whole number of Hz)")
+    return int(sr)
+
+
+def load_wav(path_or_array: AudioInput, target_sr: int, sr: int | None = None,
+             max_seconds: float | None = None) -> np.ndarray:
     """Read audio as float32 mono at `target_sr`.
 
     A path is read with soundfile (any common format and sample rate, multi-channel mixed down). An array
     (numpy or torch; 1-D, or 2-D with a channel axis) is taken at sample rate `sr` (default: already `target_sr`).
-    Unreadable, empty or non-finite audio raises InputError naming the source.
+    Unreadable, empty or non-finite audio raises InputError naming the source; so does audio longer than
+    `max_seconds` (checked before resampling).
     """
     what = _describe(path_or_array)
     if isinstance(path_or_array, (str, os.PathLike)):
@@ -81,7 +95,8 @@ def load_wav(path_or_array: AudioInput, target_sr: int, sr: int | None = None) -
         wav, src_sr = data.mean(axis=1), int(file_sr)
     else:
         if isinstance(path_or_array, torch.Tensor):
-            arr = path_or_array.detach().cpu().numpy()
+            t = path_or_array.detach().cpu()
+            arr = (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()  # numpy has no bfloat16
         elif isinstance(path_or_array, np.ndarray):
             arr = path_or_array
         else:
@@ -90,11 +105,14 @@ def load_wav(path_or_array: AudioInput, target_sr: int, sr: int | None = None) -
             arr = arr.astype(np.float32) / float(np.iinfo(arr.dtype).max + 1)
         elif not np.issubdtype(arr.dtype, np.floating):
             raise InputError(f"audio {what}: unsupported dtype {arr.dtype}")
-        wav, src_sr = _to_mono(np.asarray(arr, dtype=np.float32), what), int(sr or target_sr)
+        wav, src_sr = _to_mono(np.asarray(arr, dtype=np.float32), what), _sample_rate(
+            target_sr if sr is None else sr, what)
     if src_sr <= 0:
         raise InputError(f"audio {what}: invalid sample rate {src_sr}")
     if wav.size == 0:
         raise InputError(f"audio {what} is empty (no samples)")
+    if max_seconds is not None and wav.size / src_sr > max_seconds:
+        raise InputError(f"audio {what} is {wav.size / src_sr:.2f} s long; at most {max_seconds:.0f} s is supported")
     if not np.all(np.isfinite(wav)):
         raise InputError(f"audio {what} contains NaN or Inf samples")
     wav = np.ascontiguousarray(wav, dtype=np.float32)

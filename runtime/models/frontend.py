@@ -44,6 +44,11 @@ class SavedSpeaker:
     features: PromptFeatures
     prompt_text: str
 
+    def __post_init__(self):
+        if not isinstance(self.prompt_text, str):
+            raise InputError(f"a saved speaker's prompt_text must be a string (empty: no transcript), got "
+                             f"{type(self.prompt_text).__name__}")
+
 
 @dataclass
 class LMRequestInputs:
@@ -113,6 +118,9 @@ def _stamp(f: PromptFeatures) -> tuple:
 
 def _check_features(f: PromptFeatures, where: str) -> None:
     tok, mel, emb = f.speech_tokens, f.mel, f.embedding
+    for name, t in (("speech_tokens", tok), ("mel", mel), ("embedding", emb)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if tok.dim() != 1 or tok.dtype not in (torch.int64, torch.int32) or tok.numel() == 0:
         raise InputError(f"{where}: speech_tokens must be a non-empty 1-D integer tensor, got {tuple(tok.shape)} "
                          f"{tok.dtype}")
@@ -123,6 +131,9 @@ def _check_features(f: PromptFeatures, where: str) -> None:
                          f"{tok.numel()} tokens, got {tuple(mel.shape)} {mel.dtype}")
     if tuple(emb.shape) != (SPEAKER_EMBED_DIM,) or not emb.is_floating_point():
         raise InputError(f"{where}: embedding must be float [{SPEAKER_EMBED_DIM}], got {tuple(emb.shape)}")
+    for name, t in (("mel", mel), ("embedding", emb)):
+        if not bool(torch.isfinite(t).all()):  # they would make NaN audio
+            raise InputError(f"{where}: {name} contains NaN or Inf values")
 
 
 # ------------------------------------------------------------------------------------------------ frontend
@@ -157,6 +168,10 @@ def _require_text(text, field: str) -> str:
         raise InputError(f"{field} must be a string, got {type(text).__name__}")
     if not text.strip():
         raise InputError(f"{field} is empty")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate (e.g. from a bad decode): the tokenizer cannot take it
+        raise InputError(f"{field} is not valid Unicode: {e.reason} at position {e.start}") from None
     return text
 
 
@@ -229,7 +244,8 @@ class Frontend:
         """
         if not isinstance(wav, (str, os.PathLike)) and sr is None:
             raise InputError("prompt audio given as samples needs its sample rate (sr)")
-        wav16k = audio.load_wav(wav, audio.WHISPER_SR, sr=sr)
+        # the length is checked before resampling: a wrong `sr` (1 for 16000) must not make hours of samples first
+        wav16k = audio.load_wav(wav, audio.WHISPER_SR, sr=sr, max_seconds=MAX_PROMPT_SECONDS)
         self._check_duration(wav16k)
         wav24k = audio.load_wav(wav, audio.PROMPT_SR, sr=sr)
         tokens = self.speech_tokens(wav16k)

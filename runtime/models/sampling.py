@@ -29,6 +29,7 @@ as the reference: same ids for every seed / parameter mix / batch composition tr
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 from dataclasses import dataclass
 from typing import Iterator
@@ -93,6 +94,10 @@ def ids_to_host(ids: torch.Tensor) -> list:
     return buf[:n].view(ids.shape).tolist()
 
 
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
 @dataclass
 class SamplingParams:
     top_p: float = 0.8
@@ -107,14 +112,22 @@ class SamplingParams:
     force_tokens: int | None = None
 
     def __post_init__(self):
-        if not (0.0 < self.top_p <= 1.0):
-            raise InputError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 1:
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise InputError(f"SamplingParams.top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1:
             raise InputError(f"SamplingParams.top_k must be a positive int, got {self.top_k!r}")
-        if not isinstance(self.win_size, int) or self.win_size < 1:
+        if not isinstance(self.win_size, int) or isinstance(self.win_size, bool) or self.win_size < 1:
             raise InputError(f"SamplingParams.win_size must be a positive int, got {self.win_size!r}")
-        if self.tau_r <= 0:
-            raise InputError(f"SamplingParams.tau_r must be > 0, got {self.tau_r!r}")
+        if not _is_real(self.tau_r) or not (0.0 < self.tau_r < math.inf):
+            raise InputError(f"SamplingParams.tau_r must be a finite number > 0, got {self.tau_r!r}")
+        if not isinstance(self.greedy, bool):
+            raise InputError(f"SamplingParams.greedy must be True or False, got {self.greedy!r}")
+        if self.seed is not None:  # torch.manual_seed takes [0, 2**64) (a negative seed would alias a large one)
+            if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool) \
+                    or not 0 <= self.seed < 2 ** 64:
+                raise InputError(f"SamplingParams.seed must be an int in [0, 2**64) or None (a random seed), got "
+                                 f"{self.seed!r}")
+            self.seed = int(self.seed)  # a numpy integer too
         for name in ("max_tokens", "min_tokens", "force_tokens"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < (1 if name != "min_tokens" else 0)):
@@ -455,7 +468,12 @@ def sample_ids(logits: torch.Tensor, policies: list[TokenPolicy]) -> list[int]:
     _check_batch("sample_ids", logits, policies)
     if not policies:
         return []
-    return select_packed(logits, pack_rows(policies, logits.shape[1]))
+    packed = pack_rows(policies, logits.shape[1])
+    try:
+        return select_packed(logits, packed)
+    except Exception:  # the uniforms go back: a retry (row by row) draws what this call drew
+        packed.undraw(policies)
+        raise
 
 
 # ---------------------------------------------------------------- the same, in fixed shapes (inside a CUDA graph)
@@ -536,18 +554,30 @@ def _masked_scores(logits: torch.Tensor, rows: torch.Tensor, modes: set[int], st
 
 
 def sample_batch(logits: torch.Tensor, policies: list[TokenPolicy]) -> list[tuple[int | None, bool]]:
-    """One decode step for B requests: `sample_ids` (one host sync), then each policy's `accept`. A row already at
+    """One decode step for B requests: `draw_batch` (one host sync), then each policy's `book`. A row already at
     max_len finishes without a draw. Returns `(token to emit or None, finished)` per row."""
+    return [book(p, tok) for p, tok in zip(policies, draw_batch(logits, policies))]
+
+
+def draw_batch(logits: torch.Tensor, policies: list[TokenPolicy]) -> list[int | None]:
+    """`sample_batch`'s draw, nothing booked: each row's sampled id (`sample_ids`), None for a row already at max_len
+    (it finishes without a draw). If it raises, no row has drawn anything (its uniforms were given back)."""
     _check_batch("sample_batch", logits, policies)
     live = [i for i, p in enumerate(policies) if p.finished or p.num_sampled < p.max_len]
     ids = sample_ids(logits if len(live) == len(policies) else logits[live], [policies[i] for i in live])
-    out: list[tuple[int | None, bool]] = [(None, True)] * len(policies)
-    for p in policies:
-        if not p.finished and p.num_sampled >= p.max_len:
-            p.finished = True
+    out: list[int | None] = [None] * len(policies)
     for i, tok in zip(live, ids):
-        out[i] = policies[i].accept(tok)
+        out[i] = tok
     return out
+
+
+def book(policy: TokenPolicy, tok: int | None) -> tuple[int | None, bool]:
+    """`sample_batch`'s bookkeeping of one row's `draw_batch` id: `accept(tok)`; None: the row is at max_len and
+    finishes."""
+    if tok is None:
+        policy.finished = True
+        return None, True
+    return policy.accept(tok)
 
 
 def _check_batch(what: str, logits: torch.Tensor, policies: list[TokenPolicy]) -> None:

@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..models.sampling import PackedRows, pack_rows, sample_batch, select_packed
+from ..models.sampling import PackedRows, book, draw_batch, pack_rows, select_packed
 from ..stages.ar_runner import ARRunner, PrefillRow
 from .config import SchedulerConfig
 from .policies import admit, ar_step_due
@@ -353,24 +353,27 @@ class ARWorker:
 
     def _sample(self, rows: list[RequestState], logits: torch.Tensor | None, t0: float,
                 ids: list[int] | None = None, packed: PackedRows | None = None) -> None:
-        """One `sample_batch` for all rows (one host sync; `TokenPolicy.step` row by row if it raises), or the ids
+        """One `sample_batch` for all rows (`draw_batch`, one host sync, then each row's `book`; `TokenPolicy.step`
+        row by row if the draw raises, a row whose bookkeeping raises failing alone), or the ids
         the runner sampled (`ids`), or `select_packed` of the rows' packed values; append the tokens, free the slots
         of finished rows, hand the rows to the sink."""
         if not rows:
             return
-        steps = None
-        if ids is not None or packed is not None:
+        policies = [r.policy for r in rows]
+        if ids is None and packed is not None:
             try:
-                if ids is None:
-                    ids = select_packed(logits, packed)
-                steps = self._per_row(zip(rows, ids), lambda r, tok: r.policy.accept(tok))
-            except Exception:  # select_packed raised: sample_batch below
-                steps = None
-        if steps is None:
+                ids = select_packed(logits, packed)
+            except Exception:  # sample_batch's draw below, with the uniforms this one drew given back
+                packed.undraw(policies)
+        if ids is None:
             try:
-                steps = list(zip(rows, sample_batch(logits, [r.policy for r in rows])))
-            except Exception:
-                steps = self._per_row(zip(rows, logits), lambda r, lg: r.policy.step(lg))
+                ids = draw_batch(logits, policies)
+            except Exception:  # row by row (`draw_batch` gave every row's uniforms back): the failing rows fail
+                ids = None
+        if ids is not None:  # a row whose bookkeeping raises fails alone (the others' tokens booked once)
+            steps = self._per_row(zip(rows, ids), lambda r, tok: book(r.policy, tok))
+        else:
+            steps = self._per_row(zip(rows, logits), lambda r, lg: r.policy.step(lg))
         self._emit(steps)
         self._charge(rows, t0)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +42,9 @@ class Request:
             raise InputError("request text is empty")
         if self.prompt_wav is not None and self.speaker is not None:
             raise InputError("give either prompt audio or a saved speaker, not both")
+        if self.speaker is not None and not isinstance(self.speaker, (SavedSpeaker, str, os.PathLike)):
+            raise InputError(f"speaker must be a SavedSpeaker or the path of a saved-speaker file, got "
+                             f"{type(self.speaker).__name__}")
         if isinstance(self.speed, bool) or not isinstance(self.speed, (int, float)) or not 0.25 <= self.speed <= 4.0:
             raise InputError(f"speed must be a number in [0.25, 4], got {self.speed!r}")
         if (isinstance(self.buffered_s, bool) or not isinstance(self.buffered_s, (int, float))
