@@ -77,6 +77,11 @@ def test_prompt_arrays_edge_cases(tts):
             audio.load_wav(empty, 16000)
     bf16 = audio.load_wav(torch.from_numpy(v).bfloat16(), 16000)  # a torch dtype numpy lacks
     np.testing.assert_allclose(bf16, v, atol=1e-2)
+    # float samples far past full scale (int16 values as floats; 3e38 overflowed the fbank into "mel energy is nan")
+    for loud in (v * 32767.0, v * 3e38):
+        with pytest.raises(InputError, match=r"\[-1, 1\].*peak"):
+            audio.load_wav(loud.astype(np.float32), 16000)
+    np.testing.assert_allclose(audio.load_wav(v * 1.5, 16000), v * 1.5, atol=1e-6)  # a little headroom is audio
 
 
 def test_saved_speaker_with_non_finite_features_is_refused(tts, speaker):

@@ -65,6 +65,10 @@ def resample(wav: np.ndarray, sr: int, target_sr: int) -> np.ndarray:
     return soxr.resample(wav, sr, target_sr, quality="HQ").astype(np.float32, copy=False)
 
 
+# Float samples are full scale at 1.0; a peak past this (+18 dBFS) is not audio at that scale
+MAX_PEAK = 8.0
+
+
 def _sample_rate(sr, what: str) -> int:
     """`sr` as a positive int (an integral float too); InputError otherwise (0, NaN, 16000.5, a string)."""
     if isinstance(sr, bool) or not isinstance(sr, numbers.Real) or not math.isfinite(sr) or sr != int(sr) \
@@ -115,6 +119,10 @@ def load_wav(path_or_array: AudioInput, target_sr: int, sr: int | None = None,
         raise InputError(f"audio {what} is {wav.size / src_sr:.2f} s long; at most {max_seconds:.0f} s is supported")
     if not np.all(np.isfinite(wav)):
         raise InputError(f"audio {what} contains NaN or Inf samples")
+    peak = float(np.abs(wav).max())
+    if peak > MAX_PEAK:  # e.g. int16 values given as floats: features 32768x too loud (or overflowing the fbank)
+        raise InputError(f"audio {what}: float samples must be in [-1, 1], got a peak of {peak:.4g} (integer PCM "
+                         f"values as floats? divide by 32768)")
     wav = np.ascontiguousarray(wav, dtype=np.float32)
     return resample(wav, src_sr, target_sr)
 
