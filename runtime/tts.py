@@ -237,18 +237,26 @@ class TTS:
         return self.submit(make_request(text, **kw)).result()
 
     def stream(self, text: str, **kw) -> Iterator[np.ndarray]:
+        """The request's audio chunks as they are made. Its options are checked here (InputError at the call, not at
+        the first `next()`); it is submitted when the iteration starts, and cancelled if the caller stops early."""
         kw.pop("stream", None)
-        h = self.submit(make_request(text, stream=True, **kw))
+        return self._chunks(make_request(text, stream=True, **kw))
+
+    def _chunks(self, req: Request) -> Iterator[np.ndarray]:
+        h = self.submit(req)
         try:
             yield from h.chunks()
         finally:
             h.cancel()  # no-op when finished; stops the request when the caller stops early
 
-    async def astream(self, text: str, **kw) -> AsyncIterator[np.ndarray]:
+    def astream(self, text: str, **kw) -> AsyncIterator[np.ndarray]:
+        """`stream` for asyncio (`async for chunk in tts.astream(...)`); options checked at the call, as there."""
+        kw.pop("stream", None)
+        return self._achunks(make_request(text, stream=True, **kw))
+
+    async def _achunks(self, req: Request) -> AsyncIterator[np.ndarray]:
         import asyncio
 
-        kw.pop("stream", None)
-        req = make_request(text, stream=True, **kw)
         h = await asyncio.get_running_loop().run_in_executor(None, self.submit, req)  # may wait for space
         try:
             async for chunk in h.achunks():

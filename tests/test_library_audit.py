@@ -151,3 +151,29 @@ def test_a_row_failing_in_the_ar_sampling_fails_alone(tts, speaker, monkeypatch)
         good = outcome[:1] + outcome[2:]
         assert good == alone, bad_seed
     assert sched.stats()["in_flight"] == 0
+
+
+def test_stream_checks_its_options_at_the_call(tts):
+    """`tts.stream(...)` / `tts.astream(...)` raise a bad option's InputError where they are called (they were
+    generators: the error came at the first `next()`, away from the call that caused it); a stream made and never
+    iterated submits nothing."""
+    import asyncio
+
+    with pytest.raises(InputError, match="speed"):
+        tts.stream("Hello there.", speed=-1)
+    with pytest.raises(InputError, match="seed"):
+        tts.astream("Hello there.", seed=-1)
+    def seen():
+        s = tts.scheduler.stats()
+        return sum(s[k] for k in ("in_flight", "completed", "failed", "cancelled", "rejected"))
+    before = seen()
+    unused = tts.stream("Hello there.", seed=1, force_tokens=5)
+    assert seen() == before
+    del unused
+    ref = tts.synthesize("Hello there.", seed=1, force_tokens=5)
+    np.testing.assert_allclose(np.concatenate(list(tts.stream("Hello there.", seed=1, force_tokens=5))), ref,
+                               atol=1e-4)
+
+    async def collect():
+        return [c async for c in tts.astream("Hello there.", seed=1, force_tokens=5)]
+    assert np.concatenate(asyncio.run(collect())).size == ref.size
