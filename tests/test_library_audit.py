@@ -177,3 +177,13 @@ def test_stream_checks_its_options_at_the_call(tts):
     async def collect():
         return [c async for c in tts.astream("Hello there.", seed=1, force_tokens=5)]
     assert np.concatenate(asyncio.run(collect())).size == ref.size
+
+
+def test_prompt_text_without_prompt_audio_is_refused(tts, speaker):
+    """A transcript or sample rate with no prompt audio was silently ignored (a caller may expect `prompt_text` to
+    replace a saved speaker's transcript): refused, naming the field."""
+    with pytest.raises(InputError, match="prompt_text.*saved speaker"):
+        tts.submit("Hello there.", speaker=speaker, prompt_text="Another transcript.", force_tokens=5)
+    with pytest.raises(InputError, match="prompt_sr"):
+        tts.submit("Hello there.", prompt_sr=16000, force_tokens=5)
+    assert tts.synthesize("Hello there.", speaker=speaker, prompt_text="", force_tokens=5).size  # empty: nothing given

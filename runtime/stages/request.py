@@ -42,6 +42,10 @@ class Request:
             raise InputError("request text is empty")
         if self.prompt_wav is not None and self.speaker is not None:
             raise InputError("give either prompt audio or a saved speaker, not both")
+        if self.prompt_wav is None and (self.prompt_text or self.prompt_sr is not None):
+            name = "prompt_text" if self.prompt_text else "prompt_sr"
+            raise InputError(f"{name} describes prompt audio, and no prompt_wav is given"
+                             + (" (a saved speaker carries its own transcript)" if self.speaker is not None else ""))
         if self.speaker is not None and not isinstance(self.speaker, (SavedSpeaker, str, os.PathLike)):
             raise InputError(f"speaker must be a SavedSpeaker or the path of a saved-speaker file, got "
                              f"{type(self.speaker).__name__}")
