@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ._cli import add_device
+from ._cli import add_device, port_arg
 
 
 def add_arguments(p) -> None:
@@ -14,7 +14,7 @@ def add_arguments(p) -> None:
     p.add_argument("--engines", default=None, help="engine set folder built by `trtbuild build` (default: eager)")
     add_device(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--port", type=port_arg, default=8000, help="TCP port 1..65535 (default 8000)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: no key; also $COSYTRT_API_KEY)")
     p.add_argument("--voices-dir", default=None, help="folder of saved voices (default ~/.cache/cosytrt/voices)")
@@ -54,6 +54,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-voices", type=int, default=1000, help="stored voices at most")
     p.add_argument("--max-transcript-chars", type=int, default=1000, help="longest voice transcript")
     p.add_argument("--body-timeout-s", type=float, default=30.0, help="the request body must arrive within this")
+    p.add_argument("--send-timeout-s", type=float, default=30.0,
+                   help="drop a streamed response or websocket session whose client takes no data for this long")
     p.add_argument("--max-ws-sessions", type=int, default=64,
                    help="open websocket sessions (WS /v1/audio/speech/stream) at once; beyond: an error event")
     p.add_argument("--ws-idle-timeout-s", type=float, default=60.0,
@@ -117,7 +119,8 @@ def run(args) -> int:
                               ref_audio_hosts=args.ref_audio_hosts, ref_audio_timeout_s=args.ref_audio_timeout_s,
                               ref_audio_private_ok=args.ref_audio_private_ok, stream_wav_sse=args.stream_wav_sse,
                               max_voices=args.max_voices, max_transcript_chars=args.max_transcript_chars,
-                              body_timeout_s=args.body_timeout_s, normalize_text=not args.no_normalize,
+                              body_timeout_s=args.body_timeout_s, send_timeout_s=args.send_timeout_s,
+                              normalize_text=not args.no_normalize,
                               max_ws_sessions=args.max_ws_sessions, ws_idle_timeout_s=args.ws_idle_timeout_s,
                               ws_lookahead=args.ws_lookahead, ws_buffer_hints=not args.no_ws_buffer_hints,
                               scheduler=args.scheduler, **kw)

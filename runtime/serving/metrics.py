@@ -119,9 +119,10 @@ class ServerMetrics:
         self.audio_seconds = Counter("cosytrt_audio_seconds", "Seconds of audio synthesized", registry=self.registry)
         self.speech_tokens = Counter("cosytrt_speech_tokens", "Speech tokens generated", registry=self.registry)
         self.ws_events = Counter("cosytrt_ws_session_events", "Websocket session events: opened, refused (session "
-                                 "limit), idle_closed, cancels (barge-in), sentences", ["event"],
+                                 "limit), idle_closed, stalled (the client took nothing for --send-timeout-s), "
+                                 "cancels (barge-in), sentences", ["event"],
                                  registry=self.registry)
-        for event in ("opened", "refused", "idle_closed", "cancels", "sentences"):
+        for event in ("opened", "refused", "idle_closed", "stalled", "cancels", "sentences"):
             self.ws_events.labels(event)
         self.inter_chunk = Histogram("cosytrt_inter_chunk_seconds", "Gap between consecutive audio chunks of a "
                                      "streaming request (a playback stall needs a gap longer than the audio before "

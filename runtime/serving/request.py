@@ -217,8 +217,13 @@ def parse_speech_request(body, settings: ServerSettings) -> SpeechParams:
         options["seed"] = b.seed
     if b.instruct and b.instructions:
         raise invalid("give 'instruct' or 'instructions', not both", "instructions")
-    if b.instruct or b.instructions:
-        options["instruct"] = b.instruct or b.instructions
+    instruct = b.instruct or b.instructions
+    if instruct:
+        if len(instruct) > settings.max_input_chars:  # tokenised with the input: bounded alike
+            name = "instruct" if b.instruct else "instructions"
+            raise APIError(400, f"'{name}' is {len(instruct)} characters long; at most {settings.max_input_chars} are "
+                                f"allowed", param=name, code="input_too_long")
+        options["instruct"] = instruct
     if b.max_tokens is not None and b.max_new_tokens is not None and b.max_tokens != b.max_new_tokens:
         raise invalid("give 'max_tokens' or 'max_new_tokens', not both", "max_new_tokens")
     cap = b.max_tokens if b.max_tokens is not None else b.max_new_tokens

@@ -30,6 +30,7 @@ keyless localhost server refuses foreign origins); a message is at most `ws_max_
 on a bigger one) and nests JSON at most `--max-json-depth` deep."""
 import asyncio
 import collections
+import logging
 import re
 import time
 import uuid
@@ -41,12 +42,35 @@ from .errors import APIError, from_runtime_error, invalid
 from .jobs import SpeechJob, tracked_job
 from .request import load_json
 from .routes_speech import resolve_speaker
+from .streaming import ClientStalled, bounded_send
 
 _ENDS = {"sentence": re.compile(r"(?<=[。！？!?])|(?<=[.;；])(?=\s|$)|\n+"),
          "clause": re.compile(r"(?<=[。！？!?，、；：,;:])|(?<=[.])(?=\s|$)|\n+")}
 CONFIG_KEYS = {"type", "stream_audio", "split_granularity"}
 MAX_TEXT_CHARS_FACTOR = 4  # a session's text, at most this many times --max-input-chars
+# client messages read ahead of the session loop: a client that floods messages while the loop waits to send it audio
+# (it does not read) is not read further, instead of queueing them in memory without bound
+WS_INBOX_MAX = 64
+log = logging.getLogger("cosytrt.server")
 _START, _END = object(), object()  # a sentence's queue: _START, chunks, _END (or an exception)
+
+
+class _BoundedSends:
+    """A websocket whose sends each finish within `timeout` seconds or raise ClientStalled (`bounded_send`): a
+    client that stops reading would otherwise keep its session (one of --max-ws-sessions) for ever, since the idle
+    timeout does not apply while a sentence is in synthesis."""
+
+    def __init__(self, ws, timeout: float):
+        self._ws, self._timeout = ws, timeout
+
+    def __getattr__(self, name):
+        return getattr(self._ws, name)
+
+    async def send_bytes(self, data: bytes) -> None:
+        await bounded_send(self._ws.send_bytes(data), self._timeout)
+
+    async def send_json(self, data) -> None:
+        await bounded_send(self._ws.send_json(data), self._timeout)
 
 
 _AMBIGUOUS_END = {"sentence": ".;；", "clause": "."}  # an end only when whitespace (or the end of input) follows
@@ -108,9 +132,14 @@ def add_ws_routes(app, state) -> None:
 
     async def receive_json(ws, idle_s: float | None = None) -> dict:
         try:
-            msg = await asyncio.wait_for(ws.receive_text(), idle_s)
+            message = await asyncio.wait_for(ws.receive(), idle_s)
         except asyncio.TimeoutError:
             raise idle_closed() from None
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", 1000), message.get("reason"))
+        msg = message.get("text")
+        if msg is None:
+            raise invalid("messages must be JSON text frames, not binary", "type", "invalid_type")
         event = load_json(msg.encode("utf-8", "surrogatepass"), settings)  # depth-checked; 400 if not JSON
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             raise invalid("messages must be JSON objects with a 'type'", "type", "invalid_type")
@@ -172,13 +201,13 @@ def add_ws_routes(app, state) -> None:
                 elif kind not in ("input.done", "input.cancel", "input.flush"):
                     raise invalid(f"unexpected message type {kind!r} (input.text, input.flush, input.done or "
                                   f"input.cancel)", "type", "invalid_value")
-                inbox.put_nowait(event)
+                await inbox.put(event)  # full: the socket is not read until the session loop takes one
         except WebSocketDisconnect:
-            inbox.put_nowait(None)
+            await inbox.put(None)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the session loop sends the error event
-            inbox.put_nowait(e)
+            await inbox.put(e)
 
     async def cancel_all(active) -> None:
         for s in active:
@@ -186,7 +215,7 @@ def add_ws_routes(app, state) -> None:
         await asyncio.gather(*(s.task for s in active), return_exceptions=True)
 
     async def run_session(ws, base: dict, stream_audio: bool, granularity: str, fmt: str, sr_out: int) -> None:
-        inbox: asyncio.Queue = asyncio.Queue()
+        inbox: asyncio.Queue = asyncio.Queue(WS_INBOX_MAX)
         reader = asyncio.create_task(read_events(ws, inbox))
         active: collections.deque[_Sentence] = collections.deque()  # in order; the head is being sent
         pending: collections.deque[str] = collections.deque()  # complete sentences not started yet
@@ -318,7 +347,10 @@ def add_ws_routes(app, state) -> None:
         state.ws_sessions += 1
         state.metrics.ws_event("opened")
         try:
-            await session(ws)
+            await session(_BoundedSends(ws, settings.send_timeout_s))
+        except ClientStalled:  # nothing more can be sent; closing it could wait as long again
+            state.metrics.ws_event("stalled")
+            log.warning("websocket session dropped: the client took nothing for %g s", settings.send_timeout_s)
         finally:
             state.ws_sessions -= 1
 
@@ -355,7 +387,7 @@ def add_ws_routes(app, state) -> None:
             await run_session(ws, base, stream_audio, granularity, fmt, sr_out)
         except WebSocketDisconnect:
             return  # the client left; run_session cancelled its sentences
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ClientStalled):
             raise
         except Exception as e:  # noqa: BLE001 - an error event, then close
             try:

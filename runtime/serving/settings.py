@@ -50,6 +50,7 @@ class ServerSettings:
     max_sample_rate: int = 96000   # reference audio declaring a higher (or < 8 kHz) rate is refused
     max_channels: int = 2          # (30 s x 96 kHz x 2 ch: at most 23 MB of float32 per decode)
     body_timeout_s: float = 30.0   # the whole request body must arrive within this (408 then)
+    send_timeout_s: float = 30.0   # a streamed response's client that takes no audio for this long is dropped
     max_json_depth: int = 32       # nesting depth of the JSON body
     normalize_text: bool = True    # numbers / dates / symbols -> words with wetext (when installed)
     stream_wav_sse: bool = False   # stream=true + wav (no stream_format): SSE events of WAV chunks (old sglang-omni)
@@ -79,7 +80,7 @@ class ServerSettings:
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise InputError(f"server setting max_queue must be a non-negative integer, got {self.max_queue!r}")
         for name in ("max_upload_mb", "queue_timeout_s", "drain_timeout_s", "max_prompt_seconds", "body_timeout_s",
-                     "ref_audio_timeout_s", "ws_idle_timeout_s"):
+                     "ref_audio_timeout_s", "ws_idle_timeout_s", "send_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise InputError(f"server setting {name} must be a positive number, got {v!r}")

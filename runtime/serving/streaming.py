@@ -1,6 +1,8 @@
 """Streamed speech responses: the body of a streamed request (chunked wav / pcm, or OpenAI's SSE audio-delta
 events) and a response that finishes its job however the stream ends (success, error, client gone)."""
+import asyncio
 import base64
+import functools
 import json
 import logging
 
@@ -25,15 +27,34 @@ def sse_wav_chunk(pcm: bytes, sr: int) -> bytes:
                       "audio": {"data": base64.b64encode(wav).decode("ascii"), "format": "wav", "sample_rate": sr}})
 
 
-def audio_stream_response(body, finish, **kw):
+class ClientStalled(Exception):
+    """A streamed response's (or websocket session's) client took nothing for the send timeout."""
+
+
+async def bounded_send(awaitable, timeout: float | None):
+    """`await awaitable` (a send to the client) within `timeout` seconds, else ClientStalled: a client that stops
+    reading must not hold its admission slot, runtime request or websocket place for ever."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout)
+    except asyncio.TimeoutError:
+        raise ClientStalled from None
+
+
+def audio_stream_response(body, finish, send_timeout: float | None = None, **kw):
     """A StreamingResponse over `body` that always calls `finish("cancelled")` at the end (a no-op when the body
-    already finished the job)."""
+    already finished the job). A client that does not take a part within `send_timeout` seconds (it stopped
+    reading) is dropped (`bounded_send`)."""
     from fastapi.responses import StreamingResponse
+
+    async def timed(send, message):
+        await bounded_send(send(message), send_timeout)
 
     class AudioStream(StreamingResponse):
         async def __call__(self, scope, receive, send):
             try:
-                await super().__call__(scope, receive, send)
+                await super().__call__(scope, receive, functools.partial(timed, send))
+            except ClientStalled:  # the connection is closed by the server (the response is incomplete)
+                log.warning("streamed response dropped: the client took no audio for %g s", send_timeout)
             finally:
                 try:
                     await self.body_iterator.aclose()
