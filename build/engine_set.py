@@ -34,7 +34,7 @@ from ..engines.dtypes import torch_dtype
 from ..engines.errors import BackendUnavailableError, EngineSetError
 from ..runtime.models.loading import CosyVoice3Models
 from ..runtime.stages.profile import Profile
-from ..engines.manifest import Manifest, backend_versions, hash_set_files, now_iso, set_path
+from ..engines.manifest import MANIFEST, Manifest, backend_versions, hash_set_files, now_iso, set_path
 
 BACKENDS = ("onnxruntime", "aoti", "tensorrt", "compiled")  # compiled: torch.compile's cache, no engine files
 
@@ -66,6 +66,42 @@ def tensorrt_build_device(device: str) -> str:
         raise EngineSetError(f"the tensorrt backend builds on --device cuda with {lib} (it times kernels on the GPU); "
                              f"only TensorRT for RTX builds without one")
     return "cuda"
+
+
+def check_out_dir(out_dir: str) -> str:
+    """The absolute engine-set folder `out_dir`, refused (EngineSetError) when replacing it could destroy something
+    that is not an engine set: an empty name, a file, the current folder or one above it, or a folder that holds
+    files but no manifest.json (the build replaces OUT as a whole)."""
+    if not isinstance(out_dir, str) or not out_dir.strip():
+        raise EngineSetError(f"--out {out_dir!r}: give the engine-set folder to write")
+    final = os.path.abspath(out_dir)
+    if os.path.exists(final) and not os.path.isdir(final):
+        raise EngineSetError(f"--out {out_dir!r} exists and is not a folder")
+    above = os.path.dirname(final)
+    while not os.path.exists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise EngineSetError(f"--out {out_dir!r}: {above} is a file, not a folder")
+    if not os.access(above, os.W_OK):
+        raise EngineSetError(f"--out {out_dir!r}: folder {above} is not writable")
+    try:
+        cwd = os.path.realpath(os.getcwd())
+    except OSError:
+        cwd = None
+    real = os.path.realpath(final)
+    if cwd is not None and os.path.commonpath([real, cwd]) == real:
+        raise EngineSetError(f"--out {out_dir!r} is the current folder or one above it: the build replaces that "
+                             f"folder as a whole; name a new folder (e.g. engine_sets/NAME)")
+    if os.path.isdir(final) and not os.path.isfile(os.path.join(final, MANIFEST)):
+        try:
+            entries = os.listdir(final)
+        except OSError as e:
+            raise EngineSetError(f"--out {out_dir!r}: cannot read the folder ({e})") from None
+        if entries:
+            raise EngineSetError(f"--out {out_dir!r} is a folder that is not empty and not an engine set (no "
+                                 f"manifest.json): the build replaces that folder as a whole, so it refuses; name a "
+                                 f"new or empty folder")
+    return final
 
 
 @dataclass
@@ -143,11 +179,9 @@ class EngineSetBuilder:
     # ------------------------------------------------------------------ building
     def build(self) -> Manifest:
         """Build into a temporary sibling folder, then rename it over `out_dir` (nothing half-written is left)."""
-        final = os.path.abspath(self.out_dir)
+        final = check_out_dir(self.out_dir)
         parent = os.path.dirname(final)
         os.makedirs(parent, exist_ok=True)
-        if os.path.exists(final) and not os.path.isdir(final):
-            raise EngineSetError(f"--out {self.out_dir!r} exists and is not a folder")
         work = f"{final}.partial-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
         os.makedirs(work)

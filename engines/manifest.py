@@ -150,6 +150,9 @@ class Manifest:
         for k, t in types.items():
             if k in d and not isinstance(d[k], t):
                 raise EngineSetError(f"{where}: manifest field {k!r} has the wrong type ({type(d[k]).__name__})")
+        waste = d["profile"].get("max_padding_waste", 1.5)
+        if isinstance(waste, bool) or not isinstance(waste, (int, float)) or not waste >= 1:
+            raise EngineSetError(f"{where}: profile.max_padding_waste must be a number >= 1, got {waste!r}")
         files = {}
         for rel, digest in d["files"].items():
             if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):

@@ -45,6 +45,43 @@ def device_arg(value: str) -> str:
     return value
 
 
+def port_arg(value: str) -> int:
+    """argparse type: a TCP port 1..65535 (a usage error, not a bind() traceback after the model has loaded)."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {value!r} (an integer 1..65535)") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {port} (an integer 1..65535)")
+    return port
+
+
+def load_profile_arg(name_or_path: str):
+    """`load_profile` for a command-line --profile: a file that cannot be read or decoded (binary, a folder, no
+    permission) is a ProfileError naming it, not a UnicodeDecodeError / OSError traceback."""
+    from ..engines.errors import ProfileError
+    from ..runtime.stages.profile import load_profile
+
+    try:
+        return load_profile(name_or_path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ProfileError(f"profile {name_or_path}: cannot read it as a YAML text file ({type(e).__name__}: "
+                           f"{e})") from None
+
+
+def check_file_out(path: str, flag: str) -> None:
+    """Before any work: a file `path` can be written (its folder exists and is writable, and it is not a folder)."""
+    from ..engines.errors import InputError
+
+    if os.path.isdir(path):
+        raise InputError(f"{flag} {path!r} is a folder, not a file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InputError(f"{flag} {path!r}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"{flag} {path!r}: folder {folder} is not writable")
+
+
 def add_device(p, default: str | None = "cpu", help_extra: str = "") -> None:
     p.add_argument("--device", default=default, type=device_arg, metavar="{cpu,cuda,cuda:N}",
                    help=f"cpu | cuda | cuda:N{help_extra}")
@@ -59,6 +96,8 @@ def check_audio_out(path: str) -> tuple[str, str]:
         raise InputError(f"--out {path!r}: unknown audio extension {ext or '(none)'!r} (use "
                          f"{', '.join(AUDIO_FORMATS)})")
     fmt, subtype = AUDIO_FORMATS[ext]
+    if os.path.isdir(path):
+        raise InputError(f"--out {path!r} is a folder, not a file")
     import soundfile as sf
 
     if fmt not in sf.available_formats() or subtype not in sf.available_subtypes(fmt):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ._cli import BACKEND_CHOICES, add_device, captured_stdout, quiet_exporters
+from ._cli import BACKEND_CHOICES, add_device, captured_stdout, load_profile_arg, quiet_exporters
 from .table import format_table
 
 
@@ -27,15 +27,15 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..build.engine_set import build_engine_set, resolve_backend
+    from ..build.engine_set import build_engine_set, check_out_dir, resolve_backend
     from ..runtime.models.loading import load_models
-    from ..runtime.stages.profile import load_profile
 
+    check_out_dir(args.out)  # before any work: never replace the current folder or a folder of something else
     if resolve_backend(args.backend, args.device) == "tensorrt":
         from ..engines.tensorrt import import_tensorrt
 
         import_tensorrt()  # names the missing package before any work
-    profile = load_profile(args.profile or ("tiny" if args.model == "tiny" else "default"))
+    profile = load_profile_arg(args.profile or ("tiny" if args.model == "tiny" else "default"))
     if args.stages:
         profile = select_stages(profile, args.stages.split(","))
     with captured_stdout(args.json), quiet_exporters(args.verbose):

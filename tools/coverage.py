@@ -160,6 +160,7 @@ def format_report(r: dict) -> str:
 def _workload(args):
     from dataclasses import replace
 
+    from ..engines.errors import InputError
     from .coverage_workload import default_matrix, load_workload, open_loop_workload
 
     if args.workload:
@@ -169,7 +170,10 @@ def _workload(args):
 
         spec = parse_open_loop(args.open_loop)
         if args.rates and args.simulate:
-            rates = [float(x) for x in args.rates.split(",") if x.strip()]
+            try:
+                rates = [float(x) for x in args.rates.split(",") if x.strip()]
+            except ValueError:
+                raise InputError(f"--rates {args.rates!r}: give numbers separated by commas, e.g. 4,8,16") from None
             reqs = [replace(r, group=f"open-loop {rate:g}") for rate in rates
                     for r in open_loop_workload(spec.at_rate(rate))]
             reqs, source = reqs, f"open loop {args.open_loop} at rates {args.rates} (one after another)"
@@ -188,14 +192,14 @@ def _simulate(args, reqs, source: str) -> tuple[dict, list, object, str, list]:
     """(report, unrated calls, old profile, its label, cached-hop calls) of a shape-only run."""
     import os
 
-    from ..runtime.stages.profile import load_profile
+    from ._cli import load_profile_arg
     from .coverage_derive import tables_of
     from .coverage_plot import write_heatmap
     from .coverage_report import build_report
     from .coverage_sim import CachedHops, rate_calls, simulate
 
     label = args.profile or "h200-graphs"
-    base = load_profile(label)
+    base = load_profile_arg(label)
     runs: dict = {}  # one simulated run per group: an open-loop rate, or a matrix cell submitted at t = 0
     for r in reqs:
         runs.setdefault(r.group, []).append(r)
@@ -274,6 +278,14 @@ def run(args) -> int:
         raise InputError("coverage: --cached-from goes with --simulate --cached-hops")
     if args.plus_matrix and not args.open_loop:
         raise InputError("coverage: --plus-matrix goes with --open-loop (the matrix alone is --matrix default)")
+    import os
+
+    from ._cli import check_file_out
+
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):  # checked before the run, not after
+        raise InputError(f"coverage: --out {args.out!r} exists and is not a folder")
+    if args.derive_profile:
+        check_file_out(args.derive_profile, "--derive-profile")
     reqs, source = _workload(args)
     cached_calls: list = []
     if args.simulate:

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..engines.buckets import CFG_ROWS
+from ..engines.errors import InputError
 
 STEPS = 10            # Euler steps per DiT job
 FINAL = "final window"  # reason field of a simulated final HiFT stream window (before rating)
@@ -290,7 +291,8 @@ def simulate(requests, prompt_tokens: int = 75, config=None, costs: SimCosts | N
                     done += bool(j.finalize)
         t = round(t + c.tick_s, 9)
         if t > 1e5:
-            raise RuntimeError("coverage simulation did not finish")
+            raise InputError("coverage simulation did not finish within 1e5 simulated seconds: the workload is "
+                             "too large to simulate (fewer or shorter requests)")
     return calls
 
 

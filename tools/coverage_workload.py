@@ -37,6 +37,12 @@ FILLER = ("The quick brown fox jumps over the lazy dog while the river keeps run
           "every evening the people of the valley gather to tell long stories about the seasons, the harvest, "
           "the travellers who came and went, and the songs that nobody remembers how to finish. ")
 
+# bounds of a workload line, so a typo cannot exhaust memory (a list of a billion requests, a filler text of a
+# trillion tokens) or run a simulation for ever: the LM's context (32768 positions) bounds the text and speech tokens
+MAX_CONCURRENCY = 4096
+MAX_TOKENS = 32768
+MAX_REQUESTS = 100_000
+
 _FIELDS = ("text", "text_tokens", "speech_tokens", "prompt_seconds", "stream", "group", "concurrency", "seed",
            "arrival_s")
 
@@ -54,12 +60,13 @@ class WorkloadRequest:
 
 
 
-def _int_field(d: dict, k: str, where: str, lo: int) -> int | None:
+def _int_field(d: dict, k: str, where: str, lo: int, hi: int | None = None) -> int | None:
     v = d.get(k)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise InputError(f"{where}: field {k!r} must be an integer >= {lo}, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        bound = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise InputError(f"{where}: field {k!r} must be an integer {bound}, got {v!r}")
     return v
 
 
@@ -70,7 +77,7 @@ def parse_request(d, where: str, default_group: str) -> list[WorkloadRequest]:
     unknown = sorted(set(d) - set(_FIELDS))
     if unknown:
         raise InputError(f"{where}: unknown field(s) {unknown} (fields: {', '.join(_FIELDS)})")
-    text, tt = d.get("text"), _int_field(d, "text_tokens", where, 1)
+    text, tt = d.get("text"), _int_field(d, "text_tokens", where, 1, MAX_TOKENS)
     if (text is None) == (tt is None):
         raise InputError(f"{where}: give exactly one of 'text' and 'text_tokens'")
     if text is not None and (not isinstance(text, str) or not text.strip()):
@@ -84,9 +91,9 @@ def parse_request(d, where: str, default_group: str) -> list[WorkloadRequest]:
     group = d.get("group", default_group)
     if not isinstance(group, (str, int)) or isinstance(group, bool):
         raise InputError(f"{where}: field 'group' must be a string or an integer, got {group!r}")
-    conc = _int_field(d, "concurrency", where, 1) or 1
+    conc = _int_field(d, "concurrency", where, 1, MAX_CONCURRENCY) or 1
     seed = _int_field(d, "seed", where, 0) or 0
-    st = _int_field(d, "speech_tokens", where, 1)
+    st = _int_field(d, "speech_tokens", where, 1, MAX_TOKENS)
     at = d.get("arrival_s")
     if at is not None and (isinstance(at, bool) or not isinstance(at, (int, float)) or not 0 <= at < math.inf):
         raise InputError(f"{where}: field 'arrival_s' must be a number >= 0 or null, got {at!r}")
@@ -100,6 +107,8 @@ def load_workload(path: str) -> list[WorkloadRequest]:
     out: list[WorkloadRequest] = []
     for i, where, d in read_jsonl(path):
         out += parse_request(d, where, f"line{i}")
+        if len(out) > MAX_REQUESTS:
+            raise InputError(f"{where}: the workload holds more than {MAX_REQUESTS} requests")
     if not out:
         raise InputError(f"workload file {path} holds no requests")
     timed = sum(r.arrival_s is not None for r in out)
@@ -113,6 +122,9 @@ def open_loop_workload(spec) -> list[WorkloadRequest]:
     """The open-loop arrivals of `spec` (a tools.bench.workload.OpenLoopSpec) as timed workload requests."""
     from .bench.workload import generate
 
+    if spec.rate * spec.duration_s > MAX_REQUESTS:
+        raise InputError(f"open-loop rate x duration is {spec.rate * spec.duration_s:g} requests; at most "
+                         f"{MAX_REQUESTS}")
     return [WorkloadRequest(None, max(4, a.tokens // 4), a.tokens, None, a.stream, "open-loop", a.seed, a.t)
             for a in generate(spec)]
 

@@ -39,8 +39,6 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def compute_golden(golden_dir: str) -> dict:
     """Return {vector: max_abs_error, ...} plus the streaming SNRs and `pass`."""
-    from safetensors.torch import load_file
-
     from ..runtime.models.loading import load_models
 
     if not os.path.isdir(golden_dir):
@@ -48,8 +46,49 @@ def compute_golden(golden_dir: str) -> dict:
     vpath = os.path.join(golden_dir, "vectors.safetensors")
     if not os.path.isfile(vpath):
         raise ModelDirError(f"golden directory {golden_dir!r} lacks vectors.safetensors")
+    v = _load_vectors(vpath, VECTOR_KEYS)
+    spath = os.path.join(golden_dir, "stream_vectors.safetensors")
+    sv = _load_vectors(spath, STREAM_KEYS) if os.path.isfile(spath) else None
     m = load_models(golden_dir)
-    v = load_file(vpath)
+    try:
+        res = _compare(m, v, sv)
+    except (RuntimeError, ValueError, IndexError) as e:  # vectors of another size than the golden models
+        raise ModelDirError(f"golden directory {golden_dir!r}: its vectors do not fit its models "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    ok = all(res[k] <= tol for k, tol in TOLERANCES.items())
+    if "stream.lengths_match" in res:
+        ok = ok and res["stream.lengths_match"] and all(
+            val >= STREAM_MIN_SNR_DB for k, val in res.items() if k.endswith(".snr_db"))
+    res["pass"] = bool(ok)
+    return res
+
+
+VECTOR_KEYS = ("llm.lm_input", "llm.hidden", "llm.logits", "flow.rand_noise", "flow.token", "flow.prompt_token",
+               "flow.prompt_feat", "flow.embedding", "flow.offline.mel", "flow.stream.mel", "flow.stream_final.mel",
+               "hift.rand_ini", "hift.sine_waves", "hift.uv", "hift.mel", "hift.final.wav", "hift.final.source",
+               "hift.chunk.wav", "hift.chunk.source")
+STREAM_KEYS = ("stream.rand_noise", "stream.rand_ini", "stream.sine_waves", "stream.token", "stream.prompt_token",
+               "stream.prompt_feat", "stream.embedding", "stream.chunk_lengths", "stream.wav")
+
+
+def _load_vectors(path: str, keys: tuple[str, ...]) -> dict:
+    """A golden safetensors file with every key the check reads (ModelDirError naming the file otherwise)."""
+    from safetensors.torch import load_file
+
+    try:
+        v = load_file(path)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types on a damaged file
+        raise ModelDirError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    missing = [k for k in keys if k not in v]
+    if path.endswith("stream_vectors.safetensors") and "stream.chunk_lengths" in v:
+        n = v["stream.chunk_lengths"].numel()
+        missing += [f"stream.chunk{i}.wav" for i in range(n) if f"stream.chunk{i}.wav" not in v]
+    if missing:
+        raise ModelDirError(f"{path}: lacks golden vector(s) {', '.join(missing)}")
+    return v
+
+
+def _compare(m, v: dict, sv: dict | None) -> dict:
     res: dict = {}
     with torch.inference_mode():
         hidden = m.llm.forward_hidden(v["llm.lm_input"])
@@ -69,14 +108,8 @@ def compute_golden(golden_dir: str) -> dict:
             res[f"hift.{name}.wav"] = _max_err(wav, v[f"hift.{name}.wav"])
             res[f"hift.{name}.source"] = _max_err(src, v[f"hift.{name}.source"])
 
-        spath = os.path.join(golden_dir, "stream_vectors.safetensors")
-        if os.path.isfile(spath):
-            res.update(_stream_check(m, load_file(spath)))
-    ok = all(res[k] <= tol for k, tol in TOLERANCES.items())
-    if "stream.lengths_match" in res:
-        ok = ok and res["stream.lengths_match"] and all(
-            val >= STREAM_MIN_SNR_DB for k, val in res.items() if k.endswith(".snr_db"))
-    res["pass"] = bool(ok)
+        if sv is not None:
+            res.update(_stream_check(m, sv))
     return res
 
 

@@ -77,9 +77,18 @@ def summary_line(report) -> str:
 
 
 def run(args) -> int:
-    from ..build.parity import ParityChecker, run_parity
-    from ..engines.manifest import Manifest
+    import math
 
+    from ..build.parity import ParityChecker, run_parity
+    from ..engines.errors import InputError
+    from ..engines.manifest import Manifest
+    from ..runtime.models.frontend import MAX_PROMPT_SECONDS
+
+    # bad request options are usage errors (exit 2), not a failed pipeline check after every engine check ran
+    if args.stream_tokens < 1:
+        raise InputError(f"--stream-tokens must be >= 1, got {args.stream_tokens}")
+    if not (math.isfinite(args.prompt_seconds) and 0 < args.prompt_seconds <= MAX_PROMPT_SECONDS):
+        raise InputError(f"--prompt-seconds must be in (0, {MAX_PROMPT_SECONDS:g}], got {args.prompt_seconds}")
     kw = dict(check_weights=not args.ignore_weights_hash, seed=args.seed, polygraphy=not args.no_polygraphy,
               pipeline=not args.no_pipeline, stream_tokens=args.stream_tokens, prompt_seconds=args.prompt_seconds)
     man = Manifest.load(args.engines)

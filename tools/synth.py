@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ._cli import add_device, check_audio_out, write_audio
+from ._cli import add_device, check_audio_out, check_file_out, write_audio
 from .table import format_table
 
 
@@ -68,6 +68,10 @@ def run(args) -> int:
     if args.out is None:
         raise InputError("--text needs --out (the audio file to write)")
     check_audio_out(args.out)  # a bad extension or folder fails now, not after the synthesis
+    if args.save_speaker:
+        if not args.prompt_wav:
+            raise InputError("--save-speaker needs --prompt-wav")
+        check_file_out(args.save_speaker, "--save-speaker")
     tts = load()
     models = tts.pipeline.models
     if not args.json:
@@ -75,8 +79,6 @@ def run(args) -> int:
 
         print(describe_hashes(models), file=sys.stderr)
     if args.save_speaker:
-        if not args.prompt_wav:
-            raise InputError("--save-speaker needs --prompt-wav")
         tts.save_speaker(args.save_speaker, args.prompt_wav, args.prompt_text or "")
         print(f"saved speaker to {args.save_speaker}")
     sampling = SamplingParams(seed=args.seed, greedy=args.greedy, max_tokens=args.max_tokens,

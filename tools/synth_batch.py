@@ -152,7 +152,10 @@ def run(args, tts_factory) -> int:
     out_dir = args.out_dir
     if not out_dir:
         raise InputError("--batch needs --out-dir (where the audio files and results.jsonl go)")
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:  # a file there, or a file on the way
+        raise InputError(f"--out-dir {out_dir!r}: cannot make the folder ({e.strerror or e})") from None
     if not os.access(out_dir, os.W_OK):
         raise InputError(f"--out-dir {out_dir!r} is not writable")
     tts = tts_factory()
