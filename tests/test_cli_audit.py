@@ -94,7 +94,7 @@ def test_build_binary_profile_is_a_profile_error(tmp_path, capsys, no_model_load
     rc = main(["build", "--backend", "onnxruntime", "--profile", str(prof), "--out", str(tmp_path / "es")])
     assert rc == 2
     err = capsys.readouterr().err
-    assert err.startswith("trtbuild build: error: profile ") and "cannot read it" in err and "Traceback" not in err
+    assert err.startswith("trtbuild build: error: profile ") and "not UTF-8 text" in err and "Traceback" not in err
     assert not (tmp_path / "es").exists()
 
 
@@ -104,7 +104,7 @@ def test_coverage_simulate_binary_profile_is_a_profile_error(tmp_path, capsys):
     wl = tmp_path / "w.jsonl"
     wl.write_text('{"text_tokens": 10, "speech_tokens": 20}\n')
     assert main(["coverage", "--simulate", "--workload", str(wl), "--profile", str(prof), "--quiet"]) == 2
-    assert "cannot read it" in capsys.readouterr().err
+    assert "not UTF-8 text" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ synth outputs checked before synthesis

@@ -187,3 +187,16 @@ def test_prompt_text_without_prompt_audio_is_refused(tts, speaker):
     with pytest.raises(InputError, match="prompt_sr"):
         tts.submit("Hello there.", prompt_sr=16000, force_tokens=5)
     assert tts.synthesize("Hello there.", speaker=speaker, prompt_text="", force_tokens=5).size  # empty: nothing given
+
+
+def test_save_speaker_write_errors_are_input_errors(tts, speaker, tmp_path):
+    """A missing folder or a folder as the target raised safetensors' own error from deep inside."""
+    from cosytrt.runtime.models.frontend import save_speaker
+
+    for bad in (str(tmp_path / "missing" / "spk.safetensors"), str(tmp_path)):
+        with pytest.raises(InputError, match="cannot write speaker file"):
+            save_speaker(bad, speaker.features, speaker.prompt_text)
+    ok = str(tmp_path / "spk.safetensors")
+    save_speaker(ok, speaker.features, speaker.prompt_text)
+    from cosytrt.runtime.models.frontend import load_speaker
+    assert load_speaker(ok).prompt_text == speaker.prompt_text

@@ -298,3 +298,31 @@ def test_missing_file_and_unknown_name(tmp_path):
         load_profile(42)
     with pytest.raises(ProfileError, match="<dict>: stages"):
         profile_from_dict({"model": "full"})
+
+
+def test_profile_size_and_grid_bounds(tmp_path):
+    """A profile is bounded before any grid is built: a 2000 x 3000 grid (6 million buckets) took 1 min 44 s and
+    ~6 GB to validate; a binary or unreadable file is a ProfileError naming it, not a UnicodeDecodeError."""
+    import time
+
+    def dit(batch, frames, **extra):
+        return {"model": "tiny", "stages": {"dit": {"offline": {"batch": batch, "frames": frames}, **extra}}}
+
+    t0 = time.perf_counter()
+    with pytest.raises(ProfileError, match="at most 256"):
+        profile_from_dict(dit(list(range(2, 4002, 2)), list(range(1, 3001))))
+    with pytest.raises(ProfileError, match="buckets; at most 2048"):
+        profile_from_dict(dit(list(range(2, 202, 2)), list(range(1, 201))))
+    with pytest.raises(ProfileError, match="buckets; at most 2048"):
+        profile_from_dict(dit([2], [8], cached={"batch": list(range(1, 21)), "frames": list(range(1, 21)),
+                                                "prefix": list(range(0, 20))}))
+    assert time.perf_counter() - t0 < 2
+    assert len(profile_from_dict(dit([2, 4], [8, 16])).stages["dit"].modes["offline"]) == 4
+    binary = tmp_path / "p.yaml"
+    binary.write_bytes(b"\xff\xfe\x00model: tiny")
+    with pytest.raises(ProfileError, match="not UTF-8"):
+        load_profile(str(binary))
+    huge = tmp_path / "huge.yaml"
+    huge.write_bytes(b"#" * (2 << 20))
+    with pytest.raises(ProfileError, match="KiB"):
+        load_profile(str(huge))

@@ -309,3 +309,12 @@ def test_stalled_websocket_client_is_dropped_and_its_session_freed(tmp_path):
         assert took < 3 and state.ws_sessions == 0
         assert state.admission.in_flight == 0 and not state.jobs
         assert 'cosytrt_ws_session_events_total{event="stalled"} 1.0' in c.get("/metrics").text
+
+
+def test_server_settings_port_range():
+    """A library caller's port 70000 raised OverflowError from bind() once the model had loaded."""
+    from cosytrt.engines.errors import InputError
+
+    with pytest.raises(InputError, match="port"):
+        ServerSettings(port=70000)
+    assert ServerSettings(port=0).port == 0 and ServerSettings(port=65535).port == 65535

@@ -56,19 +56,6 @@ def port_arg(value: str) -> int:
     return port
 
 
-def load_profile_arg(name_or_path: str):
-    """`load_profile` for a command-line --profile: a file that cannot be read or decoded (binary, a folder, no
-    permission) is a ProfileError naming it, not a UnicodeDecodeError / OSError traceback."""
-    from ..engines.errors import ProfileError
-    from ..runtime.stages.profile import load_profile
-
-    try:
-        return load_profile(name_or_path)
-    except (OSError, UnicodeDecodeError) as e:
-        raise ProfileError(f"profile {name_or_path}: cannot read it as a YAML text file ({type(e).__name__}: "
-                           f"{e})") from None
-
-
 def check_file_out(path: str, flag: str) -> None:
     """Before any work: a file `path` can be written (its folder exists and is writable, and it is not a folder)."""
     from ..engines.errors import InputError

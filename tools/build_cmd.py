@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ._cli import BACKEND_CHOICES, add_device, captured_stdout, load_profile_arg, quiet_exporters
+from ._cli import BACKEND_CHOICES, add_device, captured_stdout, quiet_exporters
 from .table import format_table
 
 
@@ -35,7 +35,8 @@ def run(args) -> int:
         from ..engines.tensorrt import import_tensorrt
 
         import_tensorrt()  # names the missing package before any work
-    profile = load_profile_arg(args.profile or ("tiny" if args.model == "tiny" else "default"))
+    from ..runtime.stages.profile import load_profile
+    profile = load_profile(args.profile or ("tiny" if args.model == "tiny" else "default"))
     if args.stages:
         profile = select_stages(profile, args.stages.split(","))
     with captured_stdout(args.json), quiet_exporters(args.verbose):

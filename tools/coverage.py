@@ -192,14 +192,14 @@ def _simulate(args, reqs, source: str) -> tuple[dict, list, object, str, list]:
     """(report, unrated calls, old profile, its label, cached-hop calls) of a shape-only run."""
     import os
 
-    from ._cli import load_profile_arg
+    from ..runtime.stages.profile import load_profile
     from .coverage_derive import tables_of
     from .coverage_plot import write_heatmap
     from .coverage_report import build_report
     from .coverage_sim import CachedHops, rate_calls, simulate
 
     label = args.profile or "h200-graphs"
-    base = load_profile_arg(label)
+    base = load_profile(label)
     runs: dict = {}  # one simulated run per group: an open-loop rate, or a matrix cell submitted at t = 0
     for r in reqs:
         runs.setdefault(r.group, []).append(r)

@@ -77,7 +77,12 @@ def save_speaker(path: str, features: PromptFeatures, prompt_text: str) -> None:
     tensors = {"speech_tokens": features.speech_tokens.to(torch.int64).contiguous(),
                "mel": features.mel.to(torch.float32).contiguous(),
                "embedding": features.embedding.to(torch.float32).contiguous()}
-    save_file(tensors, path, metadata={"cosytrt": json.dumps(meta, ensure_ascii=False)})
+    if os.path.isdir(path):
+        raise InputError(f"cannot write speaker file {path!r}: it is a folder")
+    try:
+        save_file(tensors, path, metadata={"cosytrt": json.dumps(meta, ensure_ascii=False)})
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error for a missing folder, no permission
+        raise InputError(f"cannot write speaker file {path!r}: {e}") from None
 
 
 def load_speaker(path: str) -> SavedSpeaker:

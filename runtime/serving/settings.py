@@ -75,6 +75,8 @@ class ServerSettings:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "port" else 1):
                 raise InputError(f"server setting {name} must be a positive integer, got {v!r}")
+        if self.port > 65535:  # (0: any free port)
+            raise InputError(f"server setting port must be a TCP port 0..65535, got {self.port}")
         if not isinstance(self.ws_lookahead, int) or isinstance(self.ws_lookahead, bool) or self.ws_lookahead < 0:
             raise InputError(f"server setting ws_lookahead must be a non-negative integer, got {self.ws_lookahead!r}")
         if not isinstance(self.max_queue, int) or self.max_queue < 0:

@@ -202,8 +202,18 @@ def load_profile(path_or_name: str | os.PathLike) -> Profile:
         bare = os.sep not in s and "/" not in s and not s.endswith((".yaml", ".yml"))
         hint = f" (shipped profiles: {', '.join(SHIPPED_PROFILES)})" if bare else ""
         raise ProfileError(f"profile file not found: {s}{hint}")
-    with open(s, encoding="utf-8") as f:
-        return _load_text(f.read(), s)
+    try:
+        with open(s, "rb") as f:
+            raw = f.read(MAX_PROFILE_BYTES + 1)
+    except OSError as e:
+        raise ProfileError(f"profile {s}: cannot read it ({e.strerror or e})") from None
+    if len(raw) > MAX_PROFILE_BYTES:
+        raise ProfileError(f"profile {s}: larger than {MAX_PROFILE_BYTES // 1024} KiB: not a profile")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"profile {s}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return _load_text(text, s)
 
 
 def _load_text(text: str, source: str) -> Profile:
@@ -218,6 +228,10 @@ def _load_text(text: str, source: str) -> Profile:
     return profile_from_dict(data, source)
 
 
+MAX_PROFILE_BYTES = 1 << 20  # a profile file (the shipped ones are a few KiB)
+MAX_LIST = 256            # values in one bucket list (batch, lengths, cached-hop axes; shipped: at most 24)
+MAX_MODE_BUCKETS = 2048   # buckets of one stage mode or cached-hop grid (shipped: at most 160; each is an engine
+                          # or a graph to build, so a typo'd grid of millions must fail here, not after an hour)
 MAX_OPTION_DEPTH = 8      # builder options nest at most this deep
 MAX_OPTION_NODES = 10000  # and hold at most this many values (YAML aliases can multiply a small file)
 
@@ -262,13 +276,20 @@ class _Parser:
             self.fail(path, "must be a list of positive integers", v)
         if not v:
             self.fail(path, "is empty")
-        out = []
+        if len(v) > MAX_LIST:
+            self.fail(path, f"has {len(v)} values; at most {MAX_LIST}")
+        seen: set[int] = set()
         for i, x in enumerate(v):
             x = self.pos_int(x, f"{path}[{i}]")
-            if x in out:
+            if x in seen:
                 self.fail(f"{path}[{i}]", "duplicate value", x)
-            out.append(x)
-        return sorted(out)
+            seen.add(x)
+        return sorted(seen)
+
+    def grid_size(self, path: str, *axes) -> None:
+        n = math.prod(len(a) for a in axes)
+        if n > MAX_MODE_BUCKETS:
+            self.fail(path, f"makes {n} buckets; at most {MAX_MODE_BUCKETS} per mode")
 
     def dtype(self, v, path: str) -> str:
         if v not in DTYPES or not isinstance(v, str):
@@ -396,8 +417,11 @@ class _Parser:
         if not isinstance(prefix, list) or not prefix or any(not isinstance(p, int) or isinstance(p, bool) or p < 0
                                                             for p in prefix):
             self.fail(f"{path}.prefix", "must be a non-empty list of integers >= 0", prefix)
+        if len(prefix) > MAX_LIST:
+            self.fail(f"{path}.prefix", f"has {len(prefix)} values; at most {MAX_LIST}")
         grid = CachedGrid(tuple(self.int_list(d["batch"], f"{path}.batch")),
                           tuple(self.int_list(d["frames"], f"{path}.frames")), tuple(prefix))
+        self.grid_size(path, grid.batch, grid.frames, grid.prefix)
         limit = cfg.flow.max_mel_frames
         if max(grid.frames) + max(grid.prefix) > limit:
             self.fail(path, f"largest frames + prefix {max(grid.frames) + max(grid.prefix)} exceeds the {cfg.name} "
@@ -416,6 +440,7 @@ class _Parser:
                     self.fail(f"{path}.{k}", f"missing (batch and {lk} go together: their product is the grid)")
             batches = self.int_list(d["batch"], f"{path}.batch")
             lens = self.int_list(d[lk], f"{path}.{lk}")
+            self.grid_size(path, batches, lens)
             for i, b in enumerate(d["batch"]):
                 self.check_batch(s, b, f"{path}.batch[{i}]")
             for i, n in enumerate(d[lk]):
@@ -428,6 +453,8 @@ class _Parser:
                 self.fail(f"{path}.buckets", "must be a list of mappings", lst)
             if not lst:
                 self.fail(f"{path}.buckets", "is empty")
+            if len(lst) > MAX_MODE_BUCKETS:
+                self.fail(f"{path}.buckets", f"has {len(lst)} buckets; at most {MAX_MODE_BUCKETS} per mode")
             for i, e in enumerate(lst):
                 p = f"{path}.buckets[{i}]"
                 e = self.mapping(e, p, ("batch", lk, mk))
