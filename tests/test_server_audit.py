@@ -226,15 +226,22 @@ def test_stalled_stream_client_is_dropped_and_its_slot_freed():
     assert finished == ["cancelled"] and len(sent) == 4 and time.monotonic() - t0 < 2
 
 
-def test_stalled_stream_through_the_server(tmp_path):
-    """The same through the app: the slot comes back once the client has not read for send_timeout_s."""
+@contextlib.contextmanager
+def stalling_app(tmp_path):
+    """An app over a fake TTS with a short send timeout, driven through raw ASGI calls by a client that stops
+    reading: (app, its server state, a TestClient for its loop and /metrics, the fake TTS)."""
     fake = FakeTTS(chunk_samples=480)
     fake.gate.set()
     app = create_app(fake, ServerSettings(voices_dir=str(tmp_path / "v"), allowed_hosts=["testserver"],
                                           send_timeout_s=0.2))
-    state = app.state.server
     with TestClient(app) as c:
         wait_ready(c, 5)
+        yield app, app.state.server, c, fake
+
+
+def test_stalled_stream_through_the_server(tmp_path):
+    """The same through the app: the slot comes back once the client has not read for send_timeout_s."""
+    with stalling_app(tmp_path) as (app, state, c, fake):
 
         async def drive():
             sent = []
@@ -270,13 +277,7 @@ def test_stalled_websocket_client_is_dropped_and_its_session_freed(tmp_path):
     """A websocket client that stops reading mid-sentence kept its session (one of --max-ws-sessions: 64 such clients
     would refuse every new session) for ever: the idle timeout does not apply while a sentence is in synthesis. A
     send that does not complete within send_timeout_s ends the session and cancels its sentences."""
-    fake = FakeTTS(chunk_samples=480)
-    fake.gate.set()
-    app = create_app(fake, ServerSettings(voices_dir=str(tmp_path / "v"), allowed_hosts=["testserver"],
-                                          send_timeout_s=0.2))
-    state = app.state.server
-    with TestClient(app) as c:
-        wait_ready(c, 5)
+    with stalling_app(tmp_path) as (app, state, c, fake):
 
         async def drive():
             sent = []

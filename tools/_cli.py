@@ -83,17 +83,11 @@ def check_audio_out(path: str) -> tuple[str, str]:
         raise InputError(f"--out {path!r}: unknown audio extension {ext or '(none)'!r} (use "
                          f"{', '.join(AUDIO_FORMATS)})")
     fmt, subtype = AUDIO_FORMATS[ext]
-    if os.path.isdir(path):
-        raise InputError(f"--out {path!r} is a folder, not a file")
     import soundfile as sf
 
     if fmt not in sf.available_formats() or subtype not in sf.available_subtypes(fmt):
         raise InputError(f"--out {path!r}: this libsndfile cannot write {ext} ({fmt}/{subtype}); use .wav or .flac")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise InputError(f"--out {path!r}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise InputError(f"--out {path!r}: folder {folder} is not writable")
+    check_file_out(path, "--out")
     return fmt, subtype
 
 
