@@ -92,16 +92,27 @@ def check_out_dir(out_dir: str) -> str:
     if cwd is not None and os.path.commonpath([real, cwd]) == real:
         raise EngineSetError(f"--out {out_dir!r} is the current folder or one above it: the build replaces that "
                              f"folder as a whole; name a new folder (e.g. engine_sets/NAME)")
-    if os.path.isdir(final) and not os.path.isfile(os.path.join(final, MANIFEST)):
+    if os.path.isdir(final) and not _looks_like_engine_set(final):
         try:
             entries = os.listdir(final)
         except OSError as e:
             raise EngineSetError(f"--out {out_dir!r}: cannot read the folder ({e})") from None
         if entries:
             raise EngineSetError(f"--out {out_dir!r} is a folder that is not empty and not an engine set (no "
-                                 f"manifest.json): the build replaces that folder as a whole, so it refuses; name a "
-                                 f"new or empty folder")
+                                 f"manifest.json of cosytrt's): the build replaces that folder as a whole, so it "
+                                 f"refuses; name a new or empty folder")
     return final
+
+
+def _looks_like_engine_set(folder: str) -> bool:
+    """A manifest.json that is a JSON object with cosytrt's manifest keys (any format version: an old set may be
+    rebuilt over); a stray manifest.json of something else (`{}`, another tool's) does not make a folder one."""
+    try:
+        with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and isinstance(d.get("format"), int) and {"backend", "profile"} <= d.keys()
 
 
 @dataclass

@@ -77,9 +77,17 @@ def test_check_out_dir_allows_new_empty_and_engine_set_folders(tmp_path):
     (tmp_path / "empty").mkdir()
     check_out_dir(str(tmp_path / "empty"))
     (tmp_path / "set").mkdir()
-    (tmp_path / "set" / "manifest.json").write_text("{}")
+    (tmp_path / "set" / "manifest.json").write_text(json.dumps({"format": 2, "backend": "onnxruntime",
+                                                                "profile": {}, "files": {}}))
     (tmp_path / "set" / "dit_offline.onnx").write_bytes(b"x")
     check_out_dir(str(tmp_path / "set"))  # a previous set is rebuilt incrementally
+    # a stray manifest.json of something else does not make a folder an engine set (it would be replaced whole)
+    for stray in ("{}", "[1, 2]", "not json", json.dumps({"name": "my-npm-package", "version": "1.0.0"})):
+        (tmp_path / "stray").mkdir(exist_ok=True)
+        (tmp_path / "stray" / "manifest.json").write_text(stray)
+        (tmp_path / "stray" / "thesis.txt").write_text("keep")
+        with pytest.raises(EngineSetError, match="not an engine set"):
+            check_out_dir(str(tmp_path / "stray"))
     with pytest.raises(EngineSetError, match="not empty"):
         (tmp_path / "other").mkdir()
         (tmp_path / "other" / "a.txt").write_text("a")
