@@ -145,7 +145,7 @@ def _check_call(b, n) -> None:
         raise BucketError(f"call length must be a positive integer, got {n!r}")
 
 
-def _check_waste(w) -> float:
+def check_waste(w) -> float:
     if isinstance(w, bool) or not isinstance(w, (int, float)) or math.isnan(w) or w < 1:
         raise BucketError(f"max_padding_waste must be a number >= 1, got {w!r}")
     return float(w)
@@ -155,7 +155,7 @@ class BucketTable:
     """The buckets of one (stage, mode), sorted by cost, with the runtime's selection rule."""
 
     def __init__(self, buckets: Iterable[Bucket], max_padding_waste: float = DEFAULT_MAX_PADDING_WASTE):
-        self.max_padding_waste = _check_waste(max_padding_waste)
+        self.max_padding_waste = check_waste(max_padding_waste)
         bs = list(buckets)
         for bk in bs:
             if not isinstance(bk, Bucket):
@@ -288,7 +288,7 @@ def group_by_length(lengths: Sequence[int], max_batch: int, max_padding_waste: f
     max_batch and max_frames."""
     if not _is_int(max_batch) or max_batch < 1:
         raise BucketError(f"max_batch must be a positive integer, got {max_batch!r}")
-    waste = _check_waste(max_padding_waste) if length_aware else math.inf
+    waste = check_waste(max_padding_waste) if length_aware else math.inf
     if max_frames is not None and (not _is_int(max_frames) or max_frames < 1):
         raise BucketError(f"max_frames must be a positive integer or None, got {max_frames!r}")
     for i, n in enumerate(lengths):

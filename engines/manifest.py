@@ -8,7 +8,8 @@ import os
 from dataclasses import dataclass, field
 
 from .base import EngineSpec
-from .errors import EngineSetError
+from .buckets import DEFAULT_MAX_PADDING_WASTE, check_waste
+from .errors import BucketError, EngineSetError
 
 MANIFEST = "manifest.json"
 FORMAT = 2  # 2: `files` (sha256 of every file of the set) and the model directory's file hashes
@@ -150,9 +151,10 @@ class Manifest:
         for k, t in types.items():
             if k in d and not isinstance(d[k], t):
                 raise EngineSetError(f"{where}: manifest field {k!r} has the wrong type ({type(d[k]).__name__})")
-        waste = d["profile"].get("max_padding_waste", 1.5)
-        if isinstance(waste, bool) or not isinstance(waste, (int, float)) or not waste >= 1:
-            raise EngineSetError(f"{where}: profile.max_padding_waste must be a number >= 1, got {waste!r}")
+        try:  # the bucket tables' own check, here so an edited manifest fails on load, naming the file
+            check_waste(d["profile"].get("max_padding_waste", DEFAULT_MAX_PADDING_WASTE))
+        except BucketError as e:
+            raise EngineSetError(f"{where}: profile.{e}") from None
         files = {}
         for rel, digest in d["files"].items():
             if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):

@@ -69,6 +69,16 @@ def resample(wav: np.ndarray, sr: int, target_sr: int) -> np.ndarray:
 MAX_PEAK = 8.0
 
 
+def check_peak(wav: np.ndarray, what: str) -> None:
+    """InputError unless the float samples' peak is within MAX_PEAK (NaN fails too): int16 values given as floats
+    make features 32768x too loud, and near 1e16 the fbank overflows (a NaN voice). The server checks its uploads
+    with it before the frontend."""
+    peak = float(np.abs(wav).max()) if wav.size else 0.0
+    if not peak <= MAX_PEAK:
+        raise InputError(f"audio {what}: float samples must be in [-1, 1], got a peak of {peak:.4g} (integer PCM "
+                         f"values as floats? divide by 32768)")
+
+
 def _sample_rate(sr, what: str) -> int:
     """`sr` as a positive int (an integral float too); InputError otherwise (0, NaN, 16000.5, a string)."""
     if isinstance(sr, bool) or not isinstance(sr, numbers.Real) or not math.isfinite(sr) or sr != int(sr) \
@@ -96,7 +106,7 @@ def load_wav(path_or_array: AudioInput, target_sr: int, sr: int | None = None,
             data, file_sr = sf.read(path, dtype="float32", always_2d=True)
         except Exception as e:  # noqa: BLE001 - libsndfile raises several types; re-raised with the file named
             raise InputError(f"cannot read audio file {path!r}: {e}") from None
-        wav, src_sr = data.mean(axis=1), int(file_sr)
+        wav, src_sr = data.mean(axis=1), _sample_rate(file_sr, what)
     else:
         if isinstance(path_or_array, torch.Tensor):
             t = path_or_array.detach().cpu()
@@ -111,18 +121,13 @@ def load_wav(path_or_array: AudioInput, target_sr: int, sr: int | None = None,
             raise InputError(f"audio {what}: unsupported dtype {arr.dtype}")
         wav, src_sr = _to_mono(np.asarray(arr, dtype=np.float32), what), _sample_rate(
             target_sr if sr is None else sr, what)
-    if src_sr <= 0:
-        raise InputError(f"audio {what}: invalid sample rate {src_sr}")
     if wav.size == 0:
         raise InputError(f"audio {what} is empty (no samples)")
     if max_seconds is not None and wav.size / src_sr > max_seconds:
         raise InputError(f"audio {what} is {wav.size / src_sr:.2f} s long; at most {max_seconds:.0f} s is supported")
     if not np.all(np.isfinite(wav)):
         raise InputError(f"audio {what} contains NaN or Inf samples")
-    peak = float(np.abs(wav).max())
-    if peak > MAX_PEAK:  # e.g. int16 values given as floats: features 32768x too loud (or overflowing the fbank)
-        raise InputError(f"audio {what}: float samples must be in [-1, 1], got a peak of {peak:.4g} (integer PCM "
-                         f"values as floats? divide by 32768)")
+    check_peak(wav, what)
     wav = np.ascontiguousarray(wav, dtype=np.float32)
     return resample(wav, src_sr, target_sr)
 

@@ -250,8 +250,7 @@ class Frontend:
         if not isinstance(wav, (str, os.PathLike)) and sr is None:
             raise InputError("prompt audio given as samples needs its sample rate (sr)")
         # the length is checked before resampling: a wrong `sr` (1 for 16000) must not make hours of samples first
-        wav16k = audio.load_wav(wav, audio.WHISPER_SR, sr=sr, max_seconds=MAX_PROMPT_SECONDS)
-        self._check_duration(wav16k)
+        wav16k = audio.load_wav(wav, audio.WHISPER_SR, sr=sr, max_seconds=MAX_PROMPT_SECONDS)  # (and not empty)
         wav24k = audio.load_wav(wav, audio.PROMPT_SR, sr=sr)
         tokens = self.speech_tokens(wav16k)
         mel = audio.prompt_mel(wav24k)

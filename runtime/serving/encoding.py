@@ -18,7 +18,8 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 
-from ..models.audio import MAX_PEAK
+from ...engines.errors import InputError
+from ..models.audio import check_peak
 from .errors import APIError, invalid
 
 UNKNOWN_LENGTH = 0xFFFFFFFF
@@ -36,9 +37,6 @@ MAX_OUTPUT_SAMPLE_RATE = 48000
 _MPEG_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
 ENCODER_SAMPLE_RATES = {"mp3": _MPEG_RATES, "aac": _MPEG_RATES, "opus": (8000, 12000, 16000, 24000, 48000),
                         "ulaw": (8000,), "alaw": (8000,)}
-# uploaded float samples beyond this are not audio at full scale 1.0 (the runtime's own bound, checked here first so
-# the error names the field): near 1e16 the prompt's mel power overflowed float32 and the voice made from it was NaN
-MAX_SAMPLE_PEAK = MAX_PEAK
 _ULAW_SEG_END = np.array([0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF, 0x1FFF])
 _ALAW_SEG_END = np.array([0x1F, 0x3F, 0x7F, 0xFF, 0x1FF, 0x3FF, 0x7FF, 0xFFF])
 
@@ -237,11 +235,10 @@ def decode_upload(data: bytes, *, max_seconds: float, max_sample_rate: int, max_
         raise invalid(f"'{param}' is longer than {max_seconds:g} s", param, "audio_too_long")
     if samples.shape[0] == 0:
         raise invalid(f"'{param}' has no samples", param, "invalid_audio")
-    peak = float(np.max(np.abs(samples)))
-    if not peak <= MAX_SAMPLE_PEAK:  # NaN too
-        raise invalid(f"'{param}' has samples of magnitude {peak:.3g}; float audio lies within [-1, 1] (at most "
-                      f"{MAX_SAMPLE_PEAK:g} is accepted: integer PCM values as floats? divide by 32768)", param,
-                      "invalid_audio")
+    try:  # the runtime's own bound, checked here so the error names the field (before the frontend runs)
+        check_peak(samples, f"'{param}'")
+    except InputError as e:
+        raise invalid(str(e), param, "invalid_audio") from None
     return samples.mean(axis=1), sr
 
 
