@@ -22,8 +22,9 @@ frames, prefix frames) rated against the profile's `dit.cached` grid (hit rate, 
 from __future__ import annotations
 
 import json
+import os
 
-from ._cli import add_device
+from ._cli import add_device, check_file_out
 from .table import format_table
 
 
@@ -190,8 +191,6 @@ def _workload(args):
 
 def _simulate(args, reqs, source: str) -> tuple[dict, list, object, str, list]:
     """(report, unrated calls, old profile, its label, cached-hop calls) of a shape-only run."""
-    import os
-
     from ..runtime.stages.profile import load_profile
     from .coverage_derive import tables_of
     from .coverage_plot import write_heatmap
@@ -278,10 +277,6 @@ def run(args) -> int:
         raise InputError("coverage: --cached-from goes with --simulate --cached-hops")
     if args.plus_matrix and not args.open_loop:
         raise InputError("coverage: --plus-matrix goes with --open-loop (the matrix alone is --matrix default)")
-    import os
-
-    from ._cli import check_file_out
-
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):  # checked before the run, not after
         raise InputError(f"coverage: --out {args.out!r} exists and is not a folder")
     if args.derive_profile:
@@ -301,8 +296,6 @@ def run(args) -> int:
         extra = _derive(args, report, calls if args.simulate else None, base if args.simulate else None,
                         label if args.simulate else None, source, cached_calls)
     if args.out:
-        import os
-
         with open(os.path.join(args.out, "report.json"), "w") as f:
             json.dump(report, f, indent=1)
     if args.json:
@@ -313,8 +306,6 @@ def run(args) -> int:
 
 
 def _derive(args, report: dict, calls, base, label, source: str, cached_calls: list | None = None) -> str:
-    import os
-
     from .coverage_derive import calls_from_shapes, derive_and_compare, format_comparison, tables_of
 
     if base is None:

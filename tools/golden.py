@@ -49,6 +49,8 @@ def compute_golden(golden_dir: str) -> dict:
     v = _load_vectors(vpath, VECTOR_KEYS)
     spath = os.path.join(golden_dir, "stream_vectors.safetensors")
     sv = _load_vectors(spath, STREAM_KEYS) if os.path.isfile(spath) else None
+    if sv is not None:  # and one wav per chunk
+        _require(spath, sv, [f"stream.chunk{i}.wav" for i in range(sv["stream.chunk_lengths"].numel())])
     m = load_models(golden_dir)
     try:
         res = _compare(m, v, sv)
@@ -79,13 +81,14 @@ def _load_vectors(path: str, keys: tuple[str, ...]) -> dict:
         v = load_file(path)
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types on a damaged file
         raise ModelDirError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    _require(path, v, keys)
+    return v
+
+
+def _require(path: str, v: dict, keys) -> None:
     missing = [k for k in keys if k not in v]
-    if path.endswith("stream_vectors.safetensors") and "stream.chunk_lengths" in v:
-        n = v["stream.chunk_lengths"].numel()
-        missing += [f"stream.chunk{i}.wav" for i in range(n) if f"stream.chunk{i}.wav" not in v]
     if missing:
         raise ModelDirError(f"{path}: lacks golden vector(s) {', '.join(missing)}")
-    return v
 
 
 def _compare(m, v: dict, sv: dict | None) -> dict:
