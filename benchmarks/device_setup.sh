@@ -2,7 +2,8 @@
 # cosytrt, .whl/: soxr, soundfile, kaldi-native-fbank; .whl_serve/ when carried: the server's) into /tmp/site next to
 # the machine's own torch, exports PYTHONPATH, restores a carried torch.compile cache (compile_cache/cc.bin.gz.part-*)
 # to /tmp/cc.bin and pre-loads any other carried caches (compile_cache_*/) into the machine's on-disk caches; and
-# defines hand_back_cache, render_report, bench_alive, follow_bench and pack_job. Installs only when sourced with `--install` (else: the functions only).
+# defines hand_back_cache, render_report, bench_alive, follow_bench and pack_job. Installs only when sourced with
+# `--install` (else: the functions only).
 hand_back_cache() {  # the compile cache the bench process used, in <= 15 MB parts under $OUT/cc (fetched back here)
   if [ -s /tmp/cc.bin ]; then
     mkdir -p "$OUT/cc" && gzip -c /tmp/cc.bin | split -b 15M - "$OUT/cc/cc.bin.gz.part-" && ls -la "$OUT/cc"
