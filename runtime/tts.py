@@ -62,6 +62,7 @@ class TTS:
         self.admission = AdmissionControl.from_config(self.scheduler_config)
         self._scheduler: Scheduler | None = None
         self._ar_runner = None
+        self.ar_compile_cache: str | None = None  # ar_process: the AR process's own compile cache file (TTS.load)
         self._lock = threading.Lock()
         # the last `history_window` finished requests: memory and metrics() cost stay bounded on a long-running server
         self._history: collections.deque[RequestMetrics] = collections.deque(maxlen=max(1, int(history_window)))
@@ -80,7 +81,8 @@ class TTS:
         only, the DiT / HiFT as eager modules in CUDA graphs (the benchmarks' `graphs_ar` variant: BENCHMARKS.md runs
         29-39; a shorter start-up). Everything is
         compiled here, not at the first request (minutes for the full-size model on a cold cache); `compile_cache`
-        (a file) is loaded first when it exists and (re)written afterwards, so restarts reuse the compiled code.
+        (a file) is loaded first when it exists and (re)written afterwards, so restarts reuse the compiled code (with
+        `SchedulerConfig.ar_process`, the AR process's own compiled code goes to `compile_cache + ".ar"`).
         `engines` may also be a `compiled` engine set (`trtbuild build --backend compiled`): its cache is checked and
         loaded first, then the model is compiled with the set's CUDA-graph profile and dtype (cache hits: no
         Inductor compile work at start-up)."""
@@ -133,6 +135,8 @@ class TTS:
         if not compile:
             return cls(pipeline, engines, scheduler)
         tts = cls(pipeline, engines, dataclasses.replace(scheduler or SchedulerConfig(), compile=True))
+        if compile_cache is not None:  # ar_process: the AR process compiles the LM; its code has a file of its own
+            tts.ar_compile_cache = compile_cache + ".ar"
         tts.synthesize("Warm up.", seed=0, force_tokens=8)  # starts the scheduler: every compile happens now
         list(tts.stream("Warm up.", seed=0, force_tokens=8))
         with tts._lock:  # the warm-up (compile time) is not serving: keep it out of metrics()
@@ -141,6 +145,8 @@ class TTS:
             from .stages.compiled import save_compile_cache
 
             save_compile_cache(compile_cache)
+            if tts.scheduler_config.ar_process:
+                tts.ar_runner.save_compile_cache(tts.ar_compile_cache)
         return tts
 
     @property
@@ -160,7 +166,7 @@ class TTS:
             from .scheduling.scheduler import make_ar_runner
 
             self._ar_runner = make_ar_runner(self.pipeline.models, self.scheduler_config, self.pipeline.device,
-                                             self.pipeline.backends.engine_set)
+                                             self.pipeline.backends.engine_set, self.ar_compile_cache)
         return self._ar_runner
 
     def reconfigure(self, config: SchedulerConfig, drain_timeout_s: float = 30.0) -> None:

@@ -118,6 +118,27 @@ def test_modules_import_without_ray():
     assert p.returncode == 0, p.stderr
 
 
+def test_a_zero_shot_request_passes_to_the_later_stages():
+    """The ingress hands token2wav the request without its voice (`Request.without_voice`): a zero-shot request
+    (prompt audio + transcript + rate) must survive that (it raised "prompt_text describes prompt audio" when only
+    the audio was dropped), keeping what the stages read; and the AR's inputs drop the flow prompt's mel."""
+    from cosytrt.runtime.stages.request import default_voice_wav, prepare_inputs
+    from cosytrt.runtime.cluster.loading import load_frontend
+    from cosytrt.runtime.tts import make_request
+
+    req = make_request(TEXT, prompt_wav=default_voice_wav(16000, 1.0), prompt_sr=16000, prompt_text="A voice.",
+                       stream=True, seed=7)
+    slim = req.without_voice()
+    assert slim.prompt_wav is None and slim.prompt_text is None and slim.prompt_sr is None and slim.speaker is None
+    assert (slim.request_id, slim.stream, slim.sampling, slim.text) == (req.request_id, True, req.sampling, TEXT)
+    frontend, speaker, _ = load_frontend("tiny")
+    inputs = prepare_inputs(frontend, req, speaker)
+    lm = inputs.lm_only()
+    assert lm.flow_prompt_mel.numel() == 0 and lm.embedding.numel() == 0
+    assert lm.flow_prompt_tokens.numel() == inputs.flow_prompt_tokens.numel() > 0
+    assert torch.equal(lm.text_ids, inputs.text_ids)
+
+
 # ------------------------------------------------------------------------------------------------ stages in process
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ ingress's `ClusterTTS`, the TTS facade whose `submit` drives a request through t
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import time
 from collections import deque
@@ -146,8 +145,7 @@ class Token2WavReplica:
             h.cancel()
 
     async def _pull_tokens(self, h: RequestHandle, req: Request, inputs: LMRequestInputs) -> None:
-        ar_inputs = dataclasses.replace(inputs, flow_prompt_mel=inputs.flow_prompt_mel[:0],
-                                        embedding=inputs.embedding[:0])  # AR needs neither
+        ar_inputs = inputs.lm_only()
         gen = self.ar.options(stream=True).generate.remote(req, ar_inputs)
         metrics: dict = {}
         try:
@@ -169,11 +167,6 @@ class Token2WavReplica:
 
     def stats(self) -> dict:
         return {"replica": self.name, **self.stage.stats()}
-
-
-def _slim(req: Request) -> Request:
-    """The request without its voice (the frontend has turned it into LM inputs)."""
-    return dataclasses.replace(req, prompt_wav=None, speaker=None)
 
 
 class ClusterTTS:
@@ -293,7 +286,7 @@ class ClusterTTS:
             inputs = await call
             m.t_tokenizer = time.perf_counter() - t0
             stage = "token2wav"
-            call = self.token2wav.options(stream=True).synthesize.remote(_slim(req), inputs)
+            call = self.token2wav.options(stream=True).synthesize.remote(req.without_voice(), inputs)
             async for item in call:
                 if isinstance(item, dict):
                     m.tokens = int(item.get("tokens", 0))

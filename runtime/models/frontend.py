@@ -7,6 +7,7 @@ and sentence splitting are not done here: text is tokenised as given.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections import OrderedDict
@@ -64,6 +65,11 @@ class LMRequestInputs:
     flow_prompt_tokens: torch.Tensor   # int64 [N]
     flow_prompt_mel: torch.Tensor      # float32 [2N, 80]
     embedding: torch.Tensor            # float32 [192]
+
+    def lm_only(self) -> "LMRequestInputs":
+        """These inputs without the flow prompt's mel and speaker embedding (empty): what an AR in another process or
+        replica needs (it still reads the flow prompt's token count: its hop points)."""
+        return dataclasses.replace(self, flow_prompt_mel=self.flow_prompt_mel[:0], embedding=self.embedding[:0])
 
 
 # ------------------------------------------------------------------------------------------------ saved speakers

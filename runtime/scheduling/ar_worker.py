@@ -93,6 +93,13 @@ class ARWorker:
         """Can more tokens come soon?"""
         return bool(self.running or self.waiting)
 
+    def snapshot(self) -> dict:
+        """What the scheduler's stats read of this worker: queue lengths, the runner's stats, the counters."""
+        runner = self.runner
+        stats = runner.stats() if hasattr(runner, "stats") else {"slots": runner.max_batch, "max_len": runner.max_len}
+        return {"waiting": len(self.waiting), "running": len(self.running), "runner": stats,
+                "counters": self.counters}
+
     # ---------------------------------------------------------------- the loop
     def loop(self) -> None:
         with torch.inference_mode(), torch.cuda.stream(self.stream):  # stream None (CPU): no-op

@@ -211,6 +211,15 @@ class SchedulerConfig:
     # variant at 12 req/s of mixed streams on the H200 it delivered 60.5 vs 54.0 audio s/s, TTFA p50 2.4 vs 3.6 s
     # (run 63; 40 s streams at 3 req/s: the same, 46.6 vs 46.8)
     ar_decode_attention: str = "auto"
+    # The LM and its AR runner in a process of their own (`scheduling/ar_process.py`), on the same device: the AR's
+    # per-step Python then no longer shares the interpreter lock with the DiT, vocoder, frontend and server threads
+    # (run 68: under open-loop load a 6.45 ms AR step for ~1.3 ms of its kernels, the device busy 42 % of the time).
+    # The child gets the LM's weights exactly and runs the same AR worker, so the tokens and audio are the same
+    # (tests/test_ar_process.py). Costs: the child's start (spawn, the LM copied, its own compile and graphs), a
+    # second CUDA context, a pipe hop per AR step that hands tokens on. Not with a TensorRT-LLM AR engine, nor with
+    # ar_first_audio_hold_ms / ar_pace_lead_s (they read the streams' playback state, which stays in this process).
+    # Off by default: not yet measured on a GPU
+    ar_process: bool = False
     ar_graph_batches: tuple = (1, 2, 4, 8, 16, 32, 64)
     ar_prefill_graph_batches: tuple = (1, 2, 4, 8)     # on CUDA: prefill captured per (rows, padded length)
     ar_prefill_graph_lengths: tuple = (64, 128, 256, 384, 512)
@@ -260,6 +269,10 @@ class SchedulerConfig:
         if not isinstance(self.dit_max_active, int) or isinstance(self.dit_max_active, bool) or self.dit_max_active < 0:
             raise InputError(f"SchedulerConfig.dit_max_active must be an int >= 0 (0: no bound), got "
                              f"{self.dit_max_active!r}")
+        if self.ar_process and (self.ar_first_audio_hold_ms > 0 or self.ar_pace_lead_s > 0):
+            raise InputError("SchedulerConfig.ar_process cannot be combined with ar_first_audio_hold_ms or "
+                             "ar_pace_lead_s: they read the streams' playback state, which the AR process does not "
+                             "see")
         for name in ("submit_timeout_s", "dit_max_wait_ms", "hift_max_wait_ms", "ar_first_audio_hold_ms",
                      "ar_pace_lead_s", "shed_lag_s"):
             if getattr(self, name) < 0:

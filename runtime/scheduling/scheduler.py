@@ -29,6 +29,7 @@ from ..models import decode_attention_triton
 from ..stages.ar_runner import ARRunner, TorchARRunner, default_max_len
 from ..stages.backends import StageBackends
 from .admission import AdmissionControl, Ticket
+from .ar_process import ARProcess, RemoteARWorker
 from .ar_worker import ARWorker, Stopped
 from .config import SchedulerConfig
 from .handle import RequestHandle
@@ -47,7 +48,8 @@ __all__ = ["Scheduler", "SchedulerConfig", "RequestHandle", "POLICIES", "AR_RUNN
 
 # the SchedulerConfig fields make_ar_runner reads: schedulers over one AR runner must agree on them
 AR_RUNNER_FIELDS = ("ar_decode_attention", "ar_graph_batches", "ar_max_batch", "ar_max_len", "ar_max_prefill_tokens",
-                    "ar_prefill_graph_batches", "ar_prefill_graph_lengths", "batch_invariant", "compile", "cuda_graphs")
+                    "ar_prefill_graph_batches", "ar_prefill_graph_lengths", "ar_process", "batch_invariant", "compile",
+                    "cuda_graphs")
 
 
 def ar_runner_differences(a: SchedulerConfig, b: SchedulerConfig) -> list[str]:
@@ -55,19 +57,27 @@ def ar_runner_differences(a: SchedulerConfig, b: SchedulerConfig) -> list[str]:
     return [f for f in AR_RUNNER_FIELDS if getattr(a, f) != getattr(b, f)]
 
 
-def make_ar_runner(models, config: SchedulerConfig, device, engine_set=None) -> ARRunner:
-    """The AR runner a SchedulerConfig describes: the PyTorch LM (KV slots, CUDA-graph ladders, compile), or the
+def make_ar_runner(models, config: SchedulerConfig, device, engine_set=None, compile_cache: str | None = None):
+    """The AR runner a SchedulerConfig describes: the PyTorch LM (KV slots, CUDA-graph ladders, compile), the
     TensorRT-LLM engine of `engine_set` (an opened engine set, `StageBackends.engine_set`) when its manifest says
-    `ar_runner: trtllm` (the set was checked for it when opened)."""
+    `ar_runner: trtllm` (the set was checked for it when opened), or with `ar_process` an `ARProcess`: the PyTorch
+    LM's runner in a child process (`compile_cache`: a file of the child's compiled code, loaded there first)."""
     cfg = config
     if engine_set is not None:
         from ..stages.engine_set import LoadedEngineSet
 
         if isinstance(engine_set, LoadedEngineSet) and engine_set.ar_runner == "trtllm":
+            if cfg.ar_process:
+                raise InputError("SchedulerConfig.ar_process runs the PyTorch LM in a process of its own; this engine "
+                                 "set's AR is a TensorRT-LLM engine (its executor has its own workers): leave "
+                                 "ar_process off")
             from ..stages.ar_trtllm import TrtllmARRunner
 
             return TrtllmARRunner.from_engine_set(engine_set.folder, engine_set.manifest, cfg.ar_max_batch,
                                                   cfg.ar_max_len or default_max_len(models), device)
+    if cfg.ar_process:  # the LM and this runner in a child process (ar_process.py); it checks the rest there
+        models.llm.batch_invariant = cfg.batch_invariant  # copied over with the weights
+        return ARProcess(models.llm, cfg, device, cfg.ar_max_len or default_max_len(models), compile_cache)
     models.llm.batch_invariant = cfg.batch_invariant  # before any compile / graph capture of its calls
     impl = cfg.decode_attention_for(device)
     if impl == "split_kv" and torch.device(device).type == "cuda":
@@ -133,7 +143,8 @@ def compile_count() -> int:
     return compiled_graph_count()
 
 
-def collect_stats(lifecycle: Lifecycle, frontend: FrontendPool, clock: StageClock, ar: ARWorker | None = None,
+def collect_stats(lifecycle: Lifecycle, frontend: FrontendPool, clock: StageClock,
+                  ar: "ARWorker | RemoteARWorker | None" = None,
                   t2w: Token2WavWorker | None = None, backends: StageBackends | None = None,
                   compiles_at_start: int | None = None) -> SchedulerStats:
     """The typed stats of a wiring of workers (absent workers count zero)."""
@@ -144,12 +155,10 @@ def collect_stats(lifecycle: Lifecycle, frontend: FrontendPool, clock: StageCloc
     st.shed = st.admission.get("shed", 0)  # the admission control's (the server's refusals too)
     st.stream_lag_s = lc.worst_stream_lag()
     st.queues = QueueDepths(frontend=frontend.pending)
+    snap = ar.snapshot() if ar is not None else {}  # (the AR process's, asked there, under ar_process)
     if ar is not None:
-        st.queues.ar_waiting, st.queues.ar_running = len(ar.waiting), len(ar.running)
-        runner = ar.runner
-        st.ar_runner = runner.stats() if hasattr(runner, "stats") else {"slots": runner.max_batch,
-                                                                        "max_len": runner.max_len}
-        st.ar = ar.counters
+        st.queues.ar_waiting, st.queues.ar_running = snap["waiting"], snap["running"]
+        st.ar_runner, st.ar = snap["runner"], snap["counters"]
     if t2w is not None:
         st.queues.dit, st.queues.hift, st.queues.output = len(t2w.dit), len(t2w.hift_queue), len(t2w.transfers)
         st.dit, st.hift = t2w.dit_counters, t2w.hift_counters
@@ -157,8 +166,8 @@ def collect_stats(lifecycle: Lifecycle, frontend: FrontendPool, clock: StageCloc
         st.shapes = backends.shape_stats.summary()
     # compile=True: torch.compile graphs compiled since the scheduler was ready (each stalled serving; expected 0)
     st.compiles_since_start = 0 if compiles_at_start is None else compile_count() - compiles_at_start
-    st.busy_s = clock.busy_s()  # CUDA: GPU time of each stage's batches; CPU: wall time
-    st.host_s = clock.host_s()  # the worker threads' wall / CPU seconds inside those batches
+    st.busy_s = {**clock.busy_s(), **snap.get("busy_s", {})}  # CUDA: GPU time of each stage's batches; CPU: wall
+    st.host_s = {**clock.host_s(), **snap.get("host_s", {})}  # the worker threads' wall / CPU seconds inside them
     st.waits_s = clock.waits_s()  # and their waits outside them (DiT fence, idle DiT / HiFT threads)
     return st
 
@@ -212,6 +221,10 @@ class Scheduler:
         t = time.perf_counter()
         self.runner = runner if runner is not None else make_ar_runner(models, cfg, self.device,
                                                                        self.backends.engine_set)
+        self.remote_ar = isinstance(self.runner, ARProcess)  # the AR in its own process: set up there on attach
+        if cfg.ar_process != self.remote_ar:
+            raise InputError(f"SchedulerConfig.ar_process is {cfg.ar_process} but the AR runner given is "
+                             f"{'' if self.remote_ar else 'not '}an AR process")
         if cfg.ar_graph_sampling and hasattr(self.runner, "enable_graph_sampling"):  # a runner made without it
             self.runner.enable_graph_sampling()  # (TTS.reconfigure): its decode graphs with the sampler, once
         if hasattr(self.runner, "enable_decode_steps"):  # multi-step decode graphs (ar_decode_steps), or none
@@ -270,7 +283,8 @@ class Scheduler:
         if self.device.type == "cuda":
             from ..models.sampling import use_event_sync
 
-            for on, use in ((cfg.fast_gil_switch, use_fast_gil_switch), (cfg.ar_event_sync, use_event_sync)):
+            ar_sync = cfg.ar_event_sync and not self.remote_ar  # (the AR process sets its own)
+            for on, use in ((cfg.fast_gil_switch, use_fast_gil_switch), (ar_sync, use_event_sync)):
                 if on:
                     use(+1)
                     self._process_switches.append(use)
@@ -286,7 +300,10 @@ class Scheduler:
         self.token2wav = Token2WavWorker(models, self.backends, cfg, self.sample_rate, self.device, self.clock,
                                          self.requests.finish, more_tokens=self._more_tokens,
                                          flow_cache=self.flow_cache, green=self._green)
-        self.ar = ARWorker(self.runner, cfg, self.token2wav, self.requests.finish, self.clock, self.device)
+        if self.remote_ar:
+            self.ar = RemoteARWorker(self.runner, cfg, self.token2wav, self.requests.finish)
+        else:
+            self.ar = ARWorker(self.runner, cfg, self.token2wav, self.requests.finish, self.clock, self.device)
         self.frontend = FrontendPool(cfg.frontend_workers, self._prepare, self.ar.put, self.requests.finish)
         self._threads = start_workers([("ar", self.ar.loop), ("dit", self.token2wav.dit_loop),
                                        ("hift", self.token2wav.hift_loop)], self.requests)
@@ -384,9 +401,13 @@ class Scheduler:
         memo = self.voices if r.req.prompt_wav is None else None
         with self._frontend_stream_ctx():
             flow_prompt(r, inputs, self.device, memo)
-            lm_input(r, inputs, self.lm, self.device, memo)
-        runner_ids(r, inputs, self.runner)
+            if not self.remote_ar:
+                lm_input(r, inputs, self.lm, self.device, memo)
         self.pipeline._check_noise(inputs, r.req)
-        token_policy(r, inputs, self.lm, self.ar_max_len, noise_room=self.pipeline.noise_room(inputs))
+        if self.remote_ar:  # the LM input, its ids and the token policy are made in the AR process
+            r.inputs, r.noise_room = inputs, self.pipeline.noise_room(inputs)
+        else:
+            runner_ids(r, inputs, self.runner)
+            token_policy(r, inputs, self.lm, self.ar_max_len, noise_room=self.pipeline.noise_room(inputs))
         self.token2wav.start(r)
         r.metrics.mark("frontend_done")

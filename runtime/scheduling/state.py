@@ -25,6 +25,8 @@ class RequestState:
         self.handle = handle
         self.metrics = handle.metrics
         self.inputs = inputs                      # the frontend's LMRequestInputs when computed elsewhere (cluster)
+        #                                           or used elsewhere (the AR process: ar_process.py)
+        self.noise_room: int | None = None        # the AR process: tokens the noise buffers leave (token_policy's)
         self.lm_input: torch.Tensor | None = None
         self.lm_ids: torch.Tensor | None = None   # the prompt as the AR runner's input ids (None: embeddings only)
         self.inputs_ready = None                  # CUDA: event after the frontend thread built lm_input / prompt

@@ -1,6 +1,8 @@
 """A synthesis request, its per-request metrics, and the frontend step that turns it into model inputs."""
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import os
 import time
@@ -56,6 +58,11 @@ class Request:
             raise InputError(f"buffered_s must be a number of seconds in [0, 3600), got {self.buffered_s!r}")
         if self.stream and self.speed != 1.0:
             raise InputError("speed changes only apply offline (upstream resamples the whole mel): use stream=False")
+
+    def without_voice(self) -> "Request":
+        """This request with no voice source (no prompt audio, its transcript and rate, no saved speaker): what a
+        stage past the frontend needs, once the frontend has turned the voice into LM / flow inputs."""
+        return dataclasses.replace(self, prompt_wav=None, prompt_sr=None, prompt_text=None, speaker=None)
 
 
 @dataclass

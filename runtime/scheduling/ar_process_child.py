@@ -1,0 +1,293 @@
+"""What runs inside the AR's own process (`SchedulerConfig.ar_process`; the parent's side is `ar_process.py`).
+
+The child holds a copy of the LM (the parent's weights, bit for bit) and the AR runner (KV slots, decode / prefill
+graphs, compile), and runs the same `ARWorker` as one process does. Its main thread reads the parent's messages (a
+request's LM inputs, cancels, a scheduler's attach / detach, stats); the AR thread decodes and hands each request's
+new tokens back at the points the token2wav side can use them (a streaming request's hop points, the end) — one
+message per AR step at most. Why a process: the AR's per-step Python then no longer waits for the interpreter lock
+behind the DiT, vocoder, frontend and server threads (BENCHMARKS.md run 68: a 6.45 ms step for ~1.3 ms of kernels).
+
+Messages (pickled tuples, `ar_process.send` / `recv`): parent -> child
+    ("attach", call, config)  ("detach", call)  ("submit", key, request, inputs, noise_room, t_submit, t_tokenizer)
+    ("cancel", key)  ("stats", call)  ("save_cache", call, path)  ("close",)
+child -> parent
+    ("ready", info) | ("failed", error)      once, after the runner is built
+    ("tokens", [(key, ids, done, metrics | None), ...])  ("fail", key, error)  ("died", reason)
+    ("reply", call, value) | ("reply_error", call, error)
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from ...engines.errors import RejectedError
+from ..stages.hop_schedule import HopSchedule
+from ..stages.request import RequestMetrics
+from .handle import RequestHandle
+from .state import RequestState
+
+
+def portable_error(e: BaseException) -> BaseException:
+    """`e` if it survives pickling (the runtime's own errors do), else a RuntimeError naming it."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any exception type may come
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def rebuild_lm(lm_class, lm_config, state: bytes, dtype, device, attrs: dict):
+    """The parent's LM in this process: built from its config on `device`, its weights loaded from `state` (the
+    parent's tensors as `torch.save` wrote them: exactly), then the attributes the scheduler set on it (`attrs`)."""
+    import io
+
+    with torch.device(device):
+        lm = lm_class(lm_config)
+    lm.to(dtype=dtype)
+    lm.load_state_dict(torch.load(io.BytesIO(state), map_location="cpu", weights_only=True), strict=True)
+    lm.eval().requires_grad_(False)
+    for k, v in attrs.items():
+        setattr(lm, k, v)
+    return lm
+
+
+class _PipeSink:
+    """The AR worker's token sink here: new tokens collected per step (at a stream's hop points and at the end, as
+    the cluster's `TokenStream` flushes them), sent to the parent in one message by `flush`."""
+
+    def __init__(self, child: "_Child"):
+        self.child = child
+        self.items: list = []
+
+    def tokens(self, r: RequestState, done: bool) -> None:
+        n = len(r.tokens)
+        key = self.child.key_of(r)
+        if key is None:
+            return
+        if n > r.sent and (done or (r.flush is not None and r.flush.ready(n))):
+            ids, r.sent = np.asarray(r.tokens[r.sent:n], dtype=np.int64), n
+        else:
+            ids = None
+        while r.flush is not None and r.flush.ready(n):
+            r.flush.advance()
+        if done:
+            m = r.metrics
+            self.items.append((key, ids, True, {"t_ar": m.t_ar, "t_queue": m.t_queue, "marks": dict(m.marks)}))
+            self.child.forget(r)
+            r.handle._finish(None)
+        elif ids is not None:
+            self.items.append((key, ids, False, None))
+
+    def flush(self) -> None:
+        items, self.items = self.items, []
+        if items:
+            self.child.send(("tokens", items))
+
+
+class _Child:
+    """The child's state: the runner, the attached scheduler's AR worker, the live requests by the parent's key."""
+
+    def __init__(self, conn, runner, lm, device):
+        self.conn, self.runner, self.lm = conn, runner, lm
+        self.device = torch.device(device)
+        self.send_lock = threading.Lock()
+        self.lock = threading.Lock()
+        self.live: dict[int, RequestState] = {}
+        self.keys: dict[int, int] = {}  # id(RequestState) -> key
+        self.worker = None
+        self.thread: threading.Thread | None = None
+        self.clock = None
+        self.switches: list = []
+
+    # ---------------------------------------------------------------- messages
+    def send(self, msg) -> None:
+        from .ar_process import send
+
+        with self.send_lock:
+            send(self.conn, msg)
+
+    def serve(self) -> None:
+        from .ar_process import recv
+
+        handlers = {"attach": self._attach, "detach": self._detach, "submit": self._submit, "cancel": self._cancel,
+                    "stats": self._stats, "save_cache": self._save_cache}
+        while True:
+            try:
+                msg = recv(self.conn)
+            except (EOFError, OSError):  # the parent is gone
+                break
+            if msg[0] == "close":
+                break
+            handlers[msg[0]](*msg[1:])
+        self._stop_worker()
+        self.runner.close()
+
+    def _reply(self, call: int, fn) -> None:
+        try:
+            value = fn()
+        except BaseException as e:  # noqa: BLE001 - the parent's call raises it
+            self.send(("reply_error", call, portable_error(e)))
+            return
+        self.send(("reply", call, value))
+
+    # ---------------------------------------------------------------- a scheduler's worker
+    def _attach(self, call: int, config) -> None:
+        self._reply(call, lambda: self._start_worker(config))
+
+    def _detach(self, call: int) -> None:
+        self._reply(call, self._stop_worker)
+
+    def _start_worker(self, config) -> dict:
+        from .ar_worker import ARWorker
+        from .stage_clock import StageClock
+
+        self._stop_worker()
+        runner = self.runner
+        if config.ar_graph_sampling and hasattr(runner, "enable_graph_sampling"):
+            runner.enable_graph_sampling()
+        if hasattr(runner, "enable_decode_steps"):
+            runner.enable_decode_steps(config.ar_decode_steps)
+        if self.device.type == "cuda" and config.ar_event_sync:  # the AR's read-back switch lives in this process
+            from ..models.sampling import use_event_sync
+
+            use_event_sync(+1)
+            self.switches.append(use_event_sync)
+        self.clock = StageClock(self.device.type == "cuda")
+        self.worker = ARWorker(runner, config, _PipeSink(self), self._fail, self.clock, self.device)
+        self.thread = threading.Thread(target=self._run, args=(self.worker,), name="cosytrt-ar", daemon=True)
+        self.thread.start()
+        return {"max_len": runner.max_len, "max_batch": runner.max_batch}
+
+    def _run(self, worker) -> None:
+        from .ar_worker import Stopped
+
+        try:
+            worker.loop()
+        except Stopped:
+            pass
+        except BaseException as e:  # noqa: BLE001 - the parent fails every request it sent and reports why
+            self.send(("died", f"the AR worker in the AR process died: {e!r}"))
+
+    def _stop_worker(self) -> None:
+        """Stop the attached scheduler's worker (its thread joined), drop what it held: requests left (the parent
+        has failed them), their KV slots, the process switches it took."""
+        held = []
+        if self.worker is not None:
+            self.worker.stop()
+            self.thread.join(timeout=30)
+            held = list(self.worker.running)
+            self.worker = self.thread = None
+        with self.lock:
+            left = list(self.live.values())
+            self.live.clear()
+            self.keys.clear()
+        for r in left:
+            r.handle._finish(RejectedError(f"request {r.req.request_id}: its scheduler closed"))
+        for r in held + left:
+            if r.slot is not None:
+                self.runner.release(r.slot)
+                r.slot = None
+        while self.switches:
+            self.switches.pop()(-1)
+
+    # ---------------------------------------------------------------- requests
+    def key_of(self, r: RequestState) -> int | None:
+        return self.keys.get(id(r))
+
+    def forget(self, r: RequestState) -> int | None:
+        with self.lock:
+            key = self.keys.pop(id(r), None)
+            if key is not None:
+                self.live.pop(key, None)
+        return key
+
+    def _fail(self, r: RequestState, e: BaseException) -> None:
+        key = self.forget(r)
+        r.handle._finish(e)
+        if key is not None:
+            self.send(("fail", key, portable_error(e)))
+
+    def _submit(self, key: int, req, inputs, noise_room, t_submit: float, t_tokenizer: float) -> None:
+        from .prepare import lm_input, runner_ids, token_policy
+
+        m = RequestMetrics(request_id=req.request_id, stream=req.stream, buffered_s=req.buffered_s)
+        m.t_submit, m.t_tokenizer = t_submit, t_tokenizer  # perf_counter is the machine's monotonic clock
+        r = RequestState(req, RequestHandle(req, m, lambda h: None), inputs)
+        with self.lock:
+            self.live[key] = r
+            self.keys[id(r)] = key
+        try:
+            if self.worker is None:
+                raise RejectedError(f"request {req.request_id}: the AR process has no scheduler attached")
+            lm_input(r, inputs, self.lm, self.device)
+            runner_ids(r, inputs, self.runner)
+            token_policy(r, inputs, self.lm, self.runner.max_len, noise_room=noise_room)
+            if req.stream:
+                r.flush = HopSchedule(int(inputs.flow_prompt_tokens.numel()))
+        except BaseException as e:  # noqa: BLE001 - this request fails alone
+            self._fail(r, e)
+            return
+        self.worker.put(r)
+
+    def _cancel(self, key: int) -> None:
+        with self.lock:
+            r = self.live.pop(key, None)
+            if r is not None:
+                self.keys.pop(id(r), None)
+        if r is not None:
+            r.handle._finish(RejectedError(f"request {r.req.request_id} was cancelled"))
+            if self.worker is not None:
+                self.worker.wake()  # frees its KV slot at the next step
+
+    def _stats(self, call: int) -> None:
+        def snapshot():
+            w = self.worker
+            runner = self.runner
+            out = {"runner": runner.stats() if hasattr(runner, "stats") else {"slots": runner.max_batch,
+                                                                               "max_len": runner.max_len}}
+            if w is not None:
+                out.update(waiting=len(w.waiting), running=len(w.running),
+                           counters=dataclasses.asdict(w.counters), busy_s=self.clock.busy_s(),
+                           host_s=self.clock.host_s(), pid=os.getpid())
+            return out
+        self._reply(call, snapshot)
+
+    def _save_cache(self, call: int, path: str) -> None:
+        from ..stages.compiled import save_compile_cache
+
+        self._reply(call, lambda: save_compile_cache(path))
+
+
+def child_main(conn, lm_spec: dict, config, device: str, max_len: int, compile_cache: str | None) -> None:
+    """The AR process's entry point (`multiprocessing` spawn target)."""
+    from .ar_process import send
+
+    torch.set_grad_enabled(False)
+    if torch.device(device).type == "cpu":  # the parent's threads and this one share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    try:
+        t = time.perf_counter()
+        if compile_cache and os.path.isfile(compile_cache):
+            from ..stages.compiled import load_compile_cache
+
+            load_compile_cache(compile_cache)
+        lm = rebuild_lm(**lm_spec, device=device)
+        from .scheduler import make_ar_runner
+
+        cfg = dataclasses.replace(config, ar_process=False, ar_max_len=max_len)
+        runner = make_ar_runner(SimpleNamespace(llm=lm), cfg, device)
+        info = {"max_len": runner.max_len, "max_batch": runner.max_batch, "pid": os.getpid(),
+                "setup_s": time.perf_counter() - t}
+    except BaseException as e:  # noqa: BLE001 - the parent's start raises it
+        send(conn, ("failed", portable_error(e)))
+        return
+    send(conn, ("ready", info))
+    _Child(conn, runner, lm, device).serve()
