@@ -163,11 +163,17 @@ def test_child_death_fails_live_requests_and_close_ends_it():
     assert not proc.is_alive()
 
 
-def test_start_failure_is_the_child_error(monkeypatch):
-    """A runner the child cannot build: ARProcess raises the child's own error, and no process is left behind."""
+def test_start_failure_is_the_child_error():
+    """A runner the child cannot build (here: a device this machine lacks): ARProcess raises the child's own error
+    at once (not a time-out), and no process is left behind."""
+    import multiprocessing
+
     from cosytrt.runtime.stages.pipeline import Pipeline
 
     p = Pipeline.load("tiny")
-    cfg = SchedulerConfig(ar_process=True, ar_max_batch=1)
-    with pytest.raises(InputError, match="max_len"):
-        ARProcess(p.models.llm, cfg, "cpu", max_len=0)
+    before = set(multiprocessing.active_children())  # (the module's TTS keeps its own child)
+    t = time.monotonic()
+    with pytest.raises(BaseException, match="(?i)cuda"):
+        ARProcess(p.models.llm, SchedulerConfig(ar_process=True), "cuda:7", max_len=256)
+    assert time.monotonic() - t < 60
+    assert not set(multiprocessing.active_children()) - before

@@ -19,26 +19,20 @@ from __future__ import annotations
 import atexit
 import io
 import itertools
-import pickle
 import threading
+import time
 import weakref
 
 import torch
 
+from .ar_process_child import child_main, recv, send
+from .ar_worker import Stopped
 from .stats import ARCounters
 
 START_TIMEOUT_S = 3600.0  # the child's start: the LM copy, its compile and graphs (cold compiles took minutes)
 CALL_TIMEOUT_S = 120.0    # attach / detach / save_cache; stats wait STATS_TIMEOUT_S
 STATS_TIMEOUT_S = 2.0
 _OPEN: "weakref.WeakSet[ARProcess]" = weakref.WeakSet()
-
-
-def send(conn, msg) -> None:
-    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def recv(conn):
-    return pickle.loads(conn.recv_bytes())
 
 
 class ARProcessError(RuntimeError):
@@ -70,8 +64,6 @@ class ARProcess:
                  start_timeout_s: float = START_TIMEOUT_S):
         import torch.multiprocessing as mp
 
-        from .ar_process_child import child_main
-
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=child_main, name="cosytrt-ar-process",
@@ -97,8 +89,6 @@ class ARProcess:
 
     # ---------------------------------------------------------------- start / stop
     def _wait_ready(self, timeout_s: float) -> dict:
-        import time
-
         deadline = time.monotonic() + timeout_s
         while not self.conn.poll(0.2):
             if not self.proc.is_alive():
@@ -292,8 +282,6 @@ class RemoteARWorker:
         return bool(self.live)
 
     def loop(self) -> None:
-        from .ar_worker import Stopped
-
         with self.cond:
             while not self.stopped and self.died is None:
                 self.cond.wait()

@@ -7,7 +7,7 @@ new tokens back at the points the token2wav side can use them (a streaming reque
 message per AR step at most. Why a process: the AR's per-step Python then no longer waits for the interpreter lock
 behind the DiT, vocoder, frontend and server threads (BENCHMARKS.md run 68: a 6.45 ms step for ~1.3 ms of kernels).
 
-Messages (pickled tuples, `ar_process.send` / `recv`): parent -> child
+Messages (pickled tuples, `send` / `recv` below): parent -> child
     ("attach", call, config)  ("detach", call)  ("submit", key, request, inputs, noise_room, t_submit, t_tokenizer)
     ("cancel", key)  ("stats", call)  ("save_cache", call, path)  ("close",)
 child -> parent
@@ -18,10 +18,11 @@ child -> parent
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
+import pickle
 import threading
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -29,14 +30,25 @@ import torch
 from ...engines.errors import RejectedError
 from ..stages.hop_schedule import HopSchedule
 from ..stages.request import RequestMetrics
+from .ar_runners import torch_ar_runner
+from .ar_worker import ARWorker, Stopped
 from .handle import RequestHandle
+from .prepare import lm_input, runner_ids, token_policy
+from .stage_clock import StageClock
 from .state import RequestState
+
+
+def send(conn, msg) -> None:
+    """One message over the pipe (both sides): a pickled tuple."""
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn):
+    return pickle.loads(conn.recv_bytes())
 
 
 def portable_error(e: BaseException) -> BaseException:
     """`e` if it survives pickling (the runtime's own errors do), else a RuntimeError naming it."""
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(e))
         return e
@@ -47,8 +59,6 @@ def portable_error(e: BaseException) -> BaseException:
 def rebuild_lm(lm_class, lm_config, state: bytes, dtype, device, attrs: dict):
     """The parent's LM in this process: built from its config on `device`, its weights loaded from `state` (the
     parent's tensors as `torch.save` wrote them: exactly), then the attributes the scheduler set on it (`attrs`)."""
-    import io
-
     with torch.device(device):
         lm = lm_class(lm_config)
     lm.to(dtype=dtype)
@@ -109,14 +119,10 @@ class _Child:
 
     # ---------------------------------------------------------------- messages
     def send(self, msg) -> None:
-        from .ar_process import send
-
         with self.send_lock:
             send(self.conn, msg)
 
     def serve(self) -> None:
-        from .ar_process import recv
-
         handlers = {"attach": self._attach, "detach": self._detach, "submit": self._submit, "cancel": self._cancel,
                     "stats": self._stats, "save_cache": self._save_cache}
         while True:
@@ -146,9 +152,6 @@ class _Child:
         self._reply(call, self._stop_worker)
 
     def _start_worker(self, config) -> dict:
-        from .ar_worker import ARWorker
-        from .stage_clock import StageClock
-
         self._stop_worker()
         runner = self.runner
         if config.ar_graph_sampling and hasattr(runner, "enable_graph_sampling"):
@@ -167,8 +170,6 @@ class _Child:
         return {"max_len": runner.max_len, "max_batch": runner.max_batch}
 
     def _run(self, worker) -> None:
-        from .ar_worker import Stopped
-
         try:
             worker.loop()
         except Stopped:
@@ -216,8 +217,6 @@ class _Child:
             self.send(("fail", key, portable_error(e)))
 
     def _submit(self, key: int, req, inputs, noise_room, t_submit: float, t_tokenizer: float) -> None:
-        from .prepare import lm_input, runner_ids, token_policy
-
         m = RequestMetrics(request_id=req.request_id, stream=req.stream, buffered_s=req.buffered_s)
         m.t_submit, m.t_tokenizer = t_submit, t_tokenizer  # perf_counter is the machine's monotonic clock
         r = RequestState(req, RequestHandle(req, m, lambda h: None), inputs)
@@ -268,8 +267,6 @@ class _Child:
 
 def child_main(conn, lm_spec: dict, config, device: str, max_len: int, compile_cache: str | None) -> None:
     """The AR process's entry point (`multiprocessing` spawn target)."""
-    from .ar_process import send
-
     torch.set_grad_enabled(False)
     if torch.device(device).type == "cpu":  # the parent's threads and this one share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
@@ -280,10 +277,7 @@ def child_main(conn, lm_spec: dict, config, device: str, max_len: int, compile_c
 
             load_compile_cache(compile_cache)
         lm = rebuild_lm(**lm_spec, device=device)
-        from .scheduler import make_ar_runner
-
-        cfg = dataclasses.replace(config, ar_process=False, ar_max_len=max_len)
-        runner = make_ar_runner(SimpleNamespace(llm=lm), cfg, device)
+        runner = torch_ar_runner(lm, dataclasses.replace(config, ar_process=False), device, max_len)
         info = {"max_len": runner.max_len, "max_batch": runner.max_batch, "pid": os.getpid(),
                 "setup_s": time.perf_counter() - t}
     except BaseException as e:  # noqa: BLE001 - the parent's start raises it

@@ -25,11 +25,11 @@ from typing import Callable
 import torch
 
 from ...engines.errors import InputError
-from ..models import decode_attention_triton
-from ..stages.ar_runner import ARRunner, TorchARRunner, default_max_len
+from ..stages.ar_runner import ARRunner, default_max_len
 from ..stages.backends import StageBackends
 from .admission import AdmissionControl, Ticket
 from .ar_process import ARProcess, RemoteARWorker
+from .ar_runners import torch_ar_runner
 from .ar_worker import ARWorker, Stopped
 from .config import SchedulerConfig
 from .handle import RequestHandle
@@ -78,21 +78,7 @@ def make_ar_runner(models, config: SchedulerConfig, device, engine_set=None, com
     if cfg.ar_process:  # the LM and this runner in a child process (ar_process.py); it checks the rest there
         models.llm.batch_invariant = cfg.batch_invariant  # copied over with the weights
         return ARProcess(models.llm, cfg, device, cfg.ar_max_len or default_max_len(models), compile_cache)
-    models.llm.batch_invariant = cfg.batch_invariant  # before any compile / graph capture of its calls
-    impl = cfg.decode_attention_for(device)
-    if impl == "split_kv" and torch.device(device).type == "cuda":
-        if not decode_attention_triton.available():
-            raise InputError("SchedulerConfig.ar_decode_attention='split_kv' needs Triton on CUDA, and it is not "
-                             "installed: use 'sdpa'")
-    models.llm.decode_attention_impl = impl
-    runner = TorchARRunner(models.llm, cfg.ar_max_batch, cfg.ar_max_len or default_max_len(models), device,
-                           cuda_graphs=cfg.cuda_graphs, compile=cfg.compile, graph_batches=cfg.ar_graph_batches,
-                           prefill_graph_batches=cfg.ar_prefill_graph_batches,
-                           prefill_graph_lengths=cfg.ar_prefill_graph_lengths,
-                           max_prefill_tokens=cfg.ar_max_prefill_tokens, graph_sampling=cfg.ar_graph_sampling)
-    if cfg.batch_invariant:  # the promise checked on this device and these graphs (a warning if it fails)
-        runner.check_batch_invariance()
-    return runner
+    return torch_ar_runner(models.llm, cfg, device, cfg.ar_max_len or default_max_len(models))
 
 
 FAST_GIL_SWITCH_S = 0.0005

@@ -1,0 +1,29 @@
+"""The PyTorch LM's AR runner as a SchedulerConfig describes it (`scheduler.make_ar_runner` picks the runner kind;
+the AR process builds its runner here too)."""
+from __future__ import annotations
+
+import torch
+
+from ...engines.errors import InputError
+from ..models import decode_attention_triton
+from ..stages.ar_runner import TorchARRunner
+from .config import SchedulerConfig
+
+
+def torch_ar_runner(lm, cfg: SchedulerConfig, device, max_len: int) -> TorchARRunner:
+    """KV slots, CUDA-graph ladders and compile for `lm` (its batch-invariant and decode-attention switches set from
+    `cfg` first: before any compile / graph capture of its calls)."""
+    lm.batch_invariant = cfg.batch_invariant
+    impl = cfg.decode_attention_for(device)
+    if impl == "split_kv" and torch.device(device).type == "cuda":
+        if not decode_attention_triton.available():
+            raise InputError("SchedulerConfig.ar_decode_attention='split_kv' needs Triton on CUDA, and it is not "
+                             "installed: use 'sdpa'")
+    lm.decode_attention_impl = impl
+    runner = TorchARRunner(lm, cfg.ar_max_batch, max_len, device, cuda_graphs=cfg.cuda_graphs, compile=cfg.compile,
+                           graph_batches=cfg.ar_graph_batches, prefill_graph_batches=cfg.ar_prefill_graph_batches,
+                           prefill_graph_lengths=cfg.ar_prefill_graph_lengths,
+                           max_prefill_tokens=cfg.ar_max_prefill_tokens, graph_sampling=cfg.ar_graph_sampling)
+    if cfg.batch_invariant:  # the promise checked on this device and these graphs (a warning if it fails)
+        runner.check_batch_invariance()
+    return runner
