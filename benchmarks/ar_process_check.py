@@ -7,22 +7,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 
 import numpy as np
 
 
 def run(tts, reqs):
-    handles = [None] * len(reqs)
+    """All requests submitted at once (from a thread each), then each one's audio, tokens and metrics."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    def go(i):
-        handles[i] = tts.submit(reqs[i])
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        handles = list(pool.map(tts.submit, reqs))
     return [(h.result(timeout=300), h.tokens, h.metrics) for h in handles]
 
 
