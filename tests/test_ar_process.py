@@ -123,6 +123,20 @@ def test_request_error_comes_back_as_itself(tts):
     assert ok.result(timeout=60).size > 0
 
 
+def test_a_signal_to_the_process_group_leaves_the_drain_to_the_parent(tts):
+    """SIGTERM / SIGINT to the child (a service manager or a Ctrl-C reaches the whole process group): it keeps serving;
+    the parent ends it when it closes (or it sees the pipe end if the parent dies)."""
+    import os
+    import signal
+
+    pid = tts.ar_runner.proc.pid
+    h = tts.submit("Still running.", seed=4, stream=True, force_tokens=200)
+    os.kill(pid, signal.SIGTERM)
+    os.kill(pid, signal.SIGINT)
+    assert h.result(timeout=60).size > 0 and h.error is None
+    assert tts.ar_runner.proc.is_alive() and tts.health()[0]
+
+
 def test_config_checks_and_runner_field():
     assert "ar_process" in AR_RUNNER_FIELDS
     with pytest.raises(InputError, match="ar_pace_lead_s"):

@@ -267,6 +267,13 @@ class _Child:
 
 def child_main(conn, lm_spec: dict, config, device: str, max_len: int, compile_cache: str | None) -> None:
     """The AR process's entry point (`multiprocessing` spawn target)."""
+    import signal
+
+    # The parent decides when this process ends (its close message, or the pipe's end if it dies): a Ctrl-C or a
+    # service manager's SIGTERM to the whole process group must not end the AR under requests the parent still
+    # drains (the parent then closes it).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_grad_enabled(False)
     if torch.device(device).type == "cpu":  # the parent's threads and this one share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
