@@ -191,3 +191,34 @@ def test_start_failure_is_the_child_error():
         ARProcess(p.models.llm, SchedulerConfig(ar_process=True), "cuda:7", max_len=256)
     assert time.monotonic() - t < 60
     assert not set(multiprocessing.active_children()) - before
+
+
+def test_child_exits_when_its_parent_dies(tmp_path):
+    """A parent killed without closing (os._exit: no atexit, no close message): the child sees the pipe end and
+    exits, so no orphan keeps the GPU's memory."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, sys\n"
+        "from cosytrt.runtime import TTS\n"
+        "from cosytrt.runtime.scheduling.config import SchedulerConfig\n"
+        "if __name__ == '__main__':\n"
+        "    t = TTS.load('tiny', scheduler=SchedulerConfig(ar_process=True))\n"
+        "    t.synthesize('Hi.', seed=1, force_tokens=10)\n"
+        "    print(t.ar_runner.proc.pid, flush=True)\n"
+        "    os._exit(0)\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr
+    pid = int(p.stdout.strip().splitlines()[-1])
+
+    def gone():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not reaped by init yet) counts as gone
+            return f.read().split(")")[-1].split()[0] == "Z"
+    assert _wait(gone, 30)
