@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import io
 import itertools
+import queue
 import threading
 import time
 import weakref
@@ -72,7 +73,10 @@ class ARProcess:
         child.close()
         self.dead: str | None = None
         self.worker = None
-        self._send_lock = threading.Lock()
+        # every message to the child goes through one sender thread, so no caller blocks on a full pipe: in
+        # particular the reader thread, whose handlers may send (a failed request's cancel), never waits for a child
+        # that waits for the reader
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count()
@@ -85,6 +89,8 @@ class ARProcess:
         self.max_len, self.max_batch = int(self.info["max_len"]), int(self.info["max_batch"])
         self._reader = threading.Thread(target=self._read, name="cosytrt-ar-process-reader", daemon=True)
         self._reader.start()
+        self._sender = threading.Thread(target=self._send_loop, name="cosytrt-ar-process-sender", daemon=True)
+        self._sender.start()
         _OPEN.add(self)
 
     # ---------------------------------------------------------------- start / stop
@@ -108,32 +114,40 @@ class ARProcess:
         if self._closed:
             return
         self._closed = True
-        try:
-            self.send(("close",))
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        self._outbox.put(("close",))
+        self._outbox.put(None)  # the sender's last message
         self.proc.join(timeout=30)
         self._kill()
         _OPEN.discard(self)
 
     def _kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout=10)
+        """The child killed if it is still there (it ignores SIGTERM: see ar_process_child.child_main)."""
         if self.proc.is_alive():
             self.proc.kill()
-            self.proc.join(timeout=5)
+            self.proc.join(timeout=10)
         self.conn.close()
 
     # ---------------------------------------------------------------- messages
     def send(self, msg) -> None:
+        """Queue `msg` for the child (ARProcessError if it is known dead or closed; a pipe that breaks later makes
+        the process dead: its worker then fails every live request)."""
         if self.dead is not None:
             raise ARProcessError(self.dead)
-        with self._send_lock:
+        if self._closed:
+            raise ARProcessError("the AR process is closed")
+        self._outbox.put(msg)
+
+    def _send_loop(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
             try:
                 send(self.conn, msg)
             except (OSError, ValueError) as e:  # the pipe is gone with the child
-                raise ARProcessError(f"the AR process is gone ({e})") from e
+                if not self._closed:
+                    self._died(f"the AR process is gone ({e})")
+                return
 
     def call(self, op: str, *args, timeout_s: float = CALL_TIMEOUT_S):
         """Ask the child and wait for its answer (its error raised here)."""
