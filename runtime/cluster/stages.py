@@ -21,7 +21,7 @@ from ..scheduling.ar_worker import ARWorker
 from ..scheduling.config import SchedulerConfig
 from ..scheduling.handle import RequestHandle
 from ..scheduling.lifecycle import FrontendPool, Lifecycle
-from ..scheduling.prepare import flow_prompt, lm_input, runner_ids, token_policy
+from ..scheduling.prepare import ar_side, flow_prompt
 from ..stages.request import Request
 from ..scheduling.scheduler import collect_stats, make_ar_runner, start_workers
 from ..scheduling.stage_clock import StageClock
@@ -51,15 +51,12 @@ class TokenStream:
         self.finish = finish
 
     def tokens(self, r: RequestState, done: bool) -> None:
-        n = len(r.tokens)
         if done:
-            r.metrics.tokens = n
+            r.metrics.tokens = len(r.tokens)
             r.handle.tokens = list(r.tokens)
-        if n > r.sent and (done or (r.flush is not None and r.flush.ready(n))):
-            r.handle._put(np.asarray(r.tokens[r.sent:], dtype=np.int64))
-            r.sent = n
-        while r.flush is not None and r.flush.ready(n):
-            r.flush.advance()
+        ids = r.take_flushed(done)
+        if ids:
+            r.handle._put(np.asarray(ids, dtype=np.int64))
         if done:
             self.finish(r, None)
 
@@ -91,12 +88,8 @@ class ARStage:
 
     def _prepare(self, r: RequestState) -> None:  # the frontend ran remotely: only the LM input and policy here
         t0 = time.perf_counter()
-        lm_input(r, r.inputs, self.lm, self.device)
-        runner_ids(r, r.inputs, self.runner)
-        token_policy(r, r.inputs, self.lm, self.runner.max_len, "the AR replica's KV-cache slots",
-                     "scheduler.ar_max_len of the AR stage")
-        if r.req.stream:
-            r.flush = HopSchedule(int(r.inputs.flow_prompt_tokens.numel()))
+        ar_side(r, r.inputs, self.lm, self.runner, self.device, slots_name="the AR replica's KV-cache slots",
+                setting="scheduler.ar_max_len of the AR stage")
         r.metrics.t_tokenizer = time.perf_counter() - t0
 
     def stats(self) -> dict:

@@ -48,11 +48,12 @@ class _Call:
 
 
 def lm_spec(lm) -> dict:
-    """What the child needs to rebuild `lm` exactly: its class, config, dtype, the attributes the scheduler sets on it,
-    and its weights (serialized here: the parent's tensors are not touched)."""
+    """What the child needs to rebuild `lm` exactly: its class, config, dtype, the attributes set on it that are not
+    the runner's (`torch_ar_runner` sets batch_invariant and the decode attention there from the config), and its
+    weights (serialized here: the parent's tensors are not touched)."""
     buf = io.BytesIO()
     torch.save({k: v.detach().cpu() for k, v in lm.state_dict().items()}, buf)
-    attrs = {k: getattr(lm, k) for k in ("batch_invariant", "reduce_attention_max_rows") if hasattr(lm, k)}
+    attrs = {k: getattr(lm, k) for k in ("reduce_attention_max_rows",) if hasattr(lm, k)}
     return {"lm_class": type(lm), "lm_config": lm.config, "state": buf.getvalue(), "dtype": lm.dtype,
             "attrs": attrs}
 
@@ -221,11 +222,12 @@ class ARProcess:
                 self.worker = None
 
     def stats(self) -> dict:
+        """The child's snapshot (`ARWorker.snapshot`, counters as a dict, busy / host seconds) or, when it does not
+        answer in time, the runner's size alone: stats must not fail a caller."""
         try:
-            s = self.call("stats", timeout_s=STATS_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - stats must not fail a caller
-            return {"slots": self.max_batch, "max_len": self.max_len, "process": f"no answer: {e}"}
-        return {**s.get("runner", {}), "process_pid": self.info.get("pid")}
+            return self.call("stats", timeout_s=STATS_TIMEOUT_S)
+        except Exception:  # noqa: BLE001
+            return {"runner": {"slots": self.max_batch, "max_len": self.max_len}}
 
     def save_compile_cache(self, path: str) -> int:
         """The child's torch.compile artifacts (the LM's) written to `path`; bytes written."""
@@ -304,16 +306,13 @@ class RemoteARWorker:
         raise Stopped
 
     def snapshot(self) -> dict:
-        try:
-            s = self.proc.call("stats", timeout_s=STATS_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - stats must not fail a caller: the last counters
-            s = {}
+        """`ARWorker.snapshot` of the child's worker (its last counters when the child does not answer)."""
+        s = self.proc.stats()
         if "counters" in s:
             self.counters = ARCounters(**s["counters"])
-        runner = {**s.get("runner", {"slots": self.proc.max_batch, "max_len": self.proc.max_len}),
-                  "process_pid": self.proc.info.get("pid")}
-        return {"waiting": s.get("waiting", 0), "running": s.get("running", 0), "runner": runner,
-                "counters": self.counters, "busy_s": s.get("busy_s", {}), "host_s": s.get("host_s", {})}
+        return {"waiting": s.get("waiting", 0), "running": s.get("running", 0),
+                "runner": {**s["runner"], "process_pid": self.proc.info["pid"]}, "counters": self.counters,
+                "busy_s": s.get("busy_s", {}), "host_s": s.get("host_s", {})}
 
     # ---------------------------------------------------------------- the process's reader thread
     def on_message(self, msg) -> None:

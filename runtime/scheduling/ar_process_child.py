@@ -22,18 +22,16 @@ import io
 import os
 import pickle
 import threading
-import time
 
 import numpy as np
 import torch
 
 from ...engines.errors import RejectedError
-from ..stages.hop_schedule import HopSchedule
 from ..stages.request import RequestMetrics
 from .ar_runners import torch_ar_runner
-from .ar_worker import ARWorker, Stopped
+from .ar_worker import ARWorker, Stopped, runner_stats
 from .handle import RequestHandle
-from .prepare import lm_input, runner_ids, token_policy
+from .prepare import ar_side
 from .stage_clock import StageClock
 from .state import RequestState
 
@@ -78,16 +76,11 @@ class _PipeSink:
         self.items: list = []
 
     def tokens(self, r: RequestState, done: bool) -> None:
-        n = len(r.tokens)
         key = self.child.key_of(r)
         if key is None:
             return
-        if n > r.sent and (done or (r.flush is not None and r.flush.ready(n))):
-            ids, r.sent = np.asarray(r.tokens[r.sent:n], dtype=np.int64), n
-        else:
-            ids = None
-        while r.flush is not None and r.flush.ready(n):
-            r.flush.advance()
+        ids = r.take_flushed(done)
+        ids = None if ids is None else np.asarray(ids, dtype=np.int64)
         if done:
             m = r.metrics
             self.items.append((key, ids, True, {"t_ar": m.t_ar, "t_queue": m.t_queue, "marks": dict(m.marks)}))
@@ -151,7 +144,7 @@ class _Child:
     def _detach(self, call: int) -> None:
         self._reply(call, self._stop_worker)
 
-    def _start_worker(self, config) -> dict:
+    def _start_worker(self, config) -> None:
         self._stop_worker()
         runner = self.runner
         if config.ar_graph_sampling and hasattr(runner, "enable_graph_sampling"):
@@ -167,7 +160,6 @@ class _Child:
         self.worker = ARWorker(runner, config, _PipeSink(self), self._fail, self.clock, self.device)
         self.thread = threading.Thread(target=self._run, args=(self.worker,), name="cosytrt-ar", daemon=True)
         self.thread.start()
-        return {"max_len": runner.max_len, "max_batch": runner.max_batch}
 
     def _run(self, worker) -> None:
         try:
@@ -226,11 +218,7 @@ class _Child:
         try:
             if self.worker is None:
                 raise RejectedError(f"request {req.request_id}: the AR process has no scheduler attached")
-            lm_input(r, inputs, self.lm, self.device)
-            runner_ids(r, inputs, self.runner)
-            token_policy(r, inputs, self.lm, self.runner.max_len, noise_room=noise_room)
-            if req.stream:
-                r.flush = HopSchedule(int(inputs.flow_prompt_tokens.numel()))
+            ar_side(r, inputs, self.lm, self.runner, self.device, noise_room)
         except BaseException as e:  # noqa: BLE001 - this request fails alone
             self._fail(r, e)
             return
@@ -249,14 +237,10 @@ class _Child:
     def _stats(self, call: int) -> None:
         def snapshot():
             w = self.worker
-            runner = self.runner
-            out = {"runner": runner.stats() if hasattr(runner, "stats") else {"slots": runner.max_batch,
-                                                                               "max_len": runner.max_len}}
-            if w is not None:
-                out.update(waiting=len(w.waiting), running=len(w.running),
-                           counters=dataclasses.asdict(w.counters), busy_s=self.clock.busy_s(),
-                           host_s=self.clock.host_s(), pid=os.getpid())
-            return out
+            if w is None:
+                return {"runner": runner_stats(self.runner)}
+            return {**w.snapshot(), "counters": dataclasses.asdict(w.counters), "busy_s": self.clock.busy_s(),
+                    "host_s": self.clock.host_s()}
         self._reply(call, snapshot)
 
     def _save_cache(self, call: int, path: str) -> None:
@@ -278,15 +262,13 @@ def child_main(conn, lm_spec: dict, config, device: str, max_len: int, compile_c
     if torch.device(device).type == "cpu":  # the parent's threads and this one share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     try:
-        t = time.perf_counter()
         if compile_cache and os.path.isfile(compile_cache):
             from ..stages.compiled import load_compile_cache
 
             load_compile_cache(compile_cache)
         lm = rebuild_lm(**lm_spec, device=device)
         runner = torch_ar_runner(lm, dataclasses.replace(config, ar_process=False), device, max_len)
-        info = {"max_len": runner.max_len, "max_batch": runner.max_batch, "pid": os.getpid(),
-                "setup_s": time.perf_counter() - t}
+        info = {"max_len": runner.max_len, "max_batch": runner.max_batch, "pid": os.getpid()}
     except BaseException as e:  # noqa: BLE001 - the parent's start raises it
         send(conn, ("failed", portable_error(e)))
         return

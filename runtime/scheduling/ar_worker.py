@@ -30,6 +30,11 @@ PACE_POLL_S = 0.005  # a pacing wait re-checks its requests at least this often 
 STEP_EMA = 0.1       # weight of the latest decode step in the step-time estimate pacing uses
 
 
+def runner_stats(runner) -> dict:
+    """An AR runner's own numbers (slots, graph replays, ...), or its size where it keeps none."""
+    return runner.stats() if hasattr(runner, "stats") else {"slots": runner.max_batch, "max_len": runner.max_len}
+
+
 class Stopped(Exception):
     """Raised inside a worker loop when its scheduler stops."""
 
@@ -95,9 +100,7 @@ class ARWorker:
 
     def snapshot(self) -> dict:
         """What the scheduler's stats read of this worker: queue lengths, the runner's stats, the counters."""
-        runner = self.runner
-        stats = runner.stats() if hasattr(runner, "stats") else {"slots": runner.max_batch, "max_len": runner.max_len}
-        return {"waiting": len(self.waiting), "running": len(self.running), "runner": stats,
+        return {"waiting": len(self.waiting), "running": len(self.running), "runner": runner_stats(self.runner),
                 "counters": self.counters}
 
     # ---------------------------------------------------------------- the loop

@@ -12,6 +12,7 @@ from ...engines.cuda_graphs import upload
 from ...engines.errors import EngineSetError, RequestTooLongError
 from ..models.sampling import TokenPolicy
 from ..models.versions import tensor_version
+from ..stages.hop_schedule import HopSchedule
 from .state import RequestState
 
 
@@ -78,6 +79,18 @@ def runner_ids(r: RequestState, inputs, runner) -> None:
         raise EngineSetError(f"AR runner {type(runner).__name__}: prompt_ids gave {ids.shape[0]} ids for "
                            f"{r.lm_input.shape[0]} LM input positions")
     r.lm_ids = ids
+
+
+def ar_side(r: RequestState, inputs, lm, runner, device, noise_room: int | None = None,
+            slots_name: str = "the KV-cache slots", setting: str = "SchedulerConfig.ar_max_len") -> None:
+    """An AR whose frontend ran elsewhere (the cluster's AR replica, the AR process): the request's LM input, its
+    runner ids and token policy (`token_policy`'s check, its names and noise room), and for a stream the points at
+    which its tokens are flushed to token2wav (its hop schedule)."""
+    lm_input(r, inputs, lm, device)
+    runner_ids(r, inputs, runner)
+    token_policy(r, inputs, lm, runner.max_len, slots_name, setting, noise_room=noise_room)
+    if r.req.stream:
+        r.flush = HopSchedule(int(inputs.flow_prompt_tokens.numel()))
 
 
 def flow_prompt(r: RequestState, inputs, device, memo: VoiceMemo | None = None) -> None:

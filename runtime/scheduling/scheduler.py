@@ -63,6 +63,7 @@ def make_ar_runner(models, config: SchedulerConfig, device, engine_set=None, com
     `ar_runner: trtllm` (the set was checked for it when opened), or with `ar_process` an `ARProcess`: the PyTorch
     LM's runner in a child process (`compile_cache`: a file of the child's compiled code, loaded there first)."""
     cfg = config
+    max_len = cfg.ar_max_len or default_max_len(models)
     if engine_set is not None:
         from ..stages.engine_set import LoadedEngineSet
 
@@ -74,11 +75,10 @@ def make_ar_runner(models, config: SchedulerConfig, device, engine_set=None, com
             from ..stages.ar_trtllm import TrtllmARRunner
 
             return TrtllmARRunner.from_engine_set(engine_set.folder, engine_set.manifest, cfg.ar_max_batch,
-                                                  cfg.ar_max_len or default_max_len(models), device)
-    if cfg.ar_process:  # the LM and this runner in a child process (ar_process.py); it checks the rest there
-        models.llm.batch_invariant = cfg.batch_invariant  # copied over with the weights
-        return ARProcess(models.llm, cfg, device, cfg.ar_max_len or default_max_len(models), compile_cache)
-    return torch_ar_runner(models.llm, cfg, device, cfg.ar_max_len or default_max_len(models))
+                                                  max_len, device)
+    if cfg.ar_process:  # the LM and this runner in a child process (ar_process.py; its torch_ar_runner there)
+        return ARProcess(models.llm, cfg, device, max_len, compile_cache)
+    return torch_ar_runner(models.llm, cfg, device, max_len)
 
 
 FAST_GIL_SWITCH_S = 0.0005
@@ -390,10 +390,11 @@ class Scheduler:
             if not self.remote_ar:
                 lm_input(r, inputs, self.lm, self.device, memo)
         self.pipeline._check_noise(inputs, r.req)
+        room = self.pipeline.noise_room(inputs)
         if self.remote_ar:  # the LM input, its ids and the token policy are made in the AR process
-            r.inputs, r.noise_room = inputs, self.pipeline.noise_room(inputs)
+            r.inputs, r.noise_room = inputs, room
         else:
             runner_ids(r, inputs, self.runner)
-            token_policy(r, inputs, self.lm, self.ar_max_len, noise_room=self.pipeline.noise_room(inputs))
+            token_policy(r, inputs, self.lm, self.ar_max_len, noise_room=room)
         self.token2wav.start(r)
         r.metrics.mark("frontend_done")

@@ -48,6 +48,18 @@ class RequestState:
     def dead(self) -> bool:
         return self.handle.done()
 
+    def take_flushed(self, done: bool) -> list[int] | None:
+        """An AR whose tokens go elsewhere (the cluster's AR replica, the AR process): the tokens made since the last
+        flush when the LM is `done` or the stream's next flush point (`flush`, its hop schedule) is reached, else
+        None; the flush schedule is advanced past the tokens made."""
+        n = len(self.tokens)
+        out = None
+        if n > self.sent and (done or (self.flush is not None and self.flush.ready(n))):
+            out, self.sent = self.tokens[self.sent:n], n
+        while self.flush is not None and self.flush.ready(n):
+            self.flush.advance()
+        return out
+
 
 @dataclass
 class DitJob:
