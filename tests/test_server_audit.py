@@ -22,7 +22,7 @@ from server_helpers import FakeTTS, assert_error, fake_client, wait_ready  # noq
 from cosytrt.runtime.serving import routes_ws  # noqa: E402
 from cosytrt.runtime.serving.app import ServerSettings, create_app  # noqa: E402
 from cosytrt.runtime.serving.encoding import decode_upload, ref_audio_bytes  # noqa: E402
-from cosytrt.runtime.serving.streaming import audio_stream_response  # noqa: E402
+from cosytrt.runtime.serving.streaming import ClientStalled, audio_stream_response, bounded_send  # noqa: E402
 
 BODY = {"model": "cosyvoice3", "input": "Hello there.", "voice": "default"}
 WS = "/v1/audio/speech/stream"
@@ -208,17 +208,21 @@ def test_stalled_stream_client_is_dropped_and_its_slot_freed():
     async def run():
         sent = []
 
-        async def send(message):
+        async def client(message):
             sent.append(message)
             if len(sent) > 3:
                 await asyncio.Event().wait()  # the client's window is full, for ever
 
+        async def send(message):  # what the server's guard makes of every send
+            await bounded_send(client(message), 0.1)
+
         async def receive():
             await asyncio.Event().wait()
 
-        resp = audio_stream_response(body(), finished.append, 0.1, media_type="audio/pcm")
+        resp = audio_stream_response(body(), finished.append, media_type="audio/pcm")
         scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/v1/audio/speech"}
-        await asyncio.wait_for(resp(scope, receive, send), 5)
+        with pytest.raises(ClientStalled):
+            await asyncio.wait_for(resp(scope, receive, send), 5)
         return sent
 
     t0 = time.monotonic()
@@ -239,8 +243,11 @@ def stalling_app(tmp_path):
         yield app, app.state.server, c, fake
 
 
-def test_stalled_stream_through_the_server(tmp_path):
-    """The same through the app: the slot comes back once the client has not read for send_timeout_s."""
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_stalled_client_through_the_server(tmp_path, stream, caplog):
+    """The same through the app: the slot comes back once the client has not read for send_timeout_s. A whole
+    (non-streamed) response's client that stops reading no longer holds its connection and task for ever either
+    (every send of every response is bounded, by the app's guard)."""
     with stalling_app(tmp_path) as (app, state, c, fake):
 
         async def drive():
@@ -251,7 +258,7 @@ def test_stalled_stream_through_the_server(tmp_path):
                 if message["type"] == "http.response.body" and message.get("body"):
                     await asyncio.Event().wait()  # reads the headers, then nothing
 
-            body = json.dumps({**BODY, "stream": True, "response_format": "pcm"}).encode()
+            body = json.dumps({**BODY, "stream": stream, "response_format": "pcm"}).encode()
             messages = [{"type": "http.request", "body": body, "more_body": False}]
 
             async def receive():
@@ -267,10 +274,13 @@ def test_stalled_stream_through_the_server(tmp_path):
             await asyncio.wait_for(app(scope, receive, send), 5)
             return sent
 
+        t0 = time.monotonic()
         sent = c.portal.call(drive)
-        assert sent[0]["status"] == 200
+        assert sent[0]["status"] == 200 and time.monotonic() - t0 < 3
         assert state.admission.in_flight == 0 and not state.jobs
-        assert fake.handles[-1].cancelled.is_set()
+        if stream:
+            assert fake.handles[-1].cancelled.is_set()
+        assert any("response dropped: the client took nothing" in r.getMessage() for r in caplog.records)
 
 
 def test_stalled_websocket_client_is_dropped_and_its_session_freed(tmp_path):

@@ -14,6 +14,7 @@ FastAPI / uvicorn / python-multipart (the `serve` extra) are imported only insid
 of cosytrt imports without them. Errors have OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -30,6 +31,7 @@ from .routes_voices import add_voice_routes
 from .routes_ws import add_ws_routes, ws_max_bytes
 from .settings import LOOPBACK_HOSTS, ServerSettings, missing_serve_packages
 from .state import ServerState
+from .streaming import ClientStalled, bounded_send
 
 __all__ = ["create_app", "serve", "ServerSettings", "missing_serve_packages", "pcm16", "wav_header", "APIError"]
 
@@ -108,14 +110,29 @@ def create_app(tts, settings: ServerSettings | None = None, *, owns_tts: bool = 
 
         return host_name(urlsplit(origin).netloc) in host_names
 
+    async def _bounded(send, message):
+        await bounded_send(send(message), settings.send_timeout_s)
+
     class _Guard:
-        """Checks the Host header (DNS rebinding) and counts every HTTP response by route and status (at response
-        start, so a disconnect still counts)."""
+        """Checks the Host header (DNS rebinding), counts every HTTP response by route and status (at response
+        start, so a disconnect still counts) and bounds every send to a client (an HTTP response's parts, a
+        websocket's messages) by --send-timeout-s: a client that stops reading gets ClientStalled in the route (a
+        streamed response finishes its job, a websocket session ends, counted) instead of holding its admission
+        slot, runtime request, session or connection for ever; here it ends the response, logged."""
 
         def __init__(self, inner):
             self.inner = inner
 
         async def __call__(self, scope, receive, send):
+            if scope["type"] in ("http", "websocket"):
+                send = functools.partial(_bounded, send)
+            try:
+                await self._guarded(scope, receive, send)
+            except ClientStalled:  # a response's client stopped reading (the connection is closed, incomplete)
+                log.warning("response dropped: the client took nothing for %g s (%s %s)", settings.send_timeout_s,
+                            scope.get("method", "websocket"), scope.get("path"))
+
+        async def _guarded(self, scope, receive, send):
             if scope["type"] == "websocket":
                 if not ws_allowed(scope):  # refuse the handshake (HTTP 403)
                     await receive()  # websocket.connect

@@ -102,7 +102,7 @@ def add_speech_routes(app, state) -> None:
                 except StopAsyncIteration:
                     first = None
                 return audio_stream_response(
-                    stream_body(job, params, sr, finish, first, chunks), finish, settings.send_timeout_s,
+                    stream_body(job, params, sr, finish, first, chunks), finish,
                     media_type="text/event-stream" if params.sse or params.sse_wav else
                     MEDIA_TYPES[params.response_format],
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **extra})

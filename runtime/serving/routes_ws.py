@@ -42,7 +42,7 @@ from .errors import APIError, from_runtime_error, invalid
 from .jobs import SpeechJob, tracked_job
 from .request import load_json
 from .routes_speech import resolve_speaker
-from .streaming import ClientStalled, bounded_send
+from .streaming import ClientStalled
 
 _ENDS = {"sentence": re.compile(r"(?<=[。！？!?])|(?<=[.;；])(?=\s|$)|\n+"),
          "clause": re.compile(r"(?<=[。！？!?，、；：,;:])|(?<=[.])(?=\s|$)|\n+")}
@@ -53,24 +53,6 @@ MAX_TEXT_CHARS_FACTOR = 4  # a session's text, at most this many times --max-inp
 WS_INBOX_MAX = 64
 log = logging.getLogger("cosytrt.server")
 _START, _END = object(), object()  # a sentence's queue: _START, chunks, _END (or an exception)
-
-
-class _BoundedSends:
-    """A websocket whose sends each finish within `timeout` seconds or raise ClientStalled (`bounded_send`): a
-    client that stops reading would otherwise keep its session (one of --max-ws-sessions) for ever, since the idle
-    timeout does not apply while a sentence is in synthesis."""
-
-    def __init__(self, ws, timeout: float):
-        self._ws, self._timeout = ws, timeout
-
-    def __getattr__(self, name):
-        return getattr(self._ws, name)
-
-    async def send_bytes(self, data: bytes) -> None:
-        await bounded_send(self._ws.send_bytes(data), self._timeout)
-
-    async def send_json(self, data) -> None:
-        await bounded_send(self._ws.send_json(data), self._timeout)
 
 
 _AMBIGUOUS_END = {"sentence": ".;；", "clause": "."}  # an end only when whitespace (or the end of input) follows
@@ -347,7 +329,7 @@ def add_ws_routes(app, state) -> None:
         state.ws_sessions += 1
         state.metrics.ws_event("opened")
         try:
-            await session(_BoundedSends(ws, settings.send_timeout_s))
+            await session(ws)  # every send bounded by --send-timeout-s (app._Guard)
         except ClientStalled:  # nothing more can be sent; closing it could wait as long again
             state.metrics.ws_event("stalled")
             log.warning("websocket session dropped: the client took nothing for %g s", settings.send_timeout_s)

@@ -2,7 +2,6 @@
 events) and a response that finishes its job however the stream ends (success, error, client gone)."""
 import asyncio
 import base64
-import functools
 import json
 import logging
 
@@ -33,28 +32,24 @@ class ClientStalled(Exception):
 
 async def bounded_send(awaitable, timeout: float | None):
     """`await awaitable` (a send to the client) within `timeout` seconds, else ClientStalled: a client that stops
-    reading must not hold its admission slot, runtime request or websocket place for ever."""
+    reading must not hold its admission slot, runtime request, websocket place or connection for ever. The server
+    bounds every send of every response and websocket this way (`app._Guard`)."""
     try:
         return await asyncio.wait_for(awaitable, timeout)
     except asyncio.TimeoutError:
         raise ClientStalled from None
 
 
-def audio_stream_response(body, finish, send_timeout: float | None = None, **kw):
+def audio_stream_response(body, finish, **kw):
     """A StreamingResponse over `body` that always calls `finish("cancelled")` at the end (a no-op when the body
-    already finished the job). A client that does not take a part within `send_timeout` seconds (it stopped
-    reading) is dropped (`bounded_send`)."""
+    already finished the job), however the stream ends: success, error, the client gone, or a client that stopped
+    reading (every send is bounded by the server's send timeout: `app._Guard`, `bounded_send`)."""
     from fastapi.responses import StreamingResponse
-
-    async def timed(send, message):
-        await bounded_send(send(message), send_timeout)
 
     class AudioStream(StreamingResponse):
         async def __call__(self, scope, receive, send):
             try:
-                await super().__call__(scope, receive, functools.partial(timed, send))
-            except ClientStalled:  # the connection is closed by the server (the response is incomplete)
-                log.warning("streamed response dropped: the client took no audio for %g s", send_timeout)
+                await super().__call__(scope, receive, send)
             finally:
                 try:
                     await self.body_iterator.aclose()
