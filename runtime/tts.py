@@ -201,9 +201,12 @@ class TTS:
 
     def health(self) -> tuple[bool, str | None]:
         """(True, None) while the scheduler can take requests (or has not started yet); (False, why) once one of its
-        worker threads died or it is shutting down."""
+        worker threads died, the AR process died (`ar_process`), or it is shutting down."""
         with self._lock:
-            sched = self._scheduler
+            sched, runner = self._scheduler, self._ar_runner
+        dead = getattr(runner, "dead", None)  # an AR process that died (between schedulers too)
+        if dead:
+            return False, dead
         if sched is None or getattr(sched, "healthy", True):
             return True, None
         return False, getattr(sched, "failure", None) or "the scheduler is closing"

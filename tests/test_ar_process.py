@@ -42,6 +42,16 @@ def _reqs(speaker):
     return [make_request(text, speaker=speaker, seed=seed, stream=stream, **kw) for text, seed, stream, kw in SPECS]
 
 
+def _pid_exists(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 def _wait(cond, timeout_s=30.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -167,6 +177,7 @@ def test_child_death_fails_live_requests_and_close_ends_it():
         h = t.submit("A long stream.", seed=1, stream=True, force_tokens=1100)
         next(iter(h.chunks(timeout=60)))
         proc = t.ar_runner.proc
+        pid = proc.pid
         proc.kill()
         with pytest.raises(Exception, match="AR process"):
             h.result(timeout=30)
@@ -174,7 +185,7 @@ def test_child_death_fails_live_requests_and_close_ends_it():
         assert "AR process" in t.health()[1] and "exit code -9" in t.health()[1]
     finally:
         t.close(drain_timeout_s=5)
-    assert not proc.is_alive()
+    assert not _pid_exists(pid)  # reaped, and its process handle closed (no descriptors left open)
 
 
 def test_start_failure_is_the_child_error():
@@ -222,3 +233,123 @@ def test_child_exits_when_its_parent_dies(tmp_path):
         with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not reaped by init yet) counts as gone
             return f.read().split(")")[-1].split()[0] == "Z"
     assert _wait(gone, 30)
+
+
+# ------------------------------------------------------------------------------------ several schedulers, one process
+
+def test_a_second_scheduler_beside_the_first(tts):
+    """A scheduler made beside the TTS's own (`make_scheduler`, as the serving bench does) is a session of its own in
+    the child: both serve, the first after the second closed (the child used to keep one worker: the first's
+    request then never finished)."""
+    assert tts.synthesize("First.", seed=1, force_tokens=20).size > 0
+    s = tts.make_scheduler()
+    try:
+        assert s.submit(make_request("Second.", seed=1, force_tokens=20)).result(timeout=60).size > 0
+        both = [tts.submit("Beside.", seed=2, force_tokens=60), s.submit(make_request("Beside.", seed=2,
+                                                                                       force_tokens=60))]
+        a, b = (h.result(timeout=60) for h in both)
+        np.testing.assert_array_equal(a, b)  # the same request through either session
+        assert both[0].tokens == both[1].tokens
+    finally:
+        s.close()
+    assert tts.synthesize("First again.", seed=3, force_tokens=20).size > 0
+
+
+def test_reconfigure_under_traffic_keeps_both_schedulers_requests(tts):
+    """`reconfigure` with a request in flight while a new request starts the next scheduler: the draining one
+    finishes (it used to be dropped in the child when the next one attached), and cancelling it does not cancel the
+    new scheduler's request (keys are unique across sessions: both used to be key 0)."""
+    cfg = tts.scheduler_config
+    x = tts.submit("A long stream in flight.", seed=3, stream=True, force_tokens=1000)
+    next(iter(x.chunks(timeout=60)))
+    th = threading.Thread(target=tts.reconfigure, args=(cfg,), kwargs=dict(drain_timeout_s=60))
+    th.start()
+    try:
+        assert _wait(lambda: tts._scheduler is None)
+        y = tts.submit("New request.", seed=1, stream=True, force_tokens=300)  # the next scheduler's first
+        next(iter(y.chunks(timeout=60)))
+        x.cancel()
+        assert y.result(timeout=60).size > 0
+        z = tts.submit("Another long stream.", seed=4, stream=True, force_tokens=400)
+        next(iter(z.chunks(timeout=60)))
+        th.join(60)
+        th = threading.Thread(target=tts.reconfigure, args=(cfg,), kwargs=dict(drain_timeout_s=60))
+        th.start()
+        assert _wait(lambda: tts._scheduler is None)
+        assert tts.synthesize("Starts the next one.", seed=1, force_tokens=20).size > 0
+        assert z.result(timeout=60).size > 0  # drained, not dropped
+    finally:
+        th.join(60)
+
+
+def test_a_raising_finish_callback_does_not_stop_the_messages(tts):
+    """A scheduler's on_finish that raises (for a request the child failed) used to kill the process's reader thread:
+    every later request hung while the scheduler reported itself healthy. Now it is logged and serving goes on."""
+    def on_finish(m):
+        if m.error:
+            raise RuntimeError("metrics sink is down")
+    s = tts.make_scheduler(on_finish=on_finish)
+    try:
+        bad = s.submit(make_request("Too long.", seed=2, force_tokens=MAX_LEN - 20))
+        with pytest.raises(RequestTooLongError):
+            bad.result(timeout=60)
+        assert s.submit(make_request("Next.", seed=1, force_tokens=20)).result(timeout=60).size > 0
+        assert s.healthy
+    finally:
+        s.close(drain_timeout_s=5)
+
+
+def test_a_request_cancelled_before_the_ar_is_not_decoded(tts, monkeypatch):
+    """A request cancelled while its frontend work ran (a client gone) is not sent to the child, as the in-process
+    worker drops it before admission (it used to be decoded there to its end, holding a KV slot)."""
+    from cosytrt.runtime.scheduling import scheduler as sched_mod
+
+    prepare = sched_mod.Scheduler._prepare
+
+    def prepare_then_gone(self, r):
+        prepare(self, r)
+        r.handle.cancel()
+    monkeypatch.setattr(sched_mod.Scheduler, "_prepare", prepare_then_gone)  # before the scheduler binds it
+    s = tts.make_scheduler()
+    try:
+        hs = [s.submit(make_request("Nobody listens.", seed=i, force_tokens=1100)) for i in range(3)]
+        assert _wait(lambda: all(h.done() for h in hs))
+        time.sleep(0.3)
+        st = s.stats()["ar"]
+        assert st["prefill_rows"] == 0 and st["decode_steps"] == 0
+    finally:
+        monkeypatch.setattr(sched_mod.Scheduler, "_prepare", prepare)
+        s.close(drain_timeout_s=5)
+
+
+def test_close_fails_the_requests_of_a_scheduler_still_attached():
+    """The TTS closed while a scheduler made beside it still runs a request: that request fails naming the AR
+    process (it used to wait for ever), and the scheduler closes at once."""
+    t = TTS.load("tiny", scheduler=SchedulerConfig(ar_process=True))
+    s = t.make_scheduler()
+    try:
+        h = s.submit(make_request("A long stream.", seed=1, stream=True, force_tokens=1100))
+        next(iter(h.chunks(timeout=60)))
+        t.close(drain_timeout_s=1)
+        with pytest.raises(Exception, match="AR process"):
+            h.result(timeout=30)
+    finally:
+        s.close(drain_timeout_s=1)
+        t.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_health_reports_a_child_that_died_between_schedulers():
+    """The child killed while no scheduler runs (after a reconfigure): every submit fails, and health says so (it
+    used to say healthy)."""
+    t = TTS.load("tiny", scheduler=SchedulerConfig(ar_process=True))
+    try:
+        t.synthesize("Hello.", seed=1, force_tokens=10)
+        t.reconfigure(t.scheduler_config)
+        t.ar_runner.proc.kill()
+        assert _wait(lambda: not t.health()[0])
+        assert "exit code -9" in t.health()[1]
+        with pytest.raises(Exception, match="AR process"):
+            t.synthesize("Again.", seed=1, force_tokens=10)
+    finally:
+        t.close(drain_timeout_s=2)

@@ -239,3 +239,73 @@ def test_ar_pacing_conditions():
     assert not w._pace()
     with pytest.raises(Exception, match="ar_pace_lead_s"):
         SchedulerConfig(ar_pace_lead_s=-0.5)
+
+
+class _OneAtATimeRunner(SlotRunner):
+    """Records whether two decode calls ever overlap, and hands out its output buffer as a graph runner does (the
+    same tensor each call, overwritten by the next)."""
+
+    def __init__(self, slots: int):
+        super().__init__(slots)
+        self.inside, self.overlaps, self.calls = 0, 0, 0
+        self.out = torch.empty(slots, V)
+
+    def decode(self, tokens, slots, positions):
+        import time
+
+        self.inside += 1
+        self.overlaps += self.inside > 1
+        self.calls += 1
+        time.sleep(0.0005)  # lets another thread in, were the step not locked
+        out = self.out[:len(slots)]
+        out.copy_(self.table[slots])
+        self.inside -= 1
+        return out
+
+
+def test_two_workers_over_one_runner_take_its_steps_in_turn():
+    """Two AR workers over one runner (a scheduler draining in `TTS.reconfigure` beside the next one, a benchmark's
+    `make_scheduler`, the AR process's sessions): a graph runner's input / output buffers are the runner's, so each
+    whole step (the call and the sampling that reads its output) is taken under the runner's step lock — the calls
+    never overlap, and each worker's rows get the tokens they get alone."""
+    import threading
+
+    from cosytrt.runtime.scheduling.ar_worker import Stopped, step_lock
+
+    class StopAfter(Sink):  # the worker's loop stops after 30 steps
+        def flush(self):
+            self.steps = getattr(self, "steps", 0) + 1
+            if self.steps == 30:
+                self.worker.stopped = True
+
+    def worker_over(runner, rows: int):
+        sink = StopAfter()
+        w = sink.worker = ARWorker(runner, SchedulerConfig(), sink, lambda r, e: None, StageClock(False), "cpu")
+        for i in range(rows):
+            pol = TokenPolicy(1, SamplingParams(seed=i, top_k=50, min_tokens=1000, max_tokens=1000),
+                              mask_all_stops_before_min=True)
+            pol.next_input = 0
+            w.running.append(SimpleNamespace(policy=pol, slot=runner.allocate(), pos=10, tokens=[],
+                                             metrics=SimpleNamespace(t_ar=0.0), dead=False))
+        return w
+
+    runner = _OneAtATimeRunner(8)
+    workers = [worker_over(runner, 2) for _ in range(2)]  # slots 0, 1 and 2, 3
+    assert workers[0].step_lock is workers[1].step_lock is step_lock(runner)
+    alone = worker_over(SlotRunner(8), 2)                  # slots 0, 1 of the same logits table
+    with torch.inference_mode():
+        for _ in range(30):
+            alone._decode()
+
+    def run(w):
+        try:
+            w.loop()
+        except Stopped:
+            pass
+    threads = [threading.Thread(target=run, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert runner.calls == 60 and runner.overlaps == 0
+    assert [r.tokens for r in workers[0].running] == [r.tokens for r in alone.running]

@@ -6,7 +6,7 @@ time (BENCHMARKS.md run 68), which caps the AR at ~100 audio s/s. With `ar_proce
 child process (one GPU shared by both processes; the LM weights copied over exactly, so the tokens are the same):
 
     Scheduler._prepare ─> RemoteARWorker.put ─> pipe ─> child: lm_input, policy ─> ARWorker (prefill / decode)
-      ─> the new tokens at the stream's hop points / the end ─> pipe ─> ARProcess reader thread
+      ─> the new tokens at the stream's hop points / the end ─> pipe ─> ARProcess reader ─> dispatcher thread
       ─> RemoteARWorker.on_message ─> Token2WavWorker.tokens / flush (as the in-process AR thread hands them on)
 
 `ARProcess` stands where an AR runner stands (`make_ar_runner` returns it; a TTS keeps it across `reconfigure`;
@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import io
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -34,6 +35,7 @@ START_TIMEOUT_S = 3600.0  # the child's start: the LM copy, its compile and grap
 CALL_TIMEOUT_S = 120.0    # attach / detach / save_cache; stats wait STATS_TIMEOUT_S
 STATS_TIMEOUT_S = 2.0
 _OPEN: "weakref.WeakSet[ARProcess]" = weakref.WeakSet()
+log = logging.getLogger("cosytrt.ar_process")
 
 
 class ARProcessError(RuntimeError):
@@ -60,7 +62,15 @@ def lm_spec(lm) -> dict:
 
 class ARProcess:
     """The child process holding the LM and its AR runner (see module docstring). `start_timeout_s`: how long the
-    child may take to build its runner (ARProcessError after it, or as soon as the child fails: its own error)."""
+    child may take to build its runner (ARProcessError after it, or as soon as the child fails: its own error).
+
+    Several schedulers may run over it at once, as over an in-process runner (a TTS's scheduler draining during
+    `reconfigure` while the next one starts; a benchmark's `make_scheduler`): each attaches a `RemoteARWorker` as a
+    session of its own (its own AR worker in the child, the runner's steps taken in turn), and request keys are
+    unique across sessions. Threads here: a sender (every message to the child), a reader (the child's messages:
+    replies to calls at once, the rest queued) and a dispatcher (hands the sessions' tokens, failures and deaths to
+    their workers: finishing a request runs callbacks that may wait for locks a caller holds while it waits for a
+    reply, so replies never wait behind them)."""
 
     def __init__(self, lm, config, device, max_len: int, compile_cache: str | None = None,
                  start_timeout_s: float = START_TIMEOUT_S):
@@ -73,11 +83,13 @@ class ARProcess:
         self.proc.start()
         child.close()
         self.dead: str | None = None
-        self.worker = None
+        self.workers: dict[int, RemoteARWorker] = {}  # session id -> the attached scheduler's worker
+        self._sessions = itertools.count(1)
+        self._keys = itertools.count()  # request keys, unique across sessions (a cancel names one request)
         # every message to the child goes through one sender thread, so no caller blocks on a full pipe: in
-        # particular the reader thread, whose handlers may send (a failed request's cancel), never waits for a child
-        # that waits for the reader
+        # particular the reader thread never waits for a child that waits for the reader
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # the sessions' messages, for the dispatcher
         self._lock = threading.Lock()
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count()
@@ -88,11 +100,15 @@ class ARProcess:
             self._kill()
             raise
         self.max_len, self.max_batch = int(self.info["max_len"]), int(self.info["max_batch"])
-        self._reader = threading.Thread(target=self._read, name="cosytrt-ar-process-reader", daemon=True)
-        self._reader.start()
-        self._sender = threading.Thread(target=self._send_loop, name="cosytrt-ar-process-sender", daemon=True)
-        self._sender.start()
+        self._threads = [threading.Thread(target=fn, name=f"cosytrt-ar-process-{name}", daemon=True)
+                         for name, fn in (("reader", self._read), ("sender", self._send_loop),
+                                          ("dispatcher", self._dispatch))]
+        for t in self._threads:
+            t.start()
         _OPEN.add(self)
+
+    def new_key(self) -> int:
+        return next(self._keys)
 
     # ---------------------------------------------------------------- start / stop
     def _wait_ready(self, timeout_s: float) -> dict:
@@ -111,7 +127,8 @@ class ARProcess:
         return msg[1]
 
     def close(self) -> None:
-        """Stop the child (its runner closed there) and wait for it; idempotent."""
+        """Stop the child (its runner closed there) and wait for it; idempotent. A scheduler still attached (one made
+        beside the TTS's own) fails its live requests (its AR is gone), as when the child dies."""
         if self._closed:
             return
         self._closed = True
@@ -119,14 +136,21 @@ class ARProcess:
         self._outbox.put(None)  # the sender's last message
         self.proc.join(timeout=30)
         self._kill()
+        for w in list(self.workers.values()):
+            w.on_died("the AR process was closed")
         _OPEN.discard(self)
 
     def _kill(self) -> None:
-        """The child killed if it is still there (it ignores SIGTERM: see ar_process_child.child_main)."""
+        """The child killed if it is still there (it ignores SIGTERM: see ar_process_child.child_main); its pipe and
+        process handles closed."""
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(timeout=10)
         self.conn.close()
+        try:
+            self.proc.close()
+        except ValueError:  # still running after the kill's wait: its handles go with the object
+            pass
 
     # ---------------------------------------------------------------- messages
     def send(self, msg) -> None:
@@ -168,7 +192,7 @@ class ARProcess:
         return c.value
 
     def _read(self) -> None:
-        """The reader thread: answers to calls, and the attached worker's messages (handed to it here)."""
+        """The reader thread: answers to calls at once; the sessions' messages queued for the dispatcher."""
         while True:
             try:
                 msg = recv(self.conn)
@@ -176,6 +200,7 @@ class ARProcess:
                 if not self._closed:
                     self.proc.join(timeout=2)  # reaped: its exit code (a signal: -N)
                     self._died(f"the AR process exited (exit code {self.proc.exitcode})")
+                self._inbox.put(None)  # the dispatcher's end (after what is queued)
                 return
             op = msg[0]
             if op in ("reply", "reply_error"):
@@ -184,12 +209,30 @@ class ARProcess:
                 if c is not None:
                     c.value, c.error = (msg[2], None) if op == "reply" else (None, msg[2])
                     c.event.set()
-            elif op == "died":
-                self._died(msg[1])
             else:
-                w = self.worker
-                if w is not None:
+                self._inbox.put(msg)
+
+    def _dispatch(self) -> None:
+        """The dispatcher thread: each session's messages to its worker, in order; the process's death to every
+        worker after what came before it. A handler's error is logged, and the next message handled."""
+        while True:
+            msg = self._inbox.get()
+            if msg is None:
+                return
+            try:
+                if msg[0] == "process_died":
+                    for w in list(self.workers.values()):
+                        w.on_died(msg[1])
+                    continue
+                w = self.workers.get(msg[1])
+                if w is None:  # its scheduler detached (it finishes its own requests)
+                    continue
+                if msg[0] == "died":  # that session's AR worker died in the child
+                    w.on_died(msg[2])
+                else:
                     w.on_message(msg)
+            except Exception:  # noqa: BLE001 - e.g. a finish callback that raised: the others go on
+                log.exception("handling the AR process's %r message failed", msg[0])
 
     def _died(self, reason: str) -> None:
         self.dead = reason
@@ -198,34 +241,35 @@ class ARProcess:
         for c in calls:
             c.error = ARProcessError(reason)
             c.event.set()
-        w = self.worker
-        if w is not None:
-            w.on_died(reason)
+        self._inbox.put(("process_died", reason))
 
     # ---------------------------------------------------------------- what a Scheduler asks of a runner
-    def attach(self, worker, config) -> None:
-        """`worker` (a RemoteARWorker) gets the child's messages from now on; the child starts an AR worker with
-        `config` over its runner."""
-        self.worker = worker
+    def attach(self, worker, config) -> int:
+        """`worker` (a RemoteARWorker) gets its session's messages from now on; the child starts an AR worker with
+        `config` over its runner for that session. Returns the session id."""
+        sid = next(self._sessions)
+        self.workers[sid] = worker
         try:
-            self.call("attach", config)
+            self.call("attach", sid, config)
         except BaseException:
-            self.worker = None
+            self.workers.pop(sid, None)
             raise
+        return sid
 
-    def detach(self, worker) -> None:
-        if self.worker is worker:
+    def detach(self, sid: int) -> None:
+        if sid in self.workers:
             try:
                 if self.dead is None:
-                    self.call("detach")
+                    self.call("detach", sid)
             finally:
-                self.worker = None
+                self.workers.pop(sid, None)
 
-    def stats(self) -> dict:
-        """The child's snapshot (`ARWorker.snapshot`, counters as a dict, busy / host seconds) or, when it does not
-        answer in time, the runner's size alone: stats must not fail a caller."""
+    def stats(self, sid: int | None = None) -> dict:
+        """The snapshot of session `sid`'s worker in the child (`ARWorker.snapshot`, counters as a dict, busy / host
+        seconds) or, when the child does not answer in time, the runner's size alone: stats must not fail a
+        caller."""
         try:
-            return self.call("stats", timeout_s=STATS_TIMEOUT_S)
+            return self.call("stats", sid, timeout_s=STATS_TIMEOUT_S)
         except Exception:  # noqa: BLE001
             return {"runner": {"slots": self.max_batch, "max_len": self.max_len}}
 
@@ -252,25 +296,31 @@ class RemoteARWorker:
         self.runner = proc
         self.cond = threading.Condition()
         self.live: dict[int, object] = {}   # key -> RequestState, until its last tokens or its failure came back
-        self._keys = itertools.count()
         self.stopped = False
         self.died: str | None = None
         self.counters = ARCounters()        # the child's, as of the last snapshot
-        proc.attach(self, config)
+        self.sid = proc.attach(self, config)
 
     # ---------------------------------------------------------------- the scheduler's side
     def put(self, r) -> None:
-        key = next(self._keys)
-        with self.cond:
-            self.live[key] = r
+        """Send a prepared request to the child. One that died meanwhile (cancelled while its frontend work ran) is
+        not sent, as the in-process worker drops it before admission; the check and the send are one step under
+        `cond`, so a `wake` for it comes after its submit (the child then drops it)."""
+        key = self.proc.new_key()
         m = r.metrics
-        try:
-            self.proc.send(("submit", key, r.req.without_voice(), r.inputs.lm_only(), r.noise_room, m.t_submit,
-                            m.t_tokenizer))
-        except Exception as e:  # noqa: BLE001 - this request fails (the process is gone: loop fails the rest)
-            with self.cond:
+        msg = ("submit", self.sid, key, r.req.without_voice(), r.inputs.lm_only(), r.noise_room, m.t_submit,
+               m.t_tokenizer)
+        with self.cond:
+            if r.dead:
+                return
+            self.live[key] = r
+            try:
+                self.proc.send(msg)  # a queue put: never blocks
+                return
+            except Exception as e:  # noqa: BLE001 - this request fails (the process is gone: loop fails the rest)
                 self.live.pop(key, None)
-            self.fail(r, e)
+                err = e
+        self.fail(r, err)
 
     def wake(self) -> None:
         """A request died (cancelled, failed elsewhere): the child drops it and frees its KV slot."""
@@ -290,7 +340,7 @@ class RemoteARWorker:
             self.stopped = True
             self.cond.notify_all()
         try:
-            self.proc.detach(self)
+            self.proc.detach(self.sid)
         except Exception:  # noqa: BLE001 - a dead or stuck child: closing goes on
             pass
 
@@ -307,7 +357,7 @@ class RemoteARWorker:
 
     def snapshot(self) -> dict:
         """`ARWorker.snapshot` of the child's worker (its last counters when the child does not answer)."""
-        s = self.proc.stats()
+        s = self.proc.stats(self.sid)
         if "counters" in s:
             self.counters = ARCounters(**s["counters"])
         return {"waiting": s.get("waiting", 0), "running": s.get("running", 0),
@@ -316,8 +366,10 @@ class RemoteARWorker:
 
     # ---------------------------------------------------------------- the process's reader thread
     def on_message(self, msg) -> None:
+        """A message of this worker's session (the dispatcher thread): ("tokens", sid, items) or ("fail", sid, key,
+        error)."""
         if msg[0] == "tokens":
-            for key, ids, done, meta in msg[1]:
+            for key, ids, done, meta in msg[2]:
                 with self.cond:
                     r = self.live.pop(key, None) if done else self.live.get(key)
                 if r is None or r.dead:
@@ -336,9 +388,9 @@ class RemoteARWorker:
             self.sink.flush()
         elif msg[0] == "fail":
             with self.cond:
-                r = self.live.pop(msg[1], None)
+                r = self.live.pop(msg[2], None)
             if r is not None:
-                self.fail(r, msg[2])
+                self.fail(r, msg[3])
 
     def on_died(self, reason: str) -> None:
         with self.cond:

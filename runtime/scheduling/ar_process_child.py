@@ -7,12 +7,17 @@ new tokens back at the points the token2wav side can use them (a streaming reque
 message per AR step at most. Why a process: the AR's per-step Python then no longer waits for the interpreter lock
 behind the DiT, vocoder, frontend and server threads (BENCHMARKS.md run 68: a 6.45 ms step for ~1.3 ms of kernels).
 
+Each scheduler over the parent's `ARProcess` is a session here (`sid`): its own AR worker and thread over the one
+runner, whose steps the workers take in turn (`ar_worker.step_lock`). Request keys are the parent's, unique across
+sessions.
+
 Messages (pickled tuples, `send` / `recv` below): parent -> child
-    ("attach", call, config)  ("detach", call)  ("submit", key, request, inputs, noise_room, t_submit, t_tokenizer)
-    ("cancel", key)  ("stats", call)  ("save_cache", call, path)  ("close",)
+    ("attach", call, sid, config)  ("detach", call, sid)
+    ("submit", sid, key, request, inputs, noise_room, t_submit, t_tokenizer)  ("cancel", key)
+    ("stats", call, sid)  ("save_cache", call, path)  ("close",)
 child -> parent
     ("ready", info) | ("failed", error)      once, after the runner is built
-    ("tokens", [(key, ids, done, metrics | None), ...])  ("fail", key, error)  ("died", reason)
+    ("tokens", sid, [(key, ids, done, metrics | None), ...])  ("fail", sid, key, error)  ("died", sid, reason)
     ("reply", call, value) | ("reply_error", call, error)
 """
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 from ...engines.errors import RejectedError
 from ..stages.request import RequestMetrics
 from .ar_runners import torch_ar_runner
-from .ar_worker import ARWorker, Stopped, runner_stats
+from .ar_worker import ARWorker, Stopped, runner_stats, step_lock
 from .handle import RequestHandle
 from .prepare import ar_side
 from .stage_clock import StageClock
@@ -68,11 +73,11 @@ def rebuild_lm(lm_class, lm_config, state: bytes, dtype, device, attrs: dict):
 
 
 class _PipeSink:
-    """The AR worker's token sink here: new tokens collected per step (at a stream's hop points and at the end, as
+    """A session's AR worker's token sink: new tokens collected per step (at a stream's hop points and at the end, as
     the cluster's `TokenStream` flushes them), sent to the parent in one message by `flush`."""
 
-    def __init__(self, child: "_Child"):
-        self.child = child
+    def __init__(self, child: "_Child", sid: int):
+        self.child, self.sid = child, sid
         self.items: list = []
 
     def tokens(self, r: RequestState, done: bool) -> None:
@@ -92,23 +97,66 @@ class _PipeSink:
     def flush(self) -> None:
         items, self.items = self.items, []
         if items:
-            self.child.send(("tokens", items))
+            self.child.send(("tokens", self.sid, items))
+
+
+class _Session:
+    """One attached scheduler's AR worker (and its thread, stage clock and process switches) over the child's
+    runner."""
+
+    def __init__(self, child: "_Child", sid: int, config):
+        self.child, self.sid = child, sid
+        self.switches: list = []
+        runner, device = child.runner, child.device
+        with step_lock(runner):  # another session may be mid-step: its graphs are not captured under it
+            if config.ar_graph_sampling and hasattr(runner, "enable_graph_sampling"):
+                runner.enable_graph_sampling()
+            if hasattr(runner, "enable_decode_steps"):
+                runner.enable_decode_steps(config.ar_decode_steps)
+        if device.type == "cuda" and config.ar_event_sync:  # the AR's read-back switch lives in this process
+            from ..models.sampling import use_event_sync
+
+            use_event_sync(+1)
+            self.switches.append(use_event_sync)
+        self.clock = StageClock(device.type == "cuda")
+        self.worker = ARWorker(runner, config, _PipeSink(child, sid), lambda r, e: child.fail(sid, r, e), self.clock,
+                               device)
+        self.thread = threading.Thread(target=self._run, name=f"cosytrt-ar-{sid}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.worker.loop()
+        except Stopped:
+            pass
+        except BaseException as e:  # noqa: BLE001 - the parent fails every request it sent and reports why
+            self.child.send(("died", self.sid, f"the AR worker in the AR process died: {e!r}"))
+
+    def stop(self) -> list[RequestState]:
+        """Stop the worker (its thread joined) and give back the process switches; returns the rows it held."""
+        self.worker.stop()
+        self.thread.join(timeout=30)
+        while self.switches:
+            self.switches.pop()(-1)
+        return list(self.worker.running)
+
+    def snapshot(self) -> dict:
+        w = self.worker
+        return {**w.snapshot(), "counters": dataclasses.asdict(w.counters), "busy_s": self.clock.busy_s(),
+                "host_s": self.clock.host_s()}
 
 
 class _Child:
-    """The child's state: the runner, the attached scheduler's AR worker, the live requests by the parent's key."""
+    """The child's state: the runner, the sessions (attached schedulers), the live requests by the parent's key."""
 
     def __init__(self, conn, runner, lm, device):
         self.conn, self.runner, self.lm = conn, runner, lm
         self.device = torch.device(device)
         self.send_lock = threading.Lock()
         self.lock = threading.Lock()
-        self.live: dict[int, RequestState] = {}
+        self.live: dict[int, tuple[int, RequestState]] = {}  # key -> (session id, request)
         self.keys: dict[int, int] = {}  # id(RequestState) -> key
-        self.worker = None
-        self.thread: threading.Thread | None = None
-        self.clock = None
-        self.switches: list = []
+        self.sessions: dict[int, _Session] = {}
 
     # ---------------------------------------------------------------- messages
     def send(self, msg) -> None:
@@ -126,7 +174,8 @@ class _Child:
             if msg[0] == "close":
                 break
             handlers[msg[0]](*msg[1:])
-        self._stop_worker()
+        for sid in list(self.sessions):
+            self._stop_session(sid)
         self.runner.close()
 
     def _reply(self, call: int, fn) -> None:
@@ -137,59 +186,30 @@ class _Child:
             return
         self.send(("reply", call, value))
 
-    # ---------------------------------------------------------------- a scheduler's worker
-    def _attach(self, call: int, config) -> None:
-        self._reply(call, lambda: self._start_worker(config))
+    # ---------------------------------------------------------------- a scheduler's session
+    def _attach(self, call: int, sid: int, config) -> None:
+        def start():
+            self.sessions[sid] = _Session(self, sid, config)
+        self._reply(call, start)
 
-    def _detach(self, call: int) -> None:
-        self._reply(call, self._stop_worker)
+    def _detach(self, call: int, sid: int) -> None:
+        self._reply(call, lambda: self._stop_session(sid))
 
-    def _start_worker(self, config) -> None:
-        self._stop_worker()
-        runner = self.runner
-        if config.ar_graph_sampling and hasattr(runner, "enable_graph_sampling"):
-            runner.enable_graph_sampling()
-        if hasattr(runner, "enable_decode_steps"):
-            runner.enable_decode_steps(config.ar_decode_steps)
-        if self.device.type == "cuda" and config.ar_event_sync:  # the AR's read-back switch lives in this process
-            from ..models.sampling import use_event_sync
-
-            use_event_sync(+1)
-            self.switches.append(use_event_sync)
-        self.clock = StageClock(self.device.type == "cuda")
-        self.worker = ARWorker(runner, config, _PipeSink(self), self._fail, self.clock, self.device)
-        self.thread = threading.Thread(target=self._run, args=(self.worker,), name="cosytrt-ar", daemon=True)
-        self.thread.start()
-
-    def _run(self, worker) -> None:
-        try:
-            worker.loop()
-        except Stopped:
-            pass
-        except BaseException as e:  # noqa: BLE001 - the parent fails every request it sent and reports why
-            self.send(("died", f"the AR worker in the AR process died: {e!r}"))
-
-    def _stop_worker(self) -> None:
-        """Stop the attached scheduler's worker (its thread joined), drop what it held: requests left (the parent
-        has failed them), their KV slots, the process switches it took."""
-        held = []
-        if self.worker is not None:
-            self.worker.stop()
-            self.thread.join(timeout=30)
-            held = list(self.worker.running)
-            self.worker = self.thread = None
+    def _stop_session(self, sid: int) -> None:
+        """Stop session `sid`'s worker and drop what it held: requests left (its scheduler finishes them in the
+        parent), their KV slots."""
+        session = self.sessions.pop(sid, None)
+        held = session.stop() if session is not None else []
         with self.lock:
-            left = list(self.live.values())
-            self.live.clear()
-            self.keys.clear()
+            left = [r for key, (s, r) in self.live.items() if s == sid]
+            for r in left:
+                self.live.pop(self.keys.pop(id(r)), None)
         for r in left:
             r.handle._finish(RejectedError(f"request {r.req.request_id}: its scheduler closed"))
         for r in held + left:
             if r.slot is not None:
                 self.runner.release(r.slot)
                 r.slot = None
-        while self.switches:
-            self.switches.pop()(-1)
 
     # ---------------------------------------------------------------- requests
     def key_of(self, r: RequestState) -> int | None:
@@ -202,45 +222,44 @@ class _Child:
                 self.live.pop(key, None)
         return key
 
-    def _fail(self, r: RequestState, e: BaseException) -> None:
+    def fail(self, sid: int, r: RequestState, e: BaseException) -> None:
         key = self.forget(r)
         r.handle._finish(e)
         if key is not None:
-            self.send(("fail", key, portable_error(e)))
+            self.send(("fail", sid, key, portable_error(e)))
 
-    def _submit(self, key: int, req, inputs, noise_room, t_submit: float, t_tokenizer: float) -> None:
+    def _submit(self, sid: int, key: int, req, inputs, noise_room, t_submit: float, t_tokenizer: float) -> None:
         m = RequestMetrics(request_id=req.request_id, stream=req.stream, buffered_s=req.buffered_s)
         m.t_submit, m.t_tokenizer = t_submit, t_tokenizer  # perf_counter is the machine's monotonic clock
         r = RequestState(req, RequestHandle(req, m, lambda h: None), inputs)
         with self.lock:
-            self.live[key] = r
+            self.live[key] = (sid, r)
             self.keys[id(r)] = key
+        session = self.sessions.get(sid)
         try:
-            if self.worker is None:
-                raise RejectedError(f"request {req.request_id}: the AR process has no scheduler attached")
+            if session is None:
+                raise RejectedError(f"request {req.request_id}: its scheduler is not attached to the AR process")
             ar_side(r, inputs, self.lm, self.runner, self.device, noise_room)
         except BaseException as e:  # noqa: BLE001 - this request fails alone
-            self._fail(r, e)
+            self.fail(sid, r, e)
             return
-        self.worker.put(r)
+        session.worker.put(r)
 
     def _cancel(self, key: int) -> None:
         with self.lock:
-            r = self.live.pop(key, None)
+            sid, r = self.live.pop(key, (None, None))
             if r is not None:
                 self.keys.pop(id(r), None)
         if r is not None:
             r.handle._finish(RejectedError(f"request {r.req.request_id} was cancelled"))
-            if self.worker is not None:
-                self.worker.wake()  # frees its KV slot at the next step
+            session = self.sessions.get(sid)
+            if session is not None:
+                session.worker.wake()  # frees its KV slot at the next step
 
-    def _stats(self, call: int) -> None:
+    def _stats(self, call: int, sid: int | None) -> None:
         def snapshot():
-            w = self.worker
-            if w is None:
-                return {"runner": runner_stats(self.runner)}
-            return {**w.snapshot(), "counters": dataclasses.asdict(w.counters), "busy_s": self.clock.busy_s(),
-                    "host_s": self.clock.host_s()}
+            session = self.sessions.get(sid)
+            return session.snapshot() if session is not None else {"runner": runner_stats(self.runner)}
         self._reply(call, snapshot)
 
     def _save_cache(self, call: int, path: str) -> None:

@@ -30,6 +30,25 @@ PACE_POLL_S = 0.005  # a pacing wait re-checks its requests at least this often 
 STEP_EMA = 0.1       # weight of the latest decode step in the step-time estimate pacing uses
 
 
+_STEP_LOCKS = threading.Lock()
+
+
+def step_lock(runner) -> threading.Lock:
+    """The lock of `runner`'s steps: every AR worker over one runner (a TTS's scheduler draining in `reconfigure`
+    beside the next one, a benchmark's `make_scheduler`, the AR process's sessions) takes a whole step — its runner
+    call, whose graph input and output buffers are the runner's, and the sampling that reads the output — in turn,
+    and graphs are captured for a new scheduler between steps. Uncontended with one worker."""
+    with _STEP_LOCKS:
+        lock = getattr(runner, "step_lock", None)
+        if lock is None:
+            lock = threading.Lock()
+            try:
+                runner.step_lock = lock
+            except AttributeError:  # a runner that takes no attributes: this worker's own lock
+                pass
+        return lock
+
+
 def runner_stats(runner) -> dict:
     """An AR runner's own numbers (slots, graph replays, ...), or its size where it keeps none."""
     return runner.stats() if hasattr(runner, "stats") else {"slots": runner.max_batch, "max_len": runner.max_len}
@@ -64,6 +83,7 @@ class ARWorker:
         self.counters = ARCounters()
         self.timer = StepTimer(self.device.type == "cuda", self.counters)  # every 8th step's anatomy
         self.stopped = False
+        self.step_lock = step_lock(runner)
         self.step_s = 0.003  # decode step wall time, moving average (ar_pace_lead_s)
         # the runner samples the decode step itself (`ar_graph_sampling`: in its decode graphs on CUDA)
         self.graph_sampler = getattr(runner, "graph_sampler", None) if config.ar_graph_sampling else None
@@ -114,12 +134,12 @@ class ARWorker:
                         raise Stopped
                     admitted = self._admit()
                 if admitted:
-                    with self.clock.span("ar"):
+                    with self.step_lock, self.clock.span("ar"):
                         self._prefill(admitted)
                     self.sink.flush()
                 if not self.running or self._hold_for_first_audio() or self._pace():
                     continue  # (after a hold: admission first again)
-                with self.clock.span("ar"):
+                with self.step_lock, self.clock.span("ar"):
                     self._decode()
                 self.sink.flush()
 
