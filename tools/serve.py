@@ -56,6 +56,12 @@ def add_arguments(p) -> None:
     p.add_argument("--body-timeout-s", type=float, default=30.0, help="the request body must arrive within this")
     p.add_argument("--send-timeout-s", type=float, default=30.0,
                    help="drop a streamed response or websocket session whose client takes no data for this long")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections at once (beyond: 503 Service Unavailable)")
+    p.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="close a connection whose request head has not arrived within this many seconds")
+    p.add_argument("--batch-parallel", type=int, default=4,
+                   help="items of one /v1/audio/speech/batch request synthesised at once")
     p.add_argument("--max-ws-sessions", type=int, default=64,
                    help="open websocket sessions (WS /v1/audio/speech/stream) at once; beyond: an error event")
     p.add_argument("--ws-idle-timeout-s", type=float, default=60.0,
@@ -120,6 +126,8 @@ def run(args) -> int:
                               ref_audio_private_ok=args.ref_audio_private_ok, stream_wav_sse=args.stream_wav_sse,
                               max_voices=args.max_voices, max_transcript_chars=args.max_transcript_chars,
                               body_timeout_s=args.body_timeout_s, send_timeout_s=args.send_timeout_s,
+                              max_connections=args.max_connections, header_timeout_s=args.header_timeout_s,
+                              batch_parallel=args.batch_parallel,
                               normalize_text=not args.no_normalize,
                               max_ws_sessions=args.max_ws_sessions, ws_idle_timeout_s=args.ws_idle_timeout_s,
                               ws_lookahead=args.ws_lookahead, ws_buffer_hints=not args.no_ws_buffer_hints,

@@ -214,5 +214,35 @@ def uvicorn_config(app, settings: ServerSettings, **overrides):
 
     kw = dict(host=settings.host, port=settings.port, log_level=settings.log_level,
               timeout_graceful_shutdown=int(math.ceil(settings.drain_timeout_s)), lifespan="on",
+              http=head_timeout_protocol(settings.header_timeout_s), limit_concurrency=settings.max_connections,
               h11_max_incomplete_event_size=65536, timeout_keep_alive=5, ws_max_size=ws_max_bytes(settings))
     return uvicorn.Config(app, **{**kw, **overrides})
+
+
+def head_timeout_protocol(seconds: float):
+    """uvicorn's h11 protocol (always h11: its header size bound, `h11_max_incomplete_event_size`, is h11's) with a
+    request-head timeout: a connection that has not sent a complete request head within `seconds` of opening, or of
+    its previous response, is closed. uvicorn has none: an idle or trickling socket (a byte every few seconds cancels
+    its keep-alive timer) was held for ever, and enough of them exhaust the server's descriptors."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimeoutH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_head_timeout()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_head_timeout()
+
+        def _arm_head_timeout(self) -> None:
+            self.loop.call_later(seconds, self._head_timeout, self.cycle)
+
+        def _head_timeout(self, cycle) -> None:
+            if (self.cycle is cycle and (cycle is None or cycle.response_complete)  # no request since the timer
+                    and self.transport.get_protocol() is self  # (not upgraded to a websocket)
+                    and not self.transport.is_closing()):
+                log.info("closing a connection that sent no complete request head for %g s", seconds)
+                self.transport.close()
+
+    return HeadTimeoutH11Protocol

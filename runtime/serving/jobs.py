@@ -21,15 +21,23 @@ class _ClientGone(Exception):
     """The client disconnected before its response was ready."""
 
 
-class SpeechJob:
-    """One HTTP speech request on the shared TTS: one runtime request per text segment, submitted in order from one
-    executor task (so they batch as capacity allows), consumed in order from the event loop."""
+SEGMENTS_AHEAD = 2  # a job's segments in the runtime beyond the one its response is at
 
-    def __init__(self, tts, texts: list[str], options: dict, stream: bool):
+
+class SpeechJob:
+    """One HTTP speech request on the shared TTS: one runtime request per text segment, submitted in order (so they
+    batch as capacity allows), consumed in order from the event loop. At most `ahead` segments are submitted beyond
+    the one being consumed: the segments run under the request's one admission ticket, so without a bound one long
+    input (hundreds of sentences) put them all in the runtime at once, ahead of every other client's request."""
+
+    def __init__(self, tts, texts: list[str], options: dict, stream: bool, ahead: int = SEGMENTS_AHEAD):
         self.tts, self.texts, self.options, self.stream = tts, texts, options, stream
+        self.ahead = max(0, int(ahead))
         self.handles: list = []
         self.cancelled = False
         self._submitted = asyncio.Event()  # set after each submit (and at the end)
+        self._consumed = asyncio.Event()   # set when the response moves to its next segment (and on cancel)
+        self._consuming = 0                # the segment the response is at
         self._submit_error: BaseException | None = None
         self._done_submitting = False
 
@@ -72,19 +80,19 @@ class SpeechJob:
             self._done_submitting = True
             return
 
-        def submit_rest():
-            for text in self.texts[1:]:
-                if self.cancelled:
-                    return
-                h = submit(text)  # may wait for space in the runtime
-                self.handles.append(h)
-                if self.cancelled:
-                    h.cancel()
-                loop.call_soon_threadsafe(self._submitted.set)
-
         async def run_rest():
             try:
-                await loop.run_in_executor(executor, submit_rest)
+                for i, text in enumerate(self.texts[1:], 1):
+                    while i - self._consuming > self.ahead and not self.cancelled:
+                        self._consumed.clear()
+                        await self._consumed.wait()
+                    if self.cancelled:
+                        return
+                    h = await loop.run_in_executor(executor, submit, text)  # may wait for space in the runtime
+                    self.handles.append(h)
+                    if self.cancelled:
+                        h.cancel()
+                    self._submitted.set()
             except BaseException as e:  # noqa: BLE001 - surfaced by chunks()
                 self._submit_error = e
             finally:
@@ -100,6 +108,8 @@ class SpeechJob:
                 async for c in self.handles[i].achunks():
                     yield c
                 i += 1
+                self._consuming = i
+                self._consumed.set()
                 continue
             if self._done_submitting:
                 if self._submit_error is not None:
@@ -112,6 +122,7 @@ class SpeechJob:
 
     def cancel(self) -> None:
         self.cancelled = True
+        self._consumed.set()  # a submitter waiting for the response to move on stops
         for h in list(self.handles):
             try:
                 h.cancel()
@@ -138,6 +149,12 @@ async def tracked_job(state, job: SpeechJob, ticket):
             job.cancel()
         state.jobs.discard(job)
         state.metrics.finish(outcome, job.metrics, ticket.waited)
+
+
+async def segments(state, text: str, options: dict, speaker=None) -> list[str]:
+    """`segment_text` off the event loop (the normaliser takes seconds on a long input full of numbers)."""
+    return await asyncio.get_running_loop().run_in_executor(state.decoder, segment_text, text, state.settings,
+                                                            options, state.tts, speaker)
 
 
 def segment_text(text: str, settings: ServerSettings, options: dict, tts=None, speaker=None) -> list[str]:

@@ -17,6 +17,7 @@ HISTOGRAMS = (  # (metric name, RequestMetrics attribute, help, buckets)
     ("cosytrt_time_to_first_audio_seconds", "ttfa", "Time from submit to the first audio chunk", TIME_BUCKETS),
     ("cosytrt_rtf", "rtf", "Real-time factor (synthesis time / audio duration) per request", RTF_BUCKETS),
 )
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})  # others: "other"
 LOCK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 RUNTIME_COUNTERS = (("cosytrt_bucket_hits_total", "bucket_hits", "Engine calls that found an exact bucket"),
                     ("cosytrt_bucket_pads_total", "bucket_pads", "Engine calls padded up to a larger bucket"),
@@ -134,7 +135,9 @@ class ServerMetrics:
         self.lock_probe = LockProbe(self.lock_wait.observe)
 
     def count_http(self, method: str, route: str, status: int) -> None:
-        self.http.labels(method, route, str(int(status))).inc()
+        """One response (a method outside HTTP's usual ones counted as "other": a client may send any token as a
+        method, and each label value is a series kept for ever)."""
+        self.http.labels(method if method in HTTP_METHODS else "other", route, str(int(status))).inc()
 
     def finish(self, outcome: str, m=None, admission_wait: float = 0.0) -> None:
         self.outcomes.labels(outcome).inc()

@@ -130,13 +130,20 @@ def _check_text(v: Any, where: str) -> None:
 
 
 def load_json(raw: bytes, settings: ServerSettings) -> Any:
+    """The JSON body as UTF-8 (a BOM allowed; a lone surrogate's bytes pass here and are refused by name below),
+    nesting checked on the same bytes before it is parsed. Not UTF-16 / UTF-32, which `json.loads` would detect on
+    bytes: their quote and bracket bytes are not what the depth scan reads (a UTF-16 body slipped past it)."""
+    try:
+        text = raw.decode("utf-8-sig", "surrogatepass")
+    except UnicodeDecodeError as e:
+        raise invalid(f"the request body is not UTF-8 text (byte {e.start})", "body", "invalid_json") from None
     if not json_depth_ok(raw, settings.max_json_depth):
         raise invalid(f"the JSON body nests deeper than {settings.max_json_depth} levels", "body", "invalid_json")
     try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, int digit limit
+        body = json.loads(text)
+        _check_text(body, "body")
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, int digit limit
         raise invalid(f"the request body is not valid JSON: {str(e)[:200]}", "body", "invalid_json") from None
-    _check_text(body, "body")
     return body
 
 

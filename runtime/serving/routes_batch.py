@@ -17,7 +17,7 @@ import numpy as np
 from .encoding import MEDIA_TYPES, encode_at
 from .errors import APIError, from_runtime_error, invalid
 from .http import check_content_type, read_body_capped, until_done_or_gone
-from .jobs import SpeechJob, _ClientGone, segment_text, tracked_job
+from .jobs import SpeechJob, _ClientGone, segments, tracked_job
 from .routes_speech import resolve_speaker
 
 
@@ -31,7 +31,7 @@ async def synthesize_item(state, params, ticket) -> dict:
     options = {"speaker": speaker, **params.options, **state.lease(ticket)}
     if params.speed != 1.0:
         options["speed"] = params.speed
-    job = SpeechJob(tts, segment_text(params.input, settings, params.options, tts, speaker), options, False)
+    job = SpeechJob(tts, await segments(state, params.input, params.options, speaker), options, False)
     async with tracked_job(state, job, ticket):
         parts = [c async for c in job.chunks()]
     wav = np.concatenate(parts) if parts else np.zeros(0, np.float32)
@@ -81,13 +81,15 @@ def add_batch_routes(app, state) -> None:
                 parsed.append(parse_speech_request({**defaults, **item}, settings))
             except APIError as e:
                 parsed.append(e)
-        ticket = await state.admit("speech batch")  # one slot for the batch; its items run under it
+        ticket = await state.admit("speech batch")  # one slot for the batch; its items run under it,
+        running = asyncio.Semaphore(settings.batch_parallel)  # at most this many at once (one slot: bounded work)
         try:
             async def run(p):
                 if isinstance(p, BaseException):
                     return item_error(p)
                 try:
-                    return await synthesize_item(state, p, ticket)
+                    async with running:
+                        return await synthesize_item(state, p, ticket)
                 except Exception as e:  # noqa: BLE001 - this item fails alone
                     return item_error(e)
 

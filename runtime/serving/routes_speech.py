@@ -10,7 +10,7 @@ from ...engines.errors import CosytrtError
 from .encoding import MEDIA_TYPES, RAW_FORMATS, encode_at, pcm_headers
 from .errors import APIError, from_runtime_error, invalid
 from .http import BIG_BODY, check_content_type, read_body_capped, until_done_or_gone
-from .jobs import SpeechJob, _ClientGone, segment_text
+from .jobs import SpeechJob, _ClientGone, segments
 from .streaming import audio_stream_response, stream_body
 
 
@@ -78,14 +78,14 @@ def add_speech_routes(app, state) -> None:
         ticket = await state.admit("speech request")  # the runtime's admission control decides (429 / 503)
         try:
             speaker = await resolve_speaker(state, params)
+            texts = await segments(state, params.input, params.options, speaker)
         except BaseException:
             state.release(ticket)
             raise
         options = {"speaker": speaker, **params.options, **state.lease(ticket)}
         if params.speed != 1.0:
             options["speed"] = params.speed
-        job = SpeechJob(tts, segment_text(params.input, settings, params.options, tts, speaker), options,
-                        params.stream)
+        job = SpeechJob(tts, texts, options, params.stream)
         finish = finisher(state, job, ticket)
         sr = state.sample_rate  # the model's; the response's is params.sample_rate when given
         sr_out = params.sample_rate or sr

@@ -39,7 +39,8 @@ import numpy as np
 
 from .encoding import RAW_FORMATS, Resampler, raw_audio
 from .errors import APIError, from_runtime_error, invalid
-from .jobs import SpeechJob, tracked_job
+from .http import BIG_BODY
+from .jobs import SpeechJob, segments, tracked_job
 from .request import load_json
 from .routes_speech import resolve_speaker
 from .streaming import ClientStalled
@@ -47,6 +48,7 @@ from .streaming import ClientStalled
 _ENDS = {"sentence": re.compile(r"(?<=[。！？!?])|(?<=[.;；])(?=\s|$)|\n+"),
          "clause": re.compile(r"(?<=[。！？!?，、；：,;:])|(?<=[.])(?=\s|$)|\n+")}
 CONFIG_KEYS = {"type", "stream_audio", "split_granularity"}
+SPEAKER_KEYS = {"ref_audio", "ref_text", "references"}  # resolved once per session, not parsed again per sentence
 MAX_TEXT_CHARS_FACTOR = 4  # a session's text, at most this many times --max-input-chars
 # client messages read ahead of the session loop: a client that floods messages while the loop waits to send it audio
 # (it does not read) is not read further, instead of queueing them in memory without bound
@@ -122,22 +124,27 @@ def add_ws_routes(app, state) -> None:
         msg = message.get("text")
         if msg is None:
             raise invalid("messages must be JSON text frames, not binary", "type", "invalid_type")
-        event = load_json(msg.encode("utf-8", "surrogatepass"), settings)  # depth-checked; 400 if not JSON
+        raw = msg.encode("utf-8", "surrogatepass")
+        if len(raw) > BIG_BODY:  # a config with an inline reference: parsed off the event loop, as HTTP bodies are
+            event = await asyncio.get_running_loop().run_in_executor(state.decoder, load_json, raw, settings)
+        else:
+            event = load_json(raw, settings)  # depth-checked; 400 if not JSON
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             raise invalid("messages must be JSON objects with a 'type'", "type", "invalid_type")
         return event
 
-    async def synthesize(s: _Sentence, base: dict, stream_audio: bool, sr_out: int, ticket=None,
+    async def synthesize(s: _Sentence, base: dict, speaker, stream_audio: bool, sr_out: int, ticket=None,
                          buffered_s: float = 0.0, after=None) -> None:
-        """The sentence's synthesis into `s.out` (admission unless `ticket` is given, speaker, one SpeechJob);
-        cancelled with its task. `buffered_s` (audio the listener still has to play) and `after` (the runtime
-        handle of the session's previous sentence): the runtime's priority hints."""
+        """The sentence's synthesis into `s.out` (admission unless `ticket` is given; normalised and split where it
+        is too long for the model, as an HTTP input is; one SpeechJob) in the session's `speaker`; cancelled with its
+        task. `buffered_s` (audio the listener still has to play) and `after` (the runtime handle of the session's
+        previous sentence): the runtime's priority hints."""
         try:
             try:
                 params = parse_speech_request({**base, "input": s.text}, settings)
                 if ticket is None:  # a session's later sentences are not shed (its listener is mid-conversation)
                     ticket = await state.admit("websocket sentence", shed=after is None)
-                speaker = await resolve_speaker(state, params)
+                texts = await segments(state, s.text, params.options, speaker)
                 options = {"speaker": speaker, **params.options, **state.lease(ticket)}
                 if params.speed != 1.0:
                     options["speed"] = params.speed
@@ -146,7 +153,7 @@ def add_ws_routes(app, state) -> None:
                         options["buffered_s"] = min(buffered_s, 3599.0)
                     if after is not None:
                         options["after"] = after
-                job = SpeechJob(state.tts, [s.text], options, stream_audio)
+                job = SpeechJob(state.tts, texts, options, stream_audio)
                 s.job = job
                 resample = Resampler(state.sample_rate, sr_out)
                 async with tracked_job(state, job, ticket):
@@ -196,7 +203,8 @@ def add_ws_routes(app, state) -> None:
             s.task.cancel()
         await asyncio.gather(*(s.task for s in active), return_exceptions=True)
 
-    async def run_session(ws, base: dict, stream_audio: bool, granularity: str, fmt: str, sr_out: int) -> None:
+    async def run_session(ws, base: dict, speaker, stream_audio: bool, granularity: str, fmt: str,
+                          sr_out: int) -> None:
         inbox: asyncio.Queue = asyncio.Queue(WS_INBOX_MAX)
         reader = asyncio.create_task(read_events(ws, inbox))
         active: collections.deque[_Sentence] = collections.deque()  # in order; the head is being sent
@@ -231,8 +239,8 @@ def add_ws_routes(app, state) -> None:
                         break
                     s = _Sentence(index, pending.popleft())
                     index += 1
-                    s.task = asyncio.create_task(synthesize(s, base, stream_audio, sr_out, ticket, buffered(),
-                                                            last.handle if last is not None else None))
+                    s.task = asyncio.create_task(synthesize(s, base, speaker, stream_audio, sr_out, ticket,
+                                                            buffered(), last.handle if last is not None else None))
                     last = s
                     state.metrics.ws_event("sentences")
                     active.append(s)
@@ -346,7 +354,7 @@ def add_ws_routes(app, state) -> None:
             granularity = config.get("split_granularity", "sentence")
             if not isinstance(stream_audio, bool):
                 raise invalid("'stream_audio' must be true or false", "stream_audio", "invalid_type")
-            if granularity not in _ENDS:
+            if not isinstance(granularity, str) or granularity not in _ENDS:
                 raise invalid("'split_granularity' must be 'sentence' or 'clause'", "split_granularity",
                               "unsupported_value")
             base = {k: v for k, v in config.items() if k not in CONFIG_KEYS}
@@ -359,6 +367,9 @@ def add_ws_routes(app, state) -> None:
                 if k in base:
                     raise invalid(f"'{k}' is not a session field (use 'stream_audio')", k, "unknown_parameter")
             checked = parse_speech_request({**base, "input": "x"}, settings)  # the session's fields, checked once
+            # its speaker, once (an inline reference decoded and embedded once, its errors before session.configured)
+            speaker = await resolve_speaker(state, checked)
+            base = {k: v for k, v in base.items() if k not in SPEAKER_KEYS}
             if stream_audio and checked.speed != 1.0:
                 raise invalid("speed applies to whole sentences only: send stream_audio false or speed 1.0", "speed",
                               "unsupported_value")
@@ -366,7 +377,7 @@ def add_ws_routes(app, state) -> None:
             await ws.send_json({"type": "session.configured", "session_id": f"ws-{uuid.uuid4().hex[:16]}",
                                 "response_format": fmt, "stream_audio": stream_audio,
                                 "split_granularity": granularity, "sample_rate": sr_out})
-            await run_session(ws, base, stream_audio, granularity, fmt, sr_out)
+            await run_session(ws, base, speaker, stream_audio, granularity, fmt, sr_out)
         except WebSocketDisconnect:
             return  # the client left; run_session cancelled its sentences
         except (asyncio.CancelledError, ClientStalled):

@@ -55,6 +55,9 @@ class ServerSettings:
     normalize_text: bool = True    # numbers / dates / symbols -> words with wetext (when installed)
     stream_wav_sse: bool = False   # stream=true + wav (no stream_format): SSE events of WAV chunks (old sglang-omni)
     max_batch_items: int = 32      # items of one POST /v1/audio/speech/batch
+    batch_parallel: int = 4        # items of one batch synthesised at once (the batch holds one admission slot)
+    max_connections: int = 1024    # open connections at once (beyond: 503); each costs a socket and its buffers
+    header_timeout_s: float = 10.0  # a connection whose request head has not arrived within this is closed
     max_segment_units: int = 80    # long input is split into sentences merged up to this many tokens (upstream 80)
     max_ws_sessions: int = 64      # open WS /v1/audio/speech/stream sessions at once (beyond: an error event, 1013)
     ws_idle_timeout_s: float = 60.0  # a session with nothing to synthesise and no message for this long is closed
@@ -71,7 +74,7 @@ class ServerSettings:
     def __post_init__(self):
         for name in ("max_input_chars", "max_in_flight", "port", "max_voices", "max_transcript_chars",
                      "max_sample_rate", "max_channels", "max_json_depth", "max_segment_units", "max_batch_items",
-                     "max_ws_sessions"):
+                     "max_ws_sessions", "batch_parallel", "max_connections"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "port" else 1):
                 raise InputError(f"server setting {name} must be a positive integer, got {v!r}")
@@ -82,7 +85,7 @@ class ServerSettings:
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise InputError(f"server setting max_queue must be a non-negative integer, got {self.max_queue!r}")
         for name in ("max_upload_mb", "queue_timeout_s", "drain_timeout_s", "max_prompt_seconds", "body_timeout_s",
-                     "ref_audio_timeout_s", "ws_idle_timeout_s", "send_timeout_s"):
+                     "ref_audio_timeout_s", "ws_idle_timeout_s", "send_timeout_s", "header_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise InputError(f"server setting {name} must be a positive number, got {v!r}")
