@@ -313,3 +313,52 @@ def test_a_batch_runs_a_bounded_number_of_items_at_once(tmp_path):
         t.join(10)
     assert res and res[0].status_code == 200 and res[0].json()["succeeded"] == 10
     assert len(live) == 3, f"{len(live)} items in the runtime at once (batch_parallel=3)"
+
+
+def test_a_client_gone_while_queued_leaves_the_admission_queue(tmp_path):
+    """A client that disconnects while its request waits for admission used to keep its queue place until the queue
+    timeout (30 s by default): a flood of such clients filled --max-queue. Now it leaves at once (499)."""
+    import threading
+    import time
+
+    fake = FakeTTS(free=0)  # the first request holds the one slot until the gate opens
+    app, c = fake_client(tmp_path, fake, max_in_flight=1)
+    with c:
+        wait_ready(c, 5)
+        first = []
+        t = threading.Thread(target=lambda: first.append(c.post("/v1/audio/speech", json=BODY)))
+        t.start()
+        state = app.state.server
+        deadline = time.monotonic() + 5
+        while state.admission.in_flight < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+        async def queued_then_gone():
+            body = json.dumps(BODY).encode()
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
+            sent = []
+
+            async def receive():
+                if messages:
+                    return messages.pop()
+                await asyncio.sleep(0.3)  # queued behind the first request, then the client leaves
+                return {"type": "http.disconnect"}
+
+            async def send(message):
+                sent.append(message)
+
+            scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                     "method": "POST", "scheme": "http", "path": "/v1/audio/speech", "raw_path": b"/v1/audio/speech",
+                     "query_string": b"", "root_path": "", "server": ("testserver", 80), "client": ("t", 1),
+                     "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
+                                 (b"content-length", str(len(body)).encode())]}
+            t0 = time.monotonic()
+            await asyncio.wait_for(app(scope, receive, send), 5)
+            return sent, time.monotonic() - t0
+
+        sent, took = c.portal.call(queued_then_gone)
+        assert took < 2 and sent[0]["status"] == 499
+        assert state.admission.waiting == 0
+        fake.gate.set()
+        t.join(10)
+    assert first and first[0].status_code == 200

@@ -81,7 +81,12 @@ def add_batch_routes(app, state) -> None:
                 parsed.append(parse_speech_request({**defaults, **item}, settings))
             except APIError as e:
                 parsed.append(e)
-        ticket = await state.admit("speech batch")  # one slot for the batch; its items run under it,
+        try:  # one slot for the batch (a client gone while it waits leaves the queue); its items run under it,
+            ticket = await until_done_or_gone(state.admit("speech batch"), request)
+        except _ClientGone:
+            from fastapi.responses import Response
+
+            return Response(status_code=499)
         running = asyncio.Semaphore(settings.batch_parallel)  # at most this many at once (one slot: bounded work)
         try:
             async def run(p):

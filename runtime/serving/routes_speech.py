@@ -75,7 +75,10 @@ def add_speech_routes(app, state) -> None:
         else:
             body = load_json(raw, settings)
         params = parse_speech_request(body, settings)
-        ticket = await state.admit("speech request")  # the runtime's admission control decides (429 / 503)
+        try:  # the runtime's admission control decides (429 / 503); a client gone meanwhile leaves the queue
+            ticket = await until_done_or_gone(state.admit("speech request"), request)
+        except _ClientGone:
+            return Response(status_code=499)
         try:
             speaker = await resolve_speaker(state, params)
             texts = await segments(state, params.input, params.options, speaker)
