@@ -1,7 +1,9 @@
 """Shared helpers for the server tests: response checks, Prometheus parsing, and a fake TTS whose requests are
 held by a gate (deterministic backpressure / readiness / disconnect / drain tests)."""
 import asyncio
+import contextlib
 import io
+import json
 import re
 import threading
 import time
@@ -143,3 +145,26 @@ def in_flight(app):
     return app.state.server.admission.in_flight
 
 
+@contextlib.contextmanager
+def serving(tmp_path, fake=None, **settings):
+    """(app, TestClient) over a fake TTS whose chunks come at once, ready."""
+    fake = fake or FakeTTS()
+    fake.gate.set()
+    app, c = fake_client(tmp_path, fake, **settings)
+    with c:
+        wait_ready(c, 5)
+        yield app, c
+
+
+def ws_events(ws):
+    """Every event until the server closes the socket: [(type, event)], binary frames as ("binary", n)."""
+    out = []
+    while True:
+        msg = ws.receive()
+        if msg["type"] == "websocket.close":
+            return out + [("close", msg.get("code"))]
+        if msg.get("bytes") is not None:
+            out.append(("binary", len(msg["bytes"])))
+            continue
+        e = json.loads(msg["text"])
+        out.append((e["type"], e))

@@ -64,8 +64,9 @@ class Sink:
         pass
 
 
-def _worker(n: int, runner_cls=SlotRunner):
-    runner, sink, failed = runner_cls(n), Sink(), []
+def _worker(n: int, runner_cls=SlotRunner, runner=None, sink=None):
+    """An ARWorker with `n` running rows (seeds 0..n-1) over `runner` (default: a new `runner_cls(n)`)."""
+    runner, sink, failed = runner or runner_cls(n), sink or Sink(), []
     w = ARWorker(runner, SchedulerConfig(ar_graph_sampling=True), sink, lambda r, e: failed.append((r, str(e))),
                  StageClock(False), "cpu")   # the setting on: a runner with a sampler samples (SamplingRunner)
     for i in range(n):
@@ -280,14 +281,8 @@ def test_two_workers_over_one_runner_take_its_steps_in_turn():
 
     def worker_over(runner, rows: int):
         sink = StopAfter()
-        w = sink.worker = ARWorker(runner, SchedulerConfig(), sink, lambda r, e: None, StageClock(False), "cpu")
-        for i in range(rows):
-            pol = TokenPolicy(1, SamplingParams(seed=i, top_k=50, min_tokens=1000, max_tokens=1000),
-                              mask_all_stops_before_min=True)
-            pol.next_input = 0
-            w.running.append(SimpleNamespace(policy=pol, slot=runner.allocate(), pos=10, tokens=[],
-                                             metrics=SimpleNamespace(t_ar=0.0), dead=False))
-        return w
+        sink.worker = _worker(rows, runner=runner, sink=sink)[0]
+        return sink.worker
 
     runner = _OneAtATimeRunner(8)
     workers = [worker_over(runner, 2) for _ in range(2)]  # slots 0, 1 and 2, 3

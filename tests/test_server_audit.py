@@ -17,7 +17,7 @@ import soundfile as sf
 pytest.importorskip("fastapi")
 pytest.importorskip("python_multipart")
 from fastapi.testclient import TestClient  # noqa: E402
-from server_helpers import FakeTTS, assert_error, fake_client, wait_ready  # noqa: E402
+from server_helpers import FakeTTS, assert_error, fake_client, serving, wait_ready, ws_events  # noqa: E402
 
 from cosytrt.runtime.serving import routes_ws  # noqa: E402
 from cosytrt.runtime.serving.app import ServerSettings, create_app  # noqa: E402
@@ -33,30 +33,6 @@ def audio_bytes(samples, sr=16000, fmt="WAV", subtype="PCM_16") -> bytes:
     buf = io.BytesIO()
     sf.write(buf, np.asarray(samples, np.float32), sr, format=fmt, subtype=subtype)
     return buf.getvalue()
-
-
-@contextlib.contextmanager
-def serving(tmp_path, fake=None, **settings):
-    fake = fake or FakeTTS()
-    fake.gate.set()
-    app, c = fake_client(tmp_path, fake, **settings)
-    with c:
-        wait_ready(c, 5)
-        yield app, c
-
-
-def ws_events(ws):
-    """Every event until the server closes the socket: [(type, event)], binary frames as ("binary", n)."""
-    out = []
-    while True:
-        msg = ws.receive()
-        if msg["type"] == "websocket.close":
-            return out + [("close", msg.get("code"))]
-        if msg.get("bytes") is not None:
-            out.append(("binary", len(msg["bytes"])))
-            continue
-        e = json.loads(msg["text"])
-        out.append((e["type"], e))
 
 
 # ------------------------------------------------------------------------------------------------ instructions

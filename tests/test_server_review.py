@@ -6,7 +6,6 @@ invented HTTP method, the JSON depth bound bypassed by a UTF-16 body, websocket 
 unreadable, and a list as split_granularity answered with an internal error."""
 import asyncio
 import base64
-import contextlib
 import io
 import json
 import re
@@ -17,36 +16,13 @@ import soundfile as sf
 
 pytest.importorskip("fastapi")
 pytest.importorskip("python_multipart")
-from server_helpers import FakeTTS, fake_client, wait_ready  # noqa: E402
+from server_helpers import FakeTTS, fake_client, serving, wait_ready, ws_events  # noqa: E402
 
 from cosytrt.engines.errors import RequestTooLongError  # noqa: E402
 
 BODY = {"model": "cosyvoice3", "input": "Hello there.", "voice": "default"}
 WS = "/v1/audio/speech/stream"
 CONFIG = {"type": "session.config", "model": "x", "voice": "default", "response_format": "pcm", "stream_audio": True}
-
-
-@contextlib.contextmanager
-def serving(tmp_path, fake=None, **settings):
-    fake = fake or FakeTTS()
-    fake.gate.set()
-    app, c = fake_client(tmp_path, fake, **settings)
-    with c:
-        wait_ready(c, 5)
-        yield app, c
-
-
-def ws_events(ws):
-    out = []
-    while True:
-        msg = ws.receive()
-        if msg["type"] == "websocket.close":
-            return out + [("close", msg.get("code"))]
-        if msg.get("bytes") is not None:
-            out.append(("binary", len(msg["bytes"])))
-            continue
-        e = json.loads(msg["text"])
-        out.append((e["type"], e))
 
 
 def on_event_loop() -> bool:
