@@ -614,3 +614,17 @@ def test_hift_fence_keeps_calls_ahead_in_flight(monkeypatch, ahead):
     for bad in (-1, 1.5, True):
         with pytest.raises(InputError, match="hift_calls_ahead"):
             SchedulerConfig(hift_calls_ahead=bad)
+
+
+@pytest.mark.parametrize("speed", [0.8, 1.25])
+def test_speed_is_the_same_through_the_scheduler_and_alone(tts, speed):
+    """`Request.speed` (offline): the scheduler resampled the final mel while the single-request reference
+    (`Pipeline.run`) ignored it (52800 vs 42240 samples at 1.25: a config fuzz found it); both now resample it the
+    same way (`token2wav.speed_mel`)."""
+    req = make_request("Faster or slower.", seed=6, force_tokens=55, speed=speed)
+    plain = np.concatenate(list(tts.pipeline.run(make_request("Faster or slower.", seed=6, force_tokens=55))))
+    ref = np.concatenate(list(tts.pipeline.run(req)))
+    got = tts.submit(req).result(timeout=60)
+    assert ref.size != plain.size and abs(ref.size - plain.size / speed) <= 480
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, rtol=0, atol=BATCHED_ATOL)

@@ -29,7 +29,7 @@ from ...engines.cuda_graphs import upload
 from ..stages.backends import StageBackends
 from ..stages.flow_hops import (CachedSolve, cached_dit_fn, finish_cached, flow_rows, hop_runner, plan_hops,
                                 release_plans, start_cached, step_cached)
-from ..stages.token2wav import Token2Wav
+from ..stages.token2wav import Token2Wav, speed_mel
 from .ar_worker import Stopped
 from .config import SchedulerConfig
 from ..stages.flow_steps import FlowStepper
@@ -411,9 +411,8 @@ class Token2WavWorker:
             if j.r.stream is not None:
                 j.r.stream.chunks += 1
             mel = mel[:, :, j.mel_from:]
-            speed = getattr(j.r.req, "speed", 1.0)
-            if j.finalize and j.r.stream is None and speed != 1.0 and mel.shape[-1] > 0:  # offline, as upstream
-                mel = torch.nn.functional.interpolate(mel, size=max(1, int(mel.shape[-1] / speed)), mode="linear")
+            if j.finalize and j.r.stream is None:  # offline: `Request.speed`, as upstream (and Pipeline.run)
+                mel = speed_mel(mel, getattr(j.r.req, "speed", 1.0))
             out.append(HiftJob(j.r, mel, j.finalize, now))
         if self._hift_stream is not None and out:  # one event after the work that made these mels
             ev = torch.cuda.Event()

@@ -96,7 +96,7 @@ class Pipeline:
         if state is not None:
             yield self._emit(t2w.step(state, tok_t, final=True), m)
         else:
-            yield self._emit(t2w.offline(tok_t, *prompt), m)
+            yield self._emit(t2w.offline(tok_t, *prompt, speed=req.speed), m)
         m.t_dit, m.t_vocoder = t2w.take_timings()
         m.total = time.perf_counter() - m.t_submit
 

@@ -20,6 +20,14 @@ from .backends import StageBackends
 from .hop_schedule import HOP_SCALE, LOOKAHEAD, TOKEN_HOP, TOKEN_MAX_HOP, HopSchedule, first_hop  # noqa: F401
 
 
+def speed_mel(mel: torch.Tensor, speed: float) -> torch.Tensor:
+    """An offline request's final mel [B, 80, T] for `Request.speed`: linearly resampled to T / speed frames
+    (upstream's way); unchanged at speed 1 or for an empty mel."""
+    if speed == 1.0 or mel.shape[-1] == 0:
+        return mel
+    return torch.nn.functional.interpolate(mel, size=max(1, int(mel.shape[-1] / speed)), mode="linear")
+
+
 @dataclass
 class StreamState:
     """Per-request streaming position: the prompt, the hop schedule, the HiFT stream."""
@@ -85,10 +93,11 @@ class Token2Wav:
 
     # ------------------------------------------------------------------ offline
     @torch.inference_mode()
-    def offline(self, tokens, prompt_token, prompt_feat, embedding) -> torch.Tensor:
-        """All tokens through flow (full attention, finalize) and HiFT (finalize). Returns wav [S]."""
+    def offline(self, tokens, prompt_token, prompt_feat, embedding, speed: float = 1.0) -> torch.Tensor:
+        """All tokens through flow (full attention, finalize) and HiFT (finalize), the mel resampled for `speed`
+        (`speed_mel`). Returns wav [S]."""
         mel = self._flow(tokens, (prompt_token, prompt_feat, embedding), streaming=False, finalize=True)
-        return self._timed("vocoder", self.vocode_batch, [mel[0]])[0]
+        return self._timed("vocoder", self.vocode_batch, [speed_mel(mel, speed)[0]])[0]
 
     def vocode_batch(self, mels: list) -> list:
         """Offline HiFT of several mels [80, T_i] (engine buckets when attached); exact per row."""
