@@ -338,3 +338,38 @@ def test_a_client_gone_while_queued_leaves_the_admission_queue(tmp_path):
         fake.gate.set()
         t.join(10)
     assert first and first[0].status_code == 200
+
+
+def test_the_head_timeout_spares_websockets_and_requests_in_progress(tmp_path):
+    """The request-head timeout closes only connections without a request: a websocket session (upgraded) and a
+    request whose response takes longer than the timeout are not cut."""
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    ws_sync = pytest.importorskip("websockets.sync.client")
+    from cosytrt.runtime.serving.app import ServerSettings, create_app, uvicorn_config
+
+    fake = FakeTTS(free=0)
+    settings = ServerSettings(voices_dir=str(tmp_path / "v"), port=0, header_timeout_s=0.5)
+    server = uvicorn.Server(uvicorn_config(create_app(fake, settings), settings, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        with ws_sync.connect(f"ws://127.0.0.1:{port}{WS}", open_timeout=10) as ws:
+            time.sleep(1.2)  # > the head timeout, the session open
+            ws.send(json.dumps(CONFIG))
+            assert json.loads(ws.recv(timeout=10))["type"] == "session.configured"
+        threading.Timer(1.2, fake.gate.set).start()  # the response takes longer than the head timeout
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/audio/speech", json=BODY, timeout=20)
+        assert r.status_code == 200 and len(r.content) > 44
+    finally:
+        fake.gate.set()
+        server.should_exit = True
+        th.join(10)
