@@ -168,3 +168,24 @@ def ws_events(ws):
             continue
         e = json.loads(msg["text"])
         out.append((e["type"], e))
+
+
+@contextlib.contextmanager
+def live_server(fake, settings: ServerSettings):
+    """The app over `fake` served by uvicorn with `serve`'s own configuration (`uvicorn_config`; give `port=0` in
+    `settings`) in a thread; yields the port it listens on, stops it at the end."""
+    import uvicorn
+
+    from cosytrt.runtime.serving.app import uvicorn_config
+
+    server = uvicorn.Server(uvicorn_config(create_app(fake, settings), settings, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        th.join(10)

@@ -16,7 +16,7 @@ import soundfile as sf
 
 pytest.importorskip("fastapi")
 pytest.importorskip("python_multipart")
-from server_helpers import FakeTTS, fake_client, serving, wait_ready, ws_events  # noqa: E402
+from server_helpers import FakeTTS, fake_client, live_server, serving, wait_ready, ws_events  # noqa: E402
 
 from cosytrt.engines.errors import RequestTooLongError  # noqa: E402
 
@@ -141,7 +141,6 @@ def test_large_websocket_message_is_parsed_off_the_event_loop(tmp_path, monkeypa
     loop"); a websocket message of up to ws_max_bytes (~14 MB by default) is depth-scanned and json-parsed on it
     (~0.2 s of loop time per 14 MB message, repeatable by any client)."""
     from cosytrt.runtime.serving import request as request_mod
-    from cosytrt.runtime.serving import routes_ws
 
     calls = []
     real = request_mod.load_json
@@ -150,7 +149,6 @@ def test_large_websocket_message_is_parsed_off_the_event_loop(tmp_path, monkeypa
         calls.append((len(raw), on_event_loop()))
         return real(raw, settings)
 
-    monkeypatch.setattr(routes_ws, "load_json", spy)
     monkeypatch.setattr(request_mod, "load_json", spy)
     ref = base64.b64encode(b"\0" * (2 << 20)).decode()  # a 2.7 MB config (an inline reference)
     with serving(tmp_path) as (app, c):
@@ -211,24 +209,14 @@ def test_connection_without_a_complete_request_is_closed(tmp_path):
     that sends nothing, or a partial request head, is held for ever (checked: > 20 s, keep-alive 5 s, body timeout
     2 s); enough of them exhaust the process's file descriptors and no one can connect."""
     import socket
-    import threading
     import time
 
-    import uvicorn
-
-    from cosytrt.runtime.serving.app import ServerSettings, create_app, uvicorn_config
+    from cosytrt.runtime.serving.app import ServerSettings
 
     fake = FakeTTS()
     fake.gate.set()
     settings = ServerSettings(voices_dir=str(tmp_path / "v"), port=0, body_timeout_s=1.0, header_timeout_s=1.0)
-    server = uvicorn.Server(uvicorn_config(create_app(fake, settings), settings, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
+    with live_server(fake, settings) as port:
         idle = socket.create_connection(("127.0.0.1", port))
         partial = socket.create_connection(("127.0.0.1", port))
         partial.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
@@ -243,10 +231,7 @@ def test_connection_without_a_complete_request_is_closed(tmp_path):
                 still_open.append(name)
             except OSError:
                 continue
-        assert not still_open, f"connections still held after 8 s: {still_open}"
-    finally:
-        server.should_exit = True
-        th.join(10)
+        assert not still_open, f"connections still held after 2.5 s: {still_open}"
 
 
 # 9 ------------------------------------------------------------------------------------------------------------------
@@ -347,29 +332,20 @@ def test_the_head_timeout_spares_websockets_and_requests_in_progress(tmp_path):
     import time
 
     import httpx
-    import uvicorn
 
     ws_sync = pytest.importorskip("websockets.sync.client")
-    from cosytrt.runtime.serving.app import ServerSettings, create_app, uvicorn_config
+    from cosytrt.runtime.serving.app import ServerSettings
 
     fake = FakeTTS(free=0)
     settings = ServerSettings(voices_dir=str(tmp_path / "v"), port=0, header_timeout_s=0.5)
-    server = uvicorn.Server(uvicorn_config(create_app(fake, settings), settings, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
     try:
-        deadline = time.monotonic() + 10
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        with ws_sync.connect(f"ws://127.0.0.1:{port}{WS}", open_timeout=10) as ws:
-            time.sleep(1.2)  # > the head timeout, the session open
-            ws.send(json.dumps(CONFIG))
-            assert json.loads(ws.recv(timeout=10))["type"] == "session.configured"
-        threading.Timer(1.2, fake.gate.set).start()  # the response takes longer than the head timeout
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/audio/speech", json=BODY, timeout=20)
-        assert r.status_code == 200 and len(r.content) > 44
+        with live_server(fake, settings) as port:
+            with ws_sync.connect(f"ws://127.0.0.1:{port}{WS}", open_timeout=10) as ws:
+                time.sleep(1.2)  # > the head timeout, the session open
+                ws.send(json.dumps(CONFIG))
+                assert json.loads(ws.recv(timeout=10))["type"] == "session.configured"
+            threading.Timer(1.2, fake.gate.set).start()  # the response takes longer than the head timeout
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/audio/speech", json=BODY, timeout=20)
+            assert r.status_code == 200 and len(r.content) > 44
     finally:
         fake.gate.set()
-        server.should_exit = True
-        th.join(10)

@@ -33,8 +33,8 @@ import torch
 
 from ...engines.errors import RejectedError
 from ..stages.request import RequestMetrics
-from .ar_runners import torch_ar_runner
-from .ar_worker import ARWorker, Stopped, runner_stats, step_lock
+from .ar_runners import enable_for, torch_ar_runner
+from .ar_worker import ARWorker, Stopped, runner_stats
 from .handle import RequestHandle
 from .prepare import ar_side
 from .stage_clock import StageClock
@@ -108,11 +108,7 @@ class _Session:
         self.child, self.sid = child, sid
         self.switches: list = []
         runner, device = child.runner, child.device
-        with step_lock(runner):  # another session may be mid-step: its graphs are not captured under it
-            if config.ar_graph_sampling and hasattr(runner, "enable_graph_sampling"):
-                runner.enable_graph_sampling()
-            if hasattr(runner, "enable_decode_steps"):
-                runner.enable_decode_steps(config.ar_decode_steps)
+        enable_for(runner, config)  # (another session may be mid-step)
         if device.type == "cuda" and config.ar_event_sync:  # the AR's read-back switch lives in this process
             from ..models.sampling import use_event_sync
 

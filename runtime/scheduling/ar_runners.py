@@ -7,6 +7,7 @@ import torch
 from ...engines.errors import InputError
 from ..models import decode_attention_triton
 from ..stages.ar_runner import TorchARRunner
+from .ar_worker import step_lock
 from .config import SchedulerConfig
 
 
@@ -27,3 +28,15 @@ def torch_ar_runner(lm, cfg: SchedulerConfig, device, max_len: int) -> TorchARRu
     if cfg.batch_invariant:  # the promise checked on this device and these graphs (a warning if it fails)
         runner.check_batch_invariance()
     return runner
+
+
+def enable_for(runner, cfg: SchedulerConfig) -> None:
+    """What a scheduler with `cfg` needs of a runner that may have been made for another (`TTS.reconfigure`, the AR
+    process's sessions): its decode graphs with the sampler (`ar_graph_sampling`, once) and its multi-step decode
+    graphs (`ar_decode_steps`, or none) — captured under the runner's step lock, since another scheduler's AR
+    worker may be mid-step over it."""
+    with step_lock(runner):
+        if cfg.ar_graph_sampling and hasattr(runner, "enable_graph_sampling"):
+            runner.enable_graph_sampling()
+        if hasattr(runner, "enable_decode_steps"):
+            runner.enable_decode_steps(cfg.ar_decode_steps)

@@ -29,8 +29,8 @@ from ..stages.ar_runner import ARRunner, default_max_len
 from ..stages.backends import StageBackends
 from .admission import AdmissionControl, Ticket
 from .ar_process import ARProcess, RemoteARWorker
-from .ar_runners import torch_ar_runner
-from .ar_worker import ARWorker, Stopped, step_lock
+from .ar_runners import enable_for, torch_ar_runner
+from .ar_worker import ARWorker, Stopped
 from .config import SchedulerConfig
 from .handle import RequestHandle
 from .lifecycle import FrontendPool, Lifecycle
@@ -211,11 +211,7 @@ class Scheduler:
         if cfg.ar_process != self.remote_ar:
             raise InputError(f"SchedulerConfig.ar_process is {cfg.ar_process} but the AR runner given is "
                              f"{'' if self.remote_ar else 'not '}an AR process")
-        with step_lock(self.runner):  # another scheduler's AR worker may be mid-step over this runner
-            if cfg.ar_graph_sampling and hasattr(self.runner, "enable_graph_sampling"):  # a runner made without it
-                self.runner.enable_graph_sampling()  # (TTS.reconfigure): its decode graphs with the sampler, once
-            if hasattr(self.runner, "enable_decode_steps"):  # multi-step decode graphs (ar_decode_steps), or none
-                self.runner.enable_decode_steps(cfg.ar_decode_steps)
+        enable_for(self.runner, cfg)
         self.setup_s["ar_runner"] = time.perf_counter() - t
         self.ar_max_len = self.runner.max_len
         self._compiles_at_start = compile_count() if cfg.compile else None

@@ -9,7 +9,7 @@ import numpy as np
 from ...engines.errors import CosytrtError
 from .encoding import MEDIA_TYPES, RAW_FORMATS, encode_at, pcm_headers
 from .errors import APIError, from_runtime_error, invalid
-from .http import BIG_BODY, check_content_type, read_body_capped, until_done_or_gone
+from .http import check_content_type, read_body_capped, until_done_or_gone
 from .jobs import SpeechJob, _ClientGone, segments
 from .streaming import audio_stream_response, stream_body
 
@@ -59,7 +59,7 @@ def add_speech_routes(app, state) -> None:
     from fastapi import Request
     from fastapi.responses import Response
 
-    from .request import load_json, parse_speech_request  # pydantic (a FastAPI dependency)
+    from .request import parse_speech_request  # pydantic (a FastAPI dependency)
 
     settings, tts = state.settings, state.tts
 
@@ -70,10 +70,7 @@ def add_speech_routes(app, state) -> None:
         check_content_type(request, "application/json")
         cap = max(65536, 8 * settings.max_input_chars + 4096, (settings.upload_cap * 4) // 3 + 8192)
         raw = await read_body_capped(request, cap, "the request body", settings.body_timeout_s, state.big_bodies)
-        if len(raw) > BIG_BODY:  # an inline reference: parse it off the event loop
-            body = await asyncio.get_running_loop().run_in_executor(state.decoder, load_json, raw, settings)
-        else:
-            body = load_json(raw, settings)
+        body = await state.load_json(raw)  # (an inline reference: parsed off the event loop)
         params = parse_speech_request(body, settings)
         try:  # the runtime's admission control decides (429 / 503); a client gone meanwhile leaves the queue
             ticket = await until_done_or_gone(state.admit("speech request"), request)

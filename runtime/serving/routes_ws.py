@@ -39,9 +39,7 @@ import numpy as np
 
 from .encoding import RAW_FORMATS, Resampler, raw_audio
 from .errors import APIError, from_runtime_error, invalid
-from .http import BIG_BODY
 from .jobs import SpeechJob, segments, tracked_job
-from .request import load_json
 from .routes_speech import resolve_speaker
 from .streaming import ClientStalled
 
@@ -124,11 +122,8 @@ def add_ws_routes(app, state) -> None:
         msg = message.get("text")
         if msg is None:
             raise invalid("messages must be JSON text frames, not binary", "type", "invalid_type")
-        raw = msg.encode("utf-8", "surrogatepass")
-        if len(raw) > BIG_BODY:  # a config with an inline reference: parsed off the event loop, as HTTP bodies are
-            event = await asyncio.get_running_loop().run_in_executor(state.decoder, load_json, raw, settings)
-        else:
-            event = load_json(raw, settings)  # depth-checked; 400 if not JSON
+        # depth-checked; 400 if not JSON; a config with an inline reference parsed off the event loop
+        event = await state.load_json(msg.encode("utf-8", "surrogatepass"))
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             raise invalid("messages must be JSON objects with a 'type'", "type", "invalid_type")
         return event

@@ -157,6 +157,16 @@ class ServerState:
                                    timeout=s.ref_audio_timeout_s, private_ok=s.ref_audio_private_ok, param=param)
         return ref_audio_bytes(value, ref_dir=s.ref_audio_dir, cap=s.upload_cap, param=param)
 
+    async def load_json(self, raw: bytes):
+        """`request.load_json` of a body or websocket message; over `http.BIG_BODY` (an inline reference) off the
+        event loop, on `self.decoder`."""
+        from .http import BIG_BODY
+        from .request import load_json
+
+        if len(raw) > BIG_BODY:
+            return await asyncio.get_running_loop().run_in_executor(self.decoder, load_json, raw, self.settings)
+        return load_json(raw, self.settings)
+
     def decode(self, data: bytes, param: str):
         """Reference audio bytes -> (samples, rate), bounded by the settings (run it on `self.decoder`)."""
         s = self.settings
